@@ -1,0 +1,3 @@
+"""kernelmill: generate, tune and serve CUDA kernels."""
+
+__version__ = "0.1.0"

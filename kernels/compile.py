@@ -1,0 +1,241 @@
+"""nvcc -> cubin, with a content-hash disk cache and the ptxas report parsed.
+
+The one place that runs nvcc: callers get a ``CompiledKernel`` or a
+``CompileError`` carrying nvcc's log, never a return code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from kernelmill.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ARCH = "sm_90"
+BASE_FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-lineinfo", "-Xptxas", "-v")
+
+
+class CompileError(RuntimeError):
+    """nvcc failed (or timed out); ``log`` holds what it printed."""
+
+    def __init__(self, message: str, log_text: str = "") -> None:
+        super().__init__(message)
+        self.log = log_text
+
+    def __str__(self) -> str:
+        first = super().__str__()
+        return f"{first}\n{self.log}" if self.log else first
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one entry function."""
+
+    registers: int = 0
+    smem_bytes: int = 0
+    stack_bytes: int = 0
+    spill_stores_bytes: int = 0
+    spill_loads_bytes: int = 0
+    cmem_bytes: int = 0
+
+
+@dataclass
+class CompiledKernel:
+    """A cubin and what ptxas said of each of its entries."""
+
+    cubin: bytes
+    arch: str
+    key: str
+    resources: dict[str, KernelResources] = field(default_factory=dict)
+    log: str = ""
+    cached: bool = False
+
+    @property
+    def spills(self) -> bool:
+        return any(r.spill_stores_bytes or r.spill_loads_bytes for r in self.resources.values())
+
+    def report(self) -> dict:
+        """JSON-ready ptxas report."""
+        return {
+            "arch": self.arch,
+            "key": self.key,
+            "cached": self.cached,
+            "cubin_bytes": len(self.cubin),
+            "kernels": {name: asdict(res) for name, res in self.resources.items()},
+        }
+
+
+def normalize_arch(arch: str | None) -> str:
+    """``"90"``, ``"sm_90"``, ``"sm_90a"``, ``"9.0"`` -> ``"sm_90"`` / ``"sm_90a"``."""
+    if not arch:
+        return DEFAULT_ARCH
+    text = arch.strip().lower().replace("compute_", "sm_")
+    m = re.fullmatch(r"(?:sm_?)?(\d+)\.?(\d)?([af]?)", text)
+    if not m:
+        raise ValueError(f"malformed arch {arch!r}; expected e.g. sm_90")
+    major_minor = m.group(1) + (m.group(2) or "")
+    return f"sm_{major_minor}{m.group(3)}"
+
+
+def arch_flags(arch: str) -> list[str]:
+    """nvcc target flags. Arch-specific targets (sm_90a) need the -gencode form (HOPPER.md)."""
+    num = arch.removeprefix("sm_")
+    return [f"-gencode=arch=compute_{num},code={arch}"]
+
+
+@lru_cache(maxsize=4)
+def nvcc_version(nvcc: str) -> str:
+    """nvcc's version banner (part of every cache key)."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError:
+        raise CompileError(f"nvcc not found ({nvcc}); install the CUDA toolkit or set KERNELMILL_NVCC") from None
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "unknown"
+
+
+def find_nvcc() -> str:
+    configured = get_settings().nvcc
+    found = shutil.which(configured)
+    if found is None:
+        raise CompileError(f"nvcc not found ({configured}); install the CUDA toolkit or set KERNELMILL_NVCC")
+    return found
+
+
+_ENTRY_RE = re.compile(r"(?:Compiling entry function|Function properties for) '?([A-Za-z_][\w$]*)'?")
+_REGS_RE = re.compile(r"Used (\d+) registers")
+_SMEM_RE = re.compile(r"(\d+) bytes smem")
+_CMEM_RE = re.compile(r"(\d+) bytes cmem\[0\]")
+_STACK_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(log_text: str) -> dict[str, KernelResources]:
+    """Registers, shared memory, stack and spills per entry from ``-Xptxas -v`` output."""
+    found: dict[str, dict[str, int]] = {}
+    current: str | None = None
+    for line in log_text.splitlines():
+        m = _ENTRY_RE.search(line)
+        if m:
+            current = m.group(1)
+            found.setdefault(current, {})
+            continue
+        if current is None:
+            continue
+        entry = found[current]
+        if m := _STACK_RE.search(line):
+            entry["stack_bytes"] = int(m.group(1))
+            entry["spill_stores_bytes"] = int(m.group(2))
+            entry["spill_loads_bytes"] = int(m.group(3))
+        if m := _REGS_RE.search(line):
+            entry["registers"] = int(m.group(1))
+            if s := _SMEM_RE.search(line):
+                entry["smem_bytes"] = int(s.group(1))
+            if c := _CMEM_RE.search(line):
+                entry["cmem_bytes"] = int(c.group(1))
+    return {name: KernelResources(**vals) for name, vals in found.items()}
+
+
+class Compiler:
+    """Compiles CUDA source to cubin through nvcc; caches by content hash."""
+
+    def __init__(self, cache_dir: Path | None = None, nvcc: str | None = None, timeout_s: float | None = None):
+        settings = get_settings()
+        self.cache_dir = Path(cache_dir or settings.cache_dir) / "cubin"
+        self._nvcc = nvcc
+        self.timeout_s = timeout_s or settings.compile_timeout_s
+
+    @property
+    def nvcc(self) -> str:
+        if self._nvcc is None:
+            self._nvcc = find_nvcc()
+        return self._nvcc
+
+    def cache_key(self, source: str, arch: str, flags: Sequence[str]) -> str:
+        """sha256 of everything that changes the binary: source, nvcc version, arch, flags."""
+        h = hashlib.sha256()
+        for part in (source, nvcc_version(self.nvcc), arch, "\0".join(flags)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def compile(self, source: str, arch: str | None = None, extra_flags: Sequence[str] = ()) -> CompiledKernel:
+        """cubin for ``source`` on ``arch``; raises CompileError with nvcc's log."""
+        arch = normalize_arch(arch)
+        flags = [*BASE_FLAGS, *arch_flags(arch), *extra_flags]
+        key = self.cache_key(source, arch, flags)
+        hit = self._load(key, arch)
+        if hit is not None:
+            return hit
+        with tempfile.TemporaryDirectory(prefix="kernelmill-nvcc-") as tmp:
+            src = Path(tmp) / "kernel.cu"
+            out = Path(tmp) / "kernel.cubin"
+            src.write_text(source)
+            cmd = [self.nvcc, "-cubin", *flags, "-o", str(out), str(src)]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
+            except subprocess.TimeoutExpired as exc:
+                raise CompileError(f"nvcc timed out after {self.timeout_s:.0f} s", str(exc.stderr or "")) from None
+            log_text = (proc.stdout + proc.stderr).replace(str(src), "kernel.cu")
+            if proc.returncode != 0 or not out.exists():
+                raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)
+            compiled = CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)
+        self._store(compiled)
+        return compiled
+
+    def compile_many(
+        self, sources: Iterable[str], arch: str | None = None, workers: int | None = None
+    ) -> list[CompiledKernel | CompileError]:
+        """Compile in parallel (one nvcc process per worker); failures come back as CompileError values."""
+        sources = list(sources)
+        workers = workers or get_settings().compile_workers
+
+        def one(src: str) -> CompiledKernel | CompileError:
+            try:
+                return self.compile(src, arch)
+            except CompileError as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(one, sources))
+
+    # -- cache -----------------------------------------------------------------
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        folder = self.cache_dir / key[:2]
+        return folder / f"{key}.cubin", folder / f"{key}.json"
+
+    def _load(self, key: str, arch: str) -> CompiledKernel | None:
+        cubin_path, meta_path = self._paths(key)
+        try:
+            meta = json.loads(meta_path.read_text())
+            cubin = cubin_path.read_bytes()
+        except (OSError, ValueError):
+            return None
+        resources = {name: KernelResources(**vals) for name, vals in meta.get("kernels", {}).items()}
+        return CompiledKernel(cubin, arch, key, resources, meta.get("log", ""), cached=True)
+
+    def _store(self, compiled: CompiledKernel) -> None:
+        cubin_path, meta_path = self._paths(compiled.key)
+        try:
+            cubin_path.parent.mkdir(parents=True, exist_ok=True)
+            meta = {**compiled.report(), "log": compiled.log}
+            # Write-then-rename so a concurrent reader never sees half a file.
+            for path, data in ((cubin_path, compiled.cubin), (meta_path, json.dumps(meta).encode())):
+                fd, tmp = tempfile.mkstemp(dir=path.parent)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache must not fail the compile
+            log.warning("could not write the compile cache at %s: %s", self.cache_dir, exc)

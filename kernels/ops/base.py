@@ -1,0 +1,287 @@
+"""What every op and every template family declares; nothing GPU-specific here.
+
+An ``OpSpec`` says what an op computes (float64 reference, inputs, roofline
+numbers); a ``Family`` says how one CUDA template computes it (parameter space,
+constraints, launch geometry). Verification, timing and compilation live once
+in ``kernelmill.kernels`` and work from these declarations alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+try:  # ml_dtypes gives NumPy a real bfloat16 (the JAX project's package)
+    from ml_dtypes import bfloat16 as _np_bfloat16
+except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
+    _np_bfloat16 = None
+
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+#: CUDA C++ element type for each dtype name.
+CTYPES: dict[str, str] = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+#: Relative-norm tolerance by arithmetic precision (DESIGN.md, measurement rules).
+TOLERANCES: dict[str, float] = {
+    "float32": 1e-5,
+    "tf32": 1e-3,
+    "float16": 1e-2,
+    "bfloat16": 1e-2,
+}
+
+
+class SpecError(ValueError):
+    """Bad user input about an op: unknown name, malformed shape, invalid parameter."""
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """NumPy storage dtype for a kernelmill dtype name."""
+    if dtype == "float32":
+        return np.dtype(np.float32)
+    if dtype == "float16":
+        return np.dtype(np.float16)
+    if dtype == "bfloat16":
+        if _np_bfloat16 is None:  # pragma: no cover
+            raise SpecError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+        return np.dtype(_np_bfloat16)
+    raise SpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
+def itemsize(dtype: str) -> int:
+    return numpy_dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Param:
+    """One template knob (or op attribute) and the values it may take."""
+
+    name: str
+    values: tuple[Any, ...]
+    doc: str = ""
+
+    def coerce(self, raw: Any) -> Any:
+        """Turn a CLI/JSON value into one of ``values`` or raise SpecError."""
+        for value in self.values:
+            if raw == value or str(raw).lower() == str(value).lower():
+                return value
+        allowed = ", ".join(str(v) for v in self.values)
+        raise SpecError(f"parameter {self.name}={raw!r} is not allowed; choose one of {allowed}")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a variant.
+
+    ``args`` names buffers (inputs, outputs or workspaces, passed as device
+    pointers) or gives int32 scalars, in the kernel's parameter order.
+    """
+
+    entry: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int = 0
+    args: tuple[str | int, ...] = ()
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Family(ABC):
+    """One CUDA template for one op: its knobs, their constraints, its launches."""
+
+    name: str
+    template: str  # path under templates/, e.g. "softmax/warp_row.cu.j2"
+    params: tuple[Param, ...]
+    dtypes: tuple[str, ...] = DTYPES
+    #: nvcc arch suffix the family needs ("a" for sm_90a-only instructions).
+    arch_suffix: str = ""
+    #: Shape dims over which the family can only serve small values (None: any).
+    description: str = ""
+
+    def precision(self, dtype: str) -> str:
+        """Arithmetic precision that sets the tolerance (e.g. "tf32" for fp32 on tensor cores)."""
+        return dtype
+
+    def defaults(self, dtype: str) -> dict[str, Any]:
+        """A valid, reasonable parameter set (the first valid one unless a family says better)."""
+        for params in self.space(dtype):
+            return params
+        raise SpecError(f"family {self.name} has no valid parameters for {dtype}")  # pragma: no cover
+
+    def check(self, params: Mapping[str, Any], dtype: str) -> str | None:
+        """Why ``params`` break a constraint of this family for ``dtype``, or None."""
+        return None
+
+    def check_shape(self, shape: tuple[int, ...], params: Mapping[str, Any], dtype: str) -> str | None:
+        """Why this variant cannot run ``shape`` (limits, not tile multiples), or None."""
+        return None
+
+    @abstractmethod
+    def launches(self, shape: tuple[int, ...], params: Mapping[str, Any], dtype: str) -> list[Launch]:
+        """The kernel launches, in order, that compute the op for ``shape``."""
+
+    def workspace(self, shape: tuple[int, ...], params: Mapping[str, Any], dtype: str) -> dict[str, int]:
+        """Scratch buffers (name -> bytes) the launches use; poisoned before each run."""
+        return {}
+
+    def context(self, params: Mapping[str, Any], dtype: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        """Template variables beyond the params themselves (always has T, dtype, attrs)."""
+        return {}
+
+    # -- generic machinery ----------------------------------------------------
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        known = ", ".join(p.name for p in self.params)
+        raise SpecError(f"family {self.name} has no parameter {name!r}; its parameters: {known}")
+
+    def resolve(self, overrides: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+        """Defaults for ``dtype`` updated with coerced ``overrides``; raises SpecError if invalid."""
+        if dtype not in self.dtypes:
+            raise SpecError(f"family {self.name} does not support {dtype}; it supports {', '.join(self.dtypes)}")
+        params = dict(self.defaults(dtype))
+        for name, raw in overrides.items():
+            params[name] = self.param(name).coerce(raw)
+        reason = self.check(params, dtype)
+        if reason:
+            raise SpecError(f"invalid parameters for {self.name}: {reason}")
+        return params
+
+    def space(self, dtype: str) -> Iterator[dict[str, Any]]:
+        """Every valid parameter set for ``dtype``, in declaration order."""
+        names = [p.name for p in self.params]
+        for combo in itertools.product(*(p.values for p in self.params)):
+            params = dict(zip(names, combo, strict=True))
+            if self.check(params, dtype) is None:
+                yield params
+
+    def space_size(self, dtype: str) -> int:
+        return sum(1 for _ in self.space(dtype))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One op at one shape, dtype and attribute set: what a variant must compute."""
+
+    op: OpSpec
+    shape: tuple[int, ...]
+    dtype: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in sorted(self.attrs.items()))
+        return f"{self.op.name} {format_shape(self.shape)} {self.dtype}{extra}"
+
+
+class OpSpec(ABC):
+    """What an op computes: shapes, inputs, float64 reference, roofline numbers."""
+
+    name: str
+    dims: tuple[str, ...]  # names of the shape signature, e.g. ("rows", "cols")
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    families: dict[str, Family]
+    #: Semantic attributes (not tuned): e.g. fused_mlp's activation.
+    attributes: tuple[Param, ...] = ()
+
+    @abstractmethod
+    def tensor_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Shape of every input and output tensor, by name."""
+
+    @abstractmethod
+    def reference(self, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The outputs in float64, from the inputs upcast to float64."""
+
+    @abstractmethod
+    def flops(self, shape: tuple[int, ...]) -> float:
+        """Floating-point operations of one evaluation (for TFLOP/s and the compute floor)."""
+
+    def input_scale(self, name: str, shape: tuple[int, ...]) -> float:
+        """Inputs are uniform in [-scale, scale]; ops override to keep values O(1)."""
+        return 1.0
+
+    def make_inputs(self, shape: tuple[int, ...], dtype: str, seed: int) -> dict[str, np.ndarray]:
+        """Fresh random inputs in the storage dtype (never zeros)."""
+        rng = np.random.default_rng(seed)
+        shapes = self.tensor_shapes(shape)
+        np_dtype = numpy_dtype(dtype)
+        out = {}
+        for name in self.inputs:
+            scale = self.input_scale(name, shape)
+            values = rng.uniform(-scale, scale, size=shapes[name]).astype(np.float32)
+            out[name] = values.astype(np_dtype)
+        return out
+
+    def min_bytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        """Fewest bytes through DRAM: each input read once, each output written once."""
+        shapes = self.tensor_shapes(shape)
+        elems = sum(math.prod(shapes[n]) for n in (*self.inputs, *self.outputs))
+        return elems * itemsize(dtype)
+
+    def torch_reference(self, tensors: Mapping[str, Any], attrs: Mapping[str, Any]):  # pragma: no cover - GPU
+        """A thunk running the op in PyTorch on ``tensors`` (the baseline), or None."""
+        return None
+
+    # -- generic machinery ----------------------------------------------------
+
+    def family(self, name: str) -> Family:
+        try:
+            return self.families[name]
+        except KeyError:
+            known = ", ".join(self.families)
+            raise SpecError(f"op {self.name} has no family {name!r}; its families: {known}") from None
+
+    def parse_shape(self, text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """``"8192x8192"`` (or a sequence) -> validated tuple of positive ints."""
+        if isinstance(text, str):
+            parts = [p for p in re.split(r"[x,\s]+", text.strip().lower()) if p]
+            try:
+                shape = tuple(int(p) for p in parts)
+            except ValueError:
+                raise SpecError(
+                    f"malformed shape {text!r} for {self.name}: expected {'x'.join(self.dims)}, e.g. "
+                    f"{'x'.join('1024' for _ in self.dims)}"
+                ) from None
+        else:
+            shape = tuple(int(v) for v in text)
+        if len(shape) != len(self.dims):
+            raise SpecError(
+                f"{self.name} takes a shape of {len(self.dims)} dims ({'x'.join(self.dims)}), got {len(shape)}"
+            )
+        for dim, value in zip(self.dims, shape, strict=True):
+            if value <= 0:
+                raise SpecError(f"{self.name} shape dim {dim} must be > 0, got {value}")
+        return shape
+
+    def resolve_attrs(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        attrs = {a.name: a.values[0] for a in self.attributes}
+        for name, value in raw.items():
+            match = [a for a in self.attributes if a.name == name]
+            if not match:
+                known = ", ".join(a.name for a in self.attributes) or "none"
+                raise SpecError(f"op {self.name} has no attribute {name!r}; its attributes: {known}")
+            attrs[name] = match[0].coerce(value)
+        return attrs
+
+    def check_dtype(self, dtype: str) -> str:
+        if dtype not in DTYPES:
+            raise SpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return dtype
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(v) for v in shape)

@@ -1,0 +1,41 @@
+"""Render a family's Jinja2 template into CUDA source (StrictUndefined: a missing knob fails here)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+
+from kernelmill.kernels.ops.base import CTYPES, Family
+from kernelmill.templates import template_dir
+
+
+class RenderError(ValueError):
+    """A template could not be rendered (a missing variable or a template bug)."""
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def render(family: Family, params: Mapping[str, Any], dtype: str, attrs: Mapping[str, Any] | None = None) -> str:
+    """CUDA source of one variant: the family's template with params, dtype and op attributes."""
+    attrs = dict(attrs or {})
+    context: dict[str, Any] = {**attrs, **params, "T": CTYPES[dtype], "dtype": dtype, "attrs": attrs}
+    context.update(family.context(params, dtype, attrs))
+    try:
+        body = environment().get_template(family.template).render(context)
+    except jinja2.TemplateError as exc:
+        raise RenderError(f"{family.template}: {exc}") from exc
+    knobs = ", ".join(f"{k}={v}" for k, v in sorted({**attrs, **params}.items()))
+    return f"// kernelmill variant: {family.template} dtype={dtype} {knobs}\n{body}"

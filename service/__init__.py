@@ -1,0 +1,1 @@
+"""kernelmill.service"""
