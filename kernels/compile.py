@@ -49,7 +49,7 @@ class KernelResources:
     stack_bytes: int = 0
     spill_stores_bytes: int = 0
     spill_loads_bytes: int = 0
-    cmem_bytes: int = 0
+    barriers: int = 0
 
 
 @dataclass
@@ -117,7 +117,7 @@ def find_nvcc() -> str:
 _ENTRY_RE = re.compile(r"(?:Compiling entry function|Function properties for) '?([A-Za-z_][\w$]*)'?")
 _REGS_RE = re.compile(r"Used (\d+) registers")
 _SMEM_RE = re.compile(r"(\d+) bytes smem")
-_CMEM_RE = re.compile(r"(\d+) bytes cmem\[0\]")
+_BARRIERS_RE = re.compile(r"used (\d+) barriers")
 _STACK_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -142,8 +142,8 @@ def parse_ptxas(log_text: str) -> dict[str, KernelResources]:
             entry["registers"] = int(m.group(1))
             if s := _SMEM_RE.search(line):
                 entry["smem_bytes"] = int(s.group(1))
-            if c := _CMEM_RE.search(line):
-                entry["cmem_bytes"] = int(c.group(1))
+            if b := _BARRIERS_RE.search(line):
+                entry["barriers"] = int(b.group(1))
     return {name: KernelResources(**vals) for name, vals in found.items()}
 
 

@@ -197,6 +197,8 @@ class OpSpec(ABC):
     families: dict[str, Family]
     #: Semantic attributes (not tuned): e.g. fused_mlp's activation.
     attributes: tuple[Param, ...] = ()
+    #: True when the matrix units' rate bounds the op (its roofline has a compute term).
+    matrix_bound: bool = False
 
     @abstractmethod
     def tensor_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:

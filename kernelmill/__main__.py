@@ -1,0 +1,3 @@
+from kernelmill.cli import app
+
+app()

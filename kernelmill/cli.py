@@ -1,0 +1,310 @@
+"""The ``kernelmill`` command line (typer). Bad input: one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kernelmill import __version__
+from kernelmill.kernels.compile import CompileError, Compiler, normalize_arch
+from kernelmill.kernels.ops import OPS, get_op
+from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
+from kernelmill.kernels.render import RenderError
+
+app = typer.Typer(
+    name="kernelmill",
+    help="Generate, tune and serve CUDA kernels.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+EXIT_USAGE = 2  # bad input
+EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn domain errors into a one-line message and an exit code, never a traceback."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        from kernelmill.kernels.device import GpuUnavailable
+
+        try:
+            return fn(*args, **kwargs)
+        except (SpecError, RenderError, ValueError) as exc:
+            raise fail(str(exc)) from None
+        except GpuUnavailable as exc:
+            raise fail(
+                f"no GPU here ({exc}). `kernelmill render` and `kernelmill compile` still work without one.",
+                EXIT_UNAVAILABLE,
+            ) from None
+
+    return wrapper
+
+
+def parse_pairs(pairs: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecError(f"malformed {what} {pair!r}: expected NAME=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _variant(op: str, family: str, dtype: str, params: list[str] | None, attrs: list[str] | None):
+    from kernelmill.kernels.variant import Variant
+
+    return Variant.create(op, family, dtype, parse_pairs(params, "--param"), parse_pairs(attrs, "--attr"))
+
+
+ParamOpt = Annotated[list[str] | None, typer.Option("--param", "-p", help="template knob NAME=VALUE (repeatable)")]
+AttrOpt = Annotated[list[str] | None, typer.Option("--attr", help="op attribute NAME=VALUE, e.g. act=relu")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", "-d", help=f"one of {', '.join(DTYPES)}")]
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    console.print(__version__)
+
+
+@app.command()
+@user_errors
+def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
+    """List ops with their families, dtypes and parameter-space sizes."""
+    listing = []
+    for op in OPS.values():
+        families = []
+        for fam in op.families.values():
+            families.append(
+                {
+                    "name": fam.name,
+                    "description": fam.description,
+                    "dtypes": list(fam.dtypes),
+                    "params": {p.name: list(p.values) for p in fam.params},
+                    "space_size": {dt: fam.space_size(dt) for dt in fam.dtypes},
+                }
+            )
+        listing.append(
+            {
+                "op": op.name,
+                "shape": "x".join(op.dims),
+                "dtypes": list(DTYPES),
+                "attributes": {a.name: list(a.values) for a in op.attributes},
+                "families": families,
+            }
+        )
+    if as_json:
+        typer.echo(json.dumps(listing, indent=2))
+        return
+    table = Table(title="kernelmill ops")
+    for col in ("op", "shape", "family", "dtypes", "space size"):
+        table.add_column(col)
+    for entry in listing:
+        for fam in entry["families"]:
+            sizes = " ".join(f"{k}:{v}" for k, v in fam["space_size"].items())
+            table.add_row(entry["op"], entry["shape"], fam["name"], ",".join(fam["dtypes"]), sizes)
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def render(
+    op: str,
+    family: Annotated[str, typer.Option("--family", "-f", help="template family")],
+    dtype: DtypeOpt = "float16",
+    param: ParamOpt = None,
+    attr: AttrOpt = None,
+) -> None:
+    """Print the CUDA source of one variant."""
+    typer.echo(_variant(op, family, dtype, param, attr).source)
+
+
+@app.command()
+@user_errors
+def compile(  # noqa: A001 - the command's name
+    op: str,
+    family: Annotated[str, typer.Option("--family", "-f")],
+    dtype: DtypeOpt = "float16",
+    param: ParamOpt = None,
+    attr: AttrOpt = None,
+    arch: Annotated[str | None, typer.Option(help="target, e.g. sm_90 (default: this GPU's, else sm_90)")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Compile one variant with nvcc and print the ptxas report (or the compile error)."""
+    variant = _variant(op, family, dtype, param, attr)
+    target = normalize_arch(arch) if arch else None
+    if target and variant.family.arch_suffix and not target.endswith(variant.family.arch_suffix):
+        target += variant.family.arch_suffix
+    try:
+        compiled = variant.compile(Compiler(), target)
+    except CompileError as exc:
+        if as_json:
+            typer.echo(json.dumps({"ok": False, "error": str(exc).splitlines()[0], "log": exc.log}, indent=2))
+        else:
+            err_console.print(f"[bold red]compile error:[/] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
+    report = {"ok": True, "variant": variant.describe(), **compiled.report()}
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    table = Table(title=f"{variant.describe()} on {compiled.arch}{' (cached)' if compiled.cached else ''}")
+    for col in ("kernel", "registers", "smem B", "stack B", "spill st B", "spill ld B"):
+        table.add_column(col)
+    for name, res in compiled.resources.items():
+        table.add_row(
+            name,
+            *(str(v) for v in (res.registers, res.smem_bytes, res.stack_bytes, res.spill_stores_bytes)),
+            str(res.spill_loads_bytes),
+        )
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def bench(
+    op: str,
+    shape: Annotated[str, typer.Option("--shape", "-s", help="e.g. 8192x8192 (dims: see `kernelmill ops`)")],
+    dtype: DtypeOpt = "float16",
+    family: Annotated[str | None, typer.Option("--family", "-f", help="default: every family")] = None,
+    param: ParamOpt = None,
+    attr: AttrOpt = None,
+    seeds: Annotated[int, typer.Option(min=1, help="random input sets to verify on")] = 3,
+    reps: Annotated[int, typer.Option(min=1, help="timed repetitions")] = 50,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Verify then time variants on this GPU, next to PyTorch and the roofline floor."""
+    from kernelmill.kernels.bench import L2Flusher, ceilings, time_torch
+    from kernelmill.kernels.device import get_device
+    from kernelmill.kernels.evaluate import evaluate
+
+    spec = get_op(op)
+    spec.check_dtype(dtype)
+    dims = spec.parse_shape(shape)
+    if param and not family:
+        raise SpecError("--param needs --family")
+    names = [family] if family else list(spec.families)
+    variants = [_variant(op, name, dtype, param, attr) for name in names]
+    device = get_device()
+    compiler = Compiler()
+    flusher = L2Flusher(device)
+    ceil = ceilings(device, (dtype,) if spec.matrix_bound else ())
+    floor_ms = ceil.floor_ms(spec, dims, dtype)
+    rows = []
+    for variant in variants:
+        with console.status(f"{variant.describe()}: compile, verify, time"):
+            ev = evaluate(variant, dims, device, compiler, seeds=seeds, reps=reps, flusher=flusher)
+        rows.append(ev)
+        if ev.poisoned:
+            break
+    inputs = spec.make_inputs(dims, dtype, seed=0)
+    with console.status("PyTorch baseline"):
+        torch_timing = time_torch(device, spec, inputs, variants[0].attrs, flusher, reps=reps)
+    report = _bench_report(spec, dims, dtype, device.info.name, ceil, floor_ms, rows, torch_timing)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _print_bench(report)
+    if not any(ev.ok for ev in rows):
+        raise typer.Exit(1)
+
+
+def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_timing) -> dict[str, Any]:
+    nbytes, flops = spec.min_bytes(dims, dtype), spec.flops(dims)
+    torch_ms = torch_timing.median_ms if torch_timing else None
+    out = {
+        "op": spec.name,
+        "shape": format_shape(dims),
+        "dtype": dtype,
+        "device": device_name,
+        "copy_gbps": round(ceil.copy_gbps, 1),
+        "matrix_tflops": {k: round(v, 1) for k, v in ceil.matrix_tflops.items()},
+        "floor_ms": floor_ms,
+        "torch": torch_timing.to_dict() if torch_timing else None,
+        "variants": [],
+    }
+    for ev in rows:
+        entry: dict[str, Any] = {
+            "variant": ev.variant.describe(),
+            "family": ev.variant.family.name,
+            "params": ev.variant.params,
+            "status": ev.status,
+            "reason": ev.reason,
+        }
+        if ev.verification:
+            entry["precision"] = ev.verification.precision
+            entry["max_rel_err_per_seed"] = {str(k): v for k, v in ev.verification.per_seed().items()}
+        if ev.timing:
+            ms = ev.timing.median_ms
+            entry.update(
+                timing=ev.timing.to_dict(),
+                gbps=nbytes / (ms * 1e-3) / 1e9,
+                tflops=flops / (ms * 1e-3) / 1e12,
+                pct_of_floor=100.0 * floor_ms / ms,
+                speedup_vs_torch=(torch_ms / ms) if torch_ms else None,
+            )
+        out["variants"].append(entry)
+    return out
+
+
+def _print_bench(report: dict[str, Any]) -> None:
+    title = f"{report['op']} {report['shape']} {report['dtype']} on {report['device']}"
+    table = Table(title=title)
+    for col in ("family", "status", "max rel err", "median us", "spread", "GB/s", "TFLOP/s", "% floor", "vs torch"):
+        table.add_column(col, justify="right" if col not in ("family", "status") else "left")
+    for v in report["variants"]:
+        if "timing" not in v:
+            errs = v.get("max_rel_err_per_seed") or {}
+            err = f"{max(errs.values()):.2e}" if errs else ""
+            table.add_row(v["family"], f"[red]{v['status']}[/]", err, "", "", "", "", "", "")
+            continue
+        speedup = v["speedup_vs_torch"]
+        table.add_row(
+            v["family"],
+            "[green]ok[/]",
+            f"{max(v['max_rel_err_per_seed'].values()):.2e}",
+            f"{v['timing']['median_ms'] * 1e3:.1f}",
+            f"{100 * v['timing']['spread']:.1f}%",
+            f"{v['gbps']:.0f}",
+            f"{v['tflops']:.2f}",
+            f"{v['pct_of_floor']:.0f}%",
+            f"{speedup:.2f}x" if speedup else "n/a",
+        )
+    torch_t = report["torch"]
+    if torch_t:
+        table.add_row("torch", "baseline", "", f"{torch_t['median_ms'] * 1e3:.1f}", f"{100 * torch_t['spread']:.1f}%",
+                      "", "", f"{100 * report['floor_ms'] / torch_t['median_ms']:.0f}%", "1.00x")
+    console.print(table)
+    ceilings = f"copy {report['copy_gbps']:.0f} GB/s"
+    if report["matrix_tflops"]:
+        ceilings += ", matrix " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in report["matrix_tflops"].items())
+    console.print(f"roofline floor {report['floor_ms'] * 1e3:.1f} us (measured {ceilings})")
+    for v in report["variants"]:
+        console.print(f"  {v['family']}: " + " ".join(f"{k}={p}" for k, p in v["params"].items()), highlight=False)
+        if v["reason"]:
+            console.print(f"[red]{escape(v['variant'])}[/]: {escape(v['reason'])}", highlight=False)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

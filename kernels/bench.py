@@ -1,0 +1,174 @@
+"""Timing with CUDA events (DESIGN.md, measurement rules) and the roofline ceilings.
+
+Warm-up first; L2 flushed between repetitions so every repetition reads from
+DRAM; median and spread reported. A PyTorch baseline is timed the same way,
+on the same stream of the same context, in the same process.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kernelmill.kernels.device import Buffer, Device
+from kernelmill.kernels.ops.base import OpSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    p10_ms: float
+    p90_ms: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: how much to trust a difference between two timings."""
+        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "spread": self.spread}
+
+    @classmethod
+    def from_samples(cls, samples_ms: list[float]) -> Timing:
+        ordered = sorted(samples_ms)
+        q = statistics.quantiles(ordered, n=10) if len(ordered) >= 2 else [ordered[0]] * 9
+        return cls(statistics.median(ordered), ordered[0], q[0], q[-1], len(ordered))
+
+
+class L2Flusher:
+    """Overwrites a buffer twice the L2's size so the next kernel starts with a cold cache."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.buffer: Buffer = device.alloc(max(2 * device.info.l2_bytes, 64 << 20))
+        self._byte = 0
+
+    def flush(self) -> None:
+        self._byte = (self._byte + 1) & 0x7F
+        self.device.fill(self.buffer, self._byte)
+
+
+def time_it(
+    device: Device,
+    enqueue: Callable[[], Any],
+    warmup: int = 5,
+    reps: int = 50,
+    flusher: L2Flusher | None = None,
+) -> Timing:
+    """Median of ``reps`` event-timed runs of ``enqueue`` on the default stream."""
+    for _ in range(warmup):
+        enqueue()
+    device.synchronize()
+    events = [(device.event(), device.event()) for _ in range(reps)]
+    for start, end in events:
+        if flusher is not None:
+            flusher.flush()
+        start.record()
+        enqueue()
+        end.record()
+    events[-1][1].synchronize()
+    device.synchronize()
+    return Timing.from_samples([end.time_since(start) for start, end in events])
+
+
+# -- ceilings -------------------------------------------------------------------
+
+
+@dataclass
+class Ceilings:
+    """Measured limits of one device: copy bandwidth and matrix rate per dtype."""
+
+    device_name: str
+    copy_gbps: float
+    matrix_tflops: dict[str, float]
+
+    def floor_ms(self, op: OpSpec, shape: tuple[int, ...], dtype: str) -> float:
+        """Roofline floor: the larger of bytes / copy bandwidth and flops / matrix rate."""
+        memory_ms = op.min_bytes(shape, dtype) / (self.copy_gbps * 1e9) * 1e3
+        compute_ms = 0.0
+        if op.matrix_bound and dtype in self.matrix_tflops:
+            compute_ms = op.flops(shape) / (self.matrix_tflops[dtype] * 1e12) * 1e3
+        return max(memory_ms, compute_ms)
+
+
+def measure_copy_gbps(device: Device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src, dst = device.alloc(nbytes), device.alloc(nbytes)
+    device.fill(src, 0x3C)
+    timing = time_it(device, lambda: device.copy(dst, src, nbytes), warmup=3, reps=reps)
+    return 2 * nbytes / (timing.median_ms * 1e-3) / 1e9
+
+
+def measure_matrix_tflops(device: Device, dtype: str, n: int = 8192, reps: int = 10) -> float | None:
+    """Dense matrix rate through PyTorch (cuBLAS) on random data; None without torch."""
+    torch = _torch()
+    if torch is None:
+        return None
+    tdtype = getattr(torch, dtype)
+    a = torch.randn(n, n, device="cuda", dtype=tdtype)
+    b = torch.randn(n, n, device="cuda", dtype=tdtype)
+    timing = time_it(device, lambda: torch.matmul(a, b), warmup=3, reps=reps)
+    return 2 * n**3 / (timing.median_ms * 1e-3) / 1e12
+
+
+_ceilings: dict[tuple[int, tuple[str, ...]], Ceilings] = {}
+
+
+def ceilings(device: Device, dtypes: tuple[str, ...] = ()) -> Ceilings:
+    """Measured once per process and device (and per set of matrix dtypes)."""
+    key = (device.ordinal, tuple(sorted(dtypes)))
+    if key not in _ceilings:
+        rates = {}
+        for dtype in dtypes:
+            rate = measure_matrix_tflops(device, dtype)
+            if rate is not None:
+                rates[dtype] = rate
+        _ceilings[key] = Ceilings(device.info.name, measure_copy_gbps(device), rates)
+    return _ceilings[key]
+
+
+# -- PyTorch baseline --------------------------------------------------------------
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def to_torch(array: np.ndarray):
+    """Host array (float32/float16/bfloat16) -> CUDA tensor of the same dtype."""
+    torch = _torch()
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).cuda()
+    return torch.from_numpy(np.ascontiguousarray(array)).cuda()
+
+
+def time_torch(
+    device: Device,
+    op: OpSpec,
+    inputs: Mapping[str, np.ndarray],
+    attrs: Mapping[str, Any],
+    flusher: L2Flusher | None,
+    warmup: int = 5,
+    reps: int = 50,
+) -> Timing | None:
+    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent."""
+    if _torch() is None:
+        return None
+    tensors = {name: to_torch(arr) for name, arr in inputs.items()}
+    thunk = op.torch_reference(tensors, attrs)
+    if thunk is None:
+        return None
+    return time_it(device, thunk, warmup, reps, flusher)

@@ -1,0 +1,84 @@
+"""One variant at one shape: compile, verify, time. Every outcome is data (STYLE.md rule 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernelmill.kernels.bench import L2Flusher, Timing, time_it
+from kernelmill.kernels.compile import CompiledKernel, CompileError, Compiler
+from kernelmill.kernels.device import Device, DeviceFault
+from kernelmill.kernels.ops.base import SpecError
+from kernelmill.kernels.variant import BoundVariant, Variant
+from kernelmill.kernels.verify import VerifyResult, verify
+
+#: Trial statuses; the loop and the dashboard colour by these.
+OK, COMPILE_ERROR, UNSUPPORTED, WRONG_RESULT, FAULT, TIMEOUT = (
+    "ok",
+    "compile_error",
+    "unsupported",
+    "wrong_result",
+    "fault",
+    "timeout",
+)
+
+
+@dataclass
+class Evaluation:
+    variant: Variant
+    shape: tuple[int, ...]
+    status: str
+    reason: str | None = None
+    compiled: CompiledKernel | None = None
+    verification: VerifyResult | None = None
+    timing: Timing | None = None
+    poisoned: bool = False  # the CUDA context is unusable after this evaluation
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+def evaluate(
+    variant: Variant,
+    shape: tuple[int, ...],
+    device: Device,
+    compiler: Compiler | None = None,
+    *,
+    seeds: int = 3,
+    timed: bool = True,
+    warmup: int = 5,
+    reps: int = 50,
+    flusher: L2Flusher | None = None,
+    timeout_s: float = 10.0,
+) -> Evaluation:
+    """Compile, verify on fresh inputs, then (if verified and ``timed``) time with CUDA events."""
+    reason = variant.check_shape(shape)
+    if reason:
+        return Evaluation(variant, shape, UNSUPPORTED, reason)
+    try:
+        compiled = variant.compile(compiler)
+    except CompileError as exc:
+        return Evaluation(variant, shape, COMPILE_ERROR, str(exc))
+    result = Evaluation(variant, shape, OK, compiled=compiled)
+    try:
+        bound = BoundVariant(device, variant, compiled, shape)
+    except SpecError as exc:
+        result.status, result.reason = UNSUPPORTED, str(exc)
+        return result
+    except DeviceFault as exc:
+        result.status, result.reason, result.poisoned = FAULT, exc.reason, exc.poisoned
+        return result
+    check = verify(device, bound, seeds, timeout_s=timeout_s)
+    result.verification = check
+    if not check.ok:
+        result.status = check.status
+        result.reason, result.poisoned = check.reason, check.poisoned
+        return result
+    if timed:
+        try:
+            result.timing = time_it(device, bound.run, warmup, reps, flusher)
+        except DeviceFault as exc:
+            result.status, result.reason, result.poisoned = FAULT, exc.reason, exc.poisoned
+    return result

@@ -1,0 +1,116 @@
+"""A variant: (op, family, params, dtype, attrs) -> CUDA source -> cubin; and its device-bound runner."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kernelmill.kernels.compile import CompiledKernel, Compiler
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import Family, OpSpec, SpecError, format_shape, numpy_dtype
+from kernelmill.kernels.render import render
+
+if TYPE_CHECKING:
+    from kernelmill.kernels.device import Buffer, Device
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """One point of an op's search space, for one dtype."""
+
+    op: OpSpec
+    family: Family
+    params: dict[str, Any]
+    dtype: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        op: str | OpSpec,
+        family: str,
+        dtype: str,
+        params: Mapping[str, Any] | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> Variant:
+        """Validated variant: defaults filled in, overrides coerced; SpecError on bad input."""
+        spec = get_op(op) if isinstance(op, str) else op
+        spec.check_dtype(dtype)
+        fam = spec.family(family)
+        return cls(spec, fam, fam.resolve(params or {}, dtype), dtype, spec.resolve_attrs(attrs or {}))
+
+    @cached_property
+    def source(self) -> str:
+        return render(self.family, self.params, self.dtype, self.attrs)
+
+    @property
+    def precision(self) -> str:
+        return self.family.precision(self.dtype)
+
+    def compile(self, compiler: Compiler | None = None, arch: str | None = None) -> CompiledKernel:
+        if arch is None:
+            from kernelmill.kernels.arch import default_arch
+
+            arch = default_arch() + self.family.arch_suffix
+        return (compiler or Compiler()).compile(self.source, arch)
+
+    def check_shape(self, shape: tuple[int, ...]) -> str | None:
+        return self.family.check_shape(shape, self.params, self.dtype)
+
+    def describe(self) -> str:
+        knobs = " ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.op.name}/{self.family.name} {self.dtype} {knobs}"
+
+
+class BoundVariant:
+    """A compiled variant with device buffers for one shape, ready to launch."""
+
+    def __init__(self, device: Device, variant: Variant, compiled: CompiledKernel, shape: tuple[int, ...]) -> None:
+        reason = variant.check_shape(shape)
+        if reason:
+            raise SpecError(f"{variant.describe()} cannot run {format_shape(shape)}: {reason}")
+        self.device = device
+        self.variant = variant
+        self.shape = shape
+        op, fam = variant.op, variant.family
+        self.tensor_shapes = op.tensor_shapes(shape)
+        self.np_dtype = numpy_dtype(variant.dtype)
+        item = self.np_dtype.itemsize
+        self.buffers: dict[str, Buffer] = {}
+        for name in (*op.inputs, *op.outputs):
+            self.buffers[name] = device.alloc(math.prod(self.tensor_shapes[name]) * item)
+        self.workspace_names = []
+        for name, nbytes in fam.workspace(shape, variant.params, variant.dtype).items():
+            self.buffers[name] = device.alloc(nbytes)
+            self.workspace_names.append(name)
+        module = device.load(compiled.cubin, compiled.key)
+        self.launches = fam.launches(shape, variant.params, variant.dtype)
+        self._calls = []
+        for launch in self.launches:
+            args = [self.buffers[a] if isinstance(a, str) else a for a in launch.args]
+            self._calls.append((module.kernel(launch.entry), launch, args))
+
+    def set_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
+        for name in self.variant.op.inputs:
+            self.device.copy_in(self.buffers[name], arrays[name].astype(self.np_dtype, copy=False))
+
+    def poison(self) -> None:
+        """Fill outputs and workspaces with NaN so unwritten elements cannot pass."""
+        for name in (*self.variant.op.outputs, *self.workspace_names):
+            self.device.fill(self.buffers[name], 0xFF)
+
+    def run(self, stream: Any = None) -> None:
+        """Enqueue every launch of the variant."""
+        for kernel, launch, args in self._calls:
+            kernel.launch(launch.grid, launch.block, launch.smem_bytes, args, stream)
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {
+            name: self.device.download(self.buffers[name], self.tensor_shapes[name], self.np_dtype)
+            for name in self.variant.op.outputs
+        }

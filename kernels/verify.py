@@ -1,0 +1,132 @@
+"""Verification against float64 references (DESIGN.md, measurement rules).
+
+Fresh random inputs for several seeds, outputs poisoned with NaN before each
+launch, a tolerance set by the variant's arithmetic precision. NaN never
+passes. The result is data: per-seed errors and, on failure, why.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kernelmill.kernels.device import Device, DeviceFault
+from kernelmill.kernels.ops.base import TOLERANCES, format_shape
+from kernelmill.kernels.variant import BoundVariant
+
+
+@dataclass
+class SeedCheck:
+    """One seed's comparison of one output tensor with its reference."""
+
+    seed: int
+    output: str
+    rel_err: float  # ||out - ref|| / ||ref||
+    max_abs_rel_err: float  # max |out - ref| / max |ref|
+    nan_count: int
+    first_bad_index: tuple[int, ...] | None = None
+
+    def failure(self, tolerance: float) -> str | None:
+        if self.nan_count:
+            return (
+                f"{self.output}: {self.nan_count} non-finite elements (unwritten or overflow), first at "
+                f"{self.first_bad_index} (seed {self.seed})"
+            )
+        if not self.rel_err <= tolerance:
+            return f"{self.output}: relative error {self.rel_err:.3g} > tolerance {tolerance:g} (seed {self.seed})"
+        if not self.max_abs_rel_err <= tolerance:
+            return (
+                f"{self.output}: max elementwise error {self.max_abs_rel_err:.3g} of max|ref| > tolerance "
+                f"{tolerance:g}, worst at {self.first_bad_index} (seed {self.seed})"
+            )
+        return None
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    status: str  # "ok", "wrong_result", "fault" or "timeout" (evaluate's trial statuses)
+    precision: str
+    tolerance: float
+    shape: tuple[int, ...]
+    checks: list[SeedCheck] = field(default_factory=list)
+    reason: str | None = None
+    poisoned: bool = False  # a fault left the CUDA context unusable
+
+    @property
+    def max_rel_err(self) -> float:
+        return max((c.rel_err for c in self.checks), default=float("nan"))
+
+    def per_seed(self) -> dict[int, float]:
+        """Max relative error per seed (over outputs)."""
+        out: dict[int, float] = {}
+        for c in self.checks:
+            out[c.seed] = max(out.get(c.seed, 0.0), c.rel_err)
+        return out
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "max_rel_err": self.max_rel_err}
+
+
+def compare(out: np.ndarray, ref: np.ndarray, seed: int, name: str) -> SeedCheck:
+    """Errors of ``out`` against the float64 ``ref``."""
+    got = out.astype(np.float64)
+    bad = ~np.isfinite(got)
+    nan_count = int(bad.sum())
+    if nan_count:
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        return SeedCheck(seed, name, float("nan"), float("nan"), nan_count, first)
+    diff = np.abs(got - ref)
+    ref_norm = float(np.linalg.norm(ref))
+    ref_max = float(np.abs(ref).max()) if ref.size else 0.0
+    rel = float(np.linalg.norm(diff)) / ref_norm if ref_norm > 0 else float(np.linalg.norm(diff))
+    worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
+    max_abs_rel = float(diff.max()) / ref_max if ref_max > 0 else float(diff.max(initial=0.0))
+    return SeedCheck(seed, name, rel, max_abs_rel, 0, tuple(int(i) for i in worst))
+
+
+def fresh_seeds(n: int) -> list[int]:
+    """New random seeds every call, recorded in the result so a failure can be replayed."""
+    return [secrets.randbits(31) for _ in range(n)]
+
+
+def verify(
+    device: Device,
+    bound: BoundVariant,
+    seeds: Sequence[int] | int = 3,
+    timeout_s: float = 10.0,
+    tolerance: float | None = None,
+) -> VerifyResult:
+    """Run ``bound`` on fresh inputs per seed and compare every output with the float64 reference."""
+    variant = bound.variant
+    op, shape = variant.op, bound.shape
+    precision = variant.precision
+    tol = tolerance if tolerance is not None else TOLERANCES[precision]
+    seed_list = fresh_seeds(seeds) if isinstance(seeds, int) else list(seeds)
+    result = VerifyResult(ok=True, status="ok", precision=precision, tolerance=tol, shape=shape)
+    for seed in seed_list:
+        inputs = op.make_inputs(shape, variant.dtype, seed)
+        reference = op.reference(inputs, variant.attrs)
+        try:
+            bound.set_inputs(inputs)
+            bound.poison()
+            bound.run()
+            device.synchronize(timeout_s)
+            outputs = bound.outputs()
+        except DeviceFault as exc:
+            result.ok = False
+            result.status = "timeout" if exc.timed_out else "fault"
+            result.reason = f"device fault at {format_shape(shape)}: {exc.reason}"
+            result.poisoned = exc.poisoned
+            return result
+        for name in op.outputs:
+            check = compare(outputs[name], reference[name], seed, name)
+            result.checks.append(check)
+            why = check.failure(tol)
+            if why and result.ok:
+                result.ok, result.status = False, "wrong_result"
+                result.reason = f"wrong result at {format_shape(shape)}: {why}"
+    return result

@@ -1,0 +1,76 @@
+"""Every family renders and compiles for sm_90 at several parameter points (needs nvcc; runs in CI)."""
+
+import random
+
+import pytest
+
+from kernelmill.kernels.compile import CompileError, Compiler
+from kernelmill.kernels.ops import OPS
+from kernelmill.kernels.variant import Variant
+
+pytestmark = pytest.mark.nvcc
+
+CASES = [
+    (op.name, fam.name, dtype) for op in OPS.values() for fam in op.families.values() for dtype in fam.dtypes
+]
+
+
+def sample_points(fam, dtype, n_random=2):
+    """Defaults, the first and last valid points, and a few seeded random ones."""
+    space = list(fam.space(dtype))
+    rng = random.Random(f"{fam.name}-{dtype}")
+    picks = [fam.defaults(dtype), space[0], space[-1], *rng.sample(space, min(n_random, len(space)))]
+    unique = []
+    for p in picks:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    return Compiler(cache_dir=tmp_path_factory.mktemp("cubins"))
+
+
+@pytest.mark.parametrize(("op", "family", "dtype"), CASES)
+def test_family_compiles_at_several_points(compiler, op, family, dtype):
+    fam = OPS[op].family(family)
+    for i, params in enumerate(sample_points(fam, dtype)):
+        variant = Variant.create(op, family, dtype, params)
+        compiled = variant.compile(compiler, "sm_90" + fam.arch_suffix)
+        launches = fam.launches(tuple(257 for _ in OPS[op].dims), variant.params, dtype)
+        for launch in launches:
+            assert launch.entry in compiled.resources, f"{launch.entry} missing from the cubin"
+            res = compiled.resources[launch.entry]
+            assert res.registers * launch.threads <= 65536, f"{launch.entry}: registers exceed the SM"
+        if i == 0:  # the defaults are what users get first: they must not spill
+            assert not compiled.spills, compiled.report()
+
+
+def test_planted_syntax_error_gives_compile_error_with_log(compiler):
+    source = Variant.create("softmax", "warp_row", "float16").source
+    broken = source.replace("const int warp = threadIdx.x >> 5", "const int warp = threadIdx.x >> 5 +", 1)
+    assert broken != source
+    with pytest.raises(CompileError) as info:
+        compiler.compile(broken, "sm_90")
+    assert "error" in info.value.log and "kernel.cu" in info.value.log
+
+
+def test_second_compile_hits_the_cache(tmp_path):
+    compiler = Compiler(cache_dir=tmp_path)
+    source = Variant.create("softmax", "block_row", "float32", {"threads": 128}).source
+    first = compiler.compile(source, "sm_90")
+    second = compiler.compile(source, "sm_90")
+    assert not first.cached and second.cached
+    assert first.cubin == second.cubin and first.key == second.key
+    assert second.resources == first.resources
+    other_arch = compiler.compile(source, "sm_80")
+    assert other_arch.key != first.key and not other_arch.cached
+
+
+def test_compile_many_returns_failures_as_values(tmp_path):
+    compiler = Compiler(cache_dir=tmp_path)
+    good = Variant.create("softmax", "warp_row", "float32").source
+    results = compiler.compile_many([good, good + "\n#error planted\n"], "sm_90", workers=2)
+    assert not isinstance(results[0], CompileError)
+    assert isinstance(results[1], CompileError) and "planted" in results[1].log

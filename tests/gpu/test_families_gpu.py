@@ -1,0 +1,95 @@
+"""Every family of every op verified on the GPU for all dtypes, odd shapes included (marker gpu)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kernelmill.kernels.compile import Compiler
+from kernelmill.kernels.evaluate import evaluate
+from kernelmill.kernels.ops import OPS
+from kernelmill.kernels.variant import BoundVariant, Variant
+from kernelmill.kernels.verify import verify
+
+pytestmark = pytest.mark.gpu
+
+#: Odd sizes (not multiples of any tile, vector width or warp) next to round ones.
+SHAPES = {
+    "softmax": [(1, 1), (3, 17), (37, 1000), (5, 4099), (64, 1024), (16, 32000), (2, 100003)],
+    "matmul": [(1, 1, 1), (17, 33, 7), (255, 129, 100), (128, 128, 128), (1, 4096, 512), (300, 200, 513)],
+    "fused_mlp": [(1, 100, 257, 33), (3, 64, 128, 64), (17, 256, 300, 130), (16, 512, 1024, 512)],
+}
+
+CASES = [(op.name, fam.name, dt) for op in OPS.values() for fam in op.families.values() for dt in fam.dtypes]
+
+
+@pytest.fixture(scope="module")
+def device():
+    from kernelmill.kernels.device import get_device
+
+    return get_device()
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    return Compiler(cache_dir=tmp_path_factory.mktemp("gpu-cubins"))
+
+
+def _points(fam, dtype):
+    space = list(fam.space(dtype))
+    rng = random.Random(f"gpu-{fam.name}-{dtype}")
+    return [fam.defaults(dtype), *rng.sample(space, min(2, len(space)))]
+
+
+@pytest.mark.parametrize(("op", "family", "dtype"), CASES)
+def test_family_verifies_on_odd_shapes(device, compiler, op, family, dtype):
+    spec = OPS[op]
+    fam = spec.family(family)
+    attrs_list = [{a.name: v} for a in spec.attributes for v in a.values] or [{}]
+    ran = 0
+    for i, params in enumerate(_points(fam, dtype)):
+        for attrs in attrs_list if i == 0 else attrs_list[:1]:
+            variant = Variant.create(op, family, dtype, params, attrs)
+            for shape in SHAPES[op]:
+                if variant.check_shape(shape):
+                    continue  # e.g. a small-batch family at a large batch: not its job
+                ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+                assert ev.ok, f"{variant.describe()} {attrs} at {shape}: {ev.status}: {ev.reason}"
+                ran += 1
+    assert ran > 0, "no shape was in range for this family"
+
+
+class PlantedVariant(Variant):
+    """A real variant whose source a test edits: the verifier must catch the damage."""
+
+    def plant(self, old: str, new: str) -> PlantedVariant:
+        source = self.source
+        assert old in source, f"plant point {old!r} not in the source"
+        object.__setattr__(self, "_planted", source.replace(old, new, 1))
+        return self
+
+    @property
+    def source(self) -> str:  # type: ignore[override]
+        return getattr(self, "_planted", None) or super().source
+
+
+def _planted(old: str, new: str) -> PlantedVariant:
+    base = Variant.create("softmax", "warp_row", "float32")
+    return PlantedVariant(base.op, base.family, base.params, base.dtype, base.attrs).plant(old, new)
+
+
+def test_planted_wrong_kernel_is_rejected(device, compiler):
+    variant = _planted("1.0f / s", "1.001f / s")  # 0.1% off everywhere: far over fp32's 1e-5
+    bound = BoundVariant(device, variant, variant.compile(compiler), (64, 1000))
+    result = verify(device, bound, seeds=2)
+    assert not result.ok and result.status == "wrong_result"
+    assert "relative error" in result.reason
+
+
+def test_kernel_leaving_output_unwritten_is_rejected(device, compiler):
+    variant = _planted("if (row >= rows) return;", "if (row >= rows || row % 13 == 5) return;")
+    bound = BoundVariant(device, variant, variant.compile(compiler), (64, 1000))
+    result = verify(device, bound, seeds=2)
+    assert not result.ok and result.status == "wrong_result"
+    assert "non-finite" in result.reason

@@ -1,0 +1,90 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernelmill.kernels.ops import OPS, SpecError, get_op
+from kernelmill.kernels.ops.base import DTYPES, Param, numpy_dtype
+
+
+def test_get_op_unknown_lists_known():
+    with pytest.raises(SpecError, match="known ops: softmax"):
+        get_op("conv")
+
+
+@given(st.lists(st.integers(min_value=1, max_value=1 << 20), min_size=2, max_size=2))
+def test_parse_shape_roundtrip(dims):
+    op = get_op("softmax")
+    assert op.parse_shape("x".join(map(str, dims))) == tuple(dims)
+    assert op.parse_shape(dims) == tuple(dims)
+
+
+@pytest.mark.parametrize("text", ["8192", "8x8x8", "axb", "8x-1", "0x5", ""])
+def test_parse_shape_rejects(text):
+    with pytest.raises(SpecError):
+        get_op("softmax").parse_shape(text)
+
+
+def test_param_coerce():
+    p = Param("vec", (1, 2, 4))
+    assert p.coerce("4") == 4
+    flag = Param("fast", (False, True))
+    assert flag.coerce("true") is True
+    with pytest.raises(SpecError, match="choose one of 1, 2, 4"):
+        p.coerce("3")
+
+
+def test_dtypes_map_to_numpy():
+    assert [numpy_dtype(d).itemsize for d in DTYPES] == [4, 2, 2]
+    with pytest.raises(SpecError):
+        numpy_dtype("float64")
+
+
+@pytest.mark.parametrize("op", list(OPS.values()), ids=lambda o: o.name)
+def test_every_family_defaults_valid_and_space_consistent(op):
+    for fam in op.families.values():
+        for dtype in fam.dtypes:
+            defaults = fam.defaults(dtype)
+            assert fam.check(defaults, dtype) is None, (fam.name, dtype)
+            assert set(defaults) == {p.name for p in fam.params}
+            size = 0
+            for params in fam.space(dtype):
+                assert fam.check(params, dtype) is None
+                size += 1
+            assert size == fam.space_size(dtype) > 0
+
+
+@pytest.mark.parametrize("op", list(OPS.values()), ids=lambda o: o.name)
+def test_make_inputs_fresh_nonzero_and_seeded(op):
+    shape = tuple(3 + i for i in range(len(op.dims)))
+    for dtype in DTYPES:
+        a = op.make_inputs(shape, dtype, seed=1)
+        b = op.make_inputs(shape, dtype, seed=1)
+        c = op.make_inputs(shape, dtype, seed=2)
+        for name in op.inputs:
+            assert a[name].dtype == numpy_dtype(dtype)
+            assert a[name].shape == op.tensor_shapes(shape)[name]
+            assert (a[name].astype("float64") != 0).mean() > 0.9
+            assert (a[name] == b[name]).all()
+            assert not (a[name] == c[name]).all()
+
+
+@pytest.mark.parametrize("op", list(OPS.values()), ids=lambda o: o.name)
+def test_reference_outputs_float64_of_declared_shapes(op):
+    shape = tuple(5 + i for i in range(len(op.dims)))
+    inputs = op.make_inputs(shape, "float32", seed=0)
+    outs = op.reference(inputs, op.resolve_attrs({}))
+    for name in op.outputs:
+        assert outs[name].dtype == "float64"
+        assert outs[name].shape == op.tensor_shapes(shape)[name]
+    assert op.flops(shape) > 0
+    assert op.min_bytes(shape, "float16") * 2 == op.min_bytes(shape, "float32")
+
+
+def test_resolve_rejects_bad_params_and_dtype():
+    fam = get_op("softmax").family("warp_row")
+    with pytest.raises(SpecError, match="16-byte"):
+        fam.resolve({"vec": 8}, "float32")
+    with pytest.raises(SpecError, match="no parameter"):
+        fam.resolve({"bogus": 1}, "float16")
+    with pytest.raises(SpecError, match="no family"):
+        get_op("softmax").family("nope")

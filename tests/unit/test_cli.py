@@ -1,0 +1,60 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kernelmill.cli import app
+from kernelmill.kernels.ops import OPS
+
+runner = CliRunner()
+
+
+def test_ops_json_lists_every_op_family_and_space():
+    result = runner.invoke(app, ["ops", "--json"])
+    assert result.exit_code == 0
+    listing = json.loads(result.stdout)
+    assert {entry["op"] for entry in listing} == set(OPS)
+    for entry in listing:
+        assert len(entry["families"]) >= 2
+        for fam in entry["families"]:
+            assert all(size > 0 for size in fam["space_size"].values())
+
+
+def test_render_prints_source_with_params():
+    result = runner.invoke(app, ["render", "softmax", "--family", "warp_row", "-d", "float32", "-p", "vec=2"])
+    assert result.exit_code == 0
+    assert "softmax_warp_row" in result.stdout and "typedef float T;" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["render", "conv", "-f", "x"], "unknown op"),
+        (["render", "softmax", "-f", "nope"], "no family"),
+        (["render", "softmax", "-f", "warp_row", "-d", "int8"], "unknown dtype"),
+        (["render", "softmax", "-f", "warp_row", "-p", "vec=3"], "not allowed"),
+        (["render", "softmax", "-f", "warp_row", "-p", "novalue"], "NAME=VALUE"),
+        (["render", "softmax", "-f", "warp_row", "-p", "bogus=1"], "no parameter"),
+        (["bench", "softmax", "--shape", "12xq"], "malformed shape"),
+        (["bench", "softmax", "--shape", "12x12x12"], "takes a shape of 2 dims"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", "hopper"], "malformed arch"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message):
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) <= 3  # rich may wrap one long line
+
+
+def test_bench_without_gpu_says_what_it_cannot_do(monkeypatch):
+    from kernelmill.kernels import device
+
+    def no_gpu(ordinal=0):
+        raise device.GpuUnavailable("no CUDA device is visible")
+
+    monkeypatch.setattr(device, "get_device", no_gpu)
+    result = runner.invoke(app, ["bench", "softmax", "--shape", "64x64"])
+    assert result.exit_code == 3
+    assert "no GPU" in result.output and "compile" in result.output
