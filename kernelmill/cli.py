@@ -308,3 +308,124 @@ def main() -> None:  # pragma: no cover - console entry point
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+# -- service commands ----------------------------------------------------------------------
+
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", envvar="KERNELMILL_SERVER", help="kernelmill service URL, e.g. http://127.0.0.1:8000")
+]
+
+
+@app.command()
+@user_errors
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
+    scheduler: Annotated[str | None, typer.Option(help="existing Dask scheduler, tcp://HOST:8786")] = None,
+) -> None:
+    """Run the REST service with its job runner (a local Dask cluster, one worker per GPU)."""
+    import uvicorn
+
+    from kernelmill.service.app import create_app
+    from kernelmill.settings import get_settings
+
+    updates = {k: v for k, v in {"host": host, "port": port, "scheduler": scheduler}.items() if v is not None}
+    settings = get_settings().model_copy(update=updates)
+    console.print(f"kernelmill {__version__} serving on http://{settings.host}:{settings.port} (docs at /docs)")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+@user_errors
+def worker(
+    scheduler: Annotated[str, typer.Option(help="Dask scheduler to join, tcp://HOST:8786")],
+    gpus: Annotated[int | None, typer.Option(help="GPUs to serve (default: all visible)")] = None,
+) -> None:
+    """Start one GPU worker process per local GPU, joining an existing scheduler."""
+    import asyncio
+
+    from kernelmill.service.executor import run_workers
+
+    try:
+        asyncio.run(run_workers(scheduler, gpus))
+    except RuntimeError as exc:
+        raise fail(str(exc), EXIT_UNAVAILABLE) from None
+
+
+@app.command()
+@user_errors
+def tune(
+    op: str,
+    shape: Annotated[list[str], typer.Option("--shape", "-s", help="repeatable, e.g. 8192x8192")],
+    dtype: DtypeOpt = "float16",
+    strategy: Annotated[str, typer.Option(help="exhaustive, random or evolutionary")] = "random",
+    budget: Annotated[int, typer.Option(help="trials over all shapes")] = 64,
+    seconds: Annotated[float, typer.Option(help="wall-clock budget")] = 3600.0,
+    attr: AttrOpt = None,
+    server: ServerOpt = None,
+) -> None:
+    """Tune a kernel: submit a job to a server, or run it here on this GPU when no server is given."""
+    from kernelmill.service.jobs import JobError, validate_submission
+    from kernelmill.settings import get_settings
+
+    settings = get_settings()
+    attrs = parse_pairs(attr, "--attr")
+    try:
+        fields = validate_submission(settings, op, shape, dtype, strategy, budget, seconds, attrs)
+    except JobError as exc:
+        raise fail(str(exc)) from None
+    if server:
+        from kernelmill.client import tune_remote
+
+        tune_remote(server, fields, console)
+    else:
+        from kernelmill.client import tune_embedded
+
+        tune_embedded(settings, fields, console)
+
+
+@app.command()
+@user_errors
+def jobs(
+    server: ServerOpt = None,
+    state: Annotated[str | None, typer.Option(help="queued, running, done, failed or cancelled")] = None,
+    limit: int = 20,
+) -> None:
+    """List recent jobs (from the server, or the local database)."""
+    from kernelmill.client import fetch_jobs
+
+    table = Table(title="jobs")
+    for col in ("id", "op", "shapes", "dtype", "strategy", "state", "trials", "failed", "best us", "speedup"):
+        table.add_column(col)
+    for job in fetch_jobs(server, state, limit):
+        best = [s for s in job["per_shape"] if s["best_ms"]]
+        table.add_row(
+            str(job["id"]), job["op"], " ".join("x".join(map(str, s)) for s in job["shapes"]), job["dtype"],
+            job["strategy"], job["state"], str(job["trials_done"]), str(job["trials_failed"]),
+            " ".join(f"{s['best_ms'] * 1e3:.1f}" for s in best),
+            " ".join(f"{s['speedup']:.2f}x" for s in best if s["speedup"]),
+        )
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def kernels(
+    server: ServerOpt = None,
+    op: str | None = None,
+    dtype: str | None = None,
+) -> None:
+    """List served kernels: the best verified one per op, shape, dtype and arch."""
+    from kernelmill.client import fetch_kernels
+
+    table = Table(title="served kernels")
+    for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
+        table.add_column(col)
+    for k in fetch_kernels(server, op, dtype):
+        table.add_row(
+            str(k["id"]), k["op"], "x".join(map(str, k["shape"])), k["dtype"], k["arch"], k["family"],
+            f"{k['median_ms'] * 1e3:.1f}", f"{k['baseline_ms'] * 1e3:.1f}" if k["baseline_ms"] else "",
+            f"{k['speedup']:.2f}x" if k["speedup"] else "", k["device_name"] or "",
+        )
+    console.print(table)

@@ -27,7 +27,24 @@ class Settings(BaseSettings):
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
     verify_seeds: int = Field(3, ge=1, description="random input sets per verification")
     bench_warmup: int = Field(5, ge=0)
-    bench_reps: int = Field(50, ge=1)
+    bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
+    kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
+
+    # -- service ---------------------------------------------------------------
+    database_url: str = Field("sqlite:///./kernelmill.db", description="any SQLAlchemy URL (PostgreSQL works)")
+    api_token: str | None = Field(None, description="when set, writes need 'Authorization: Bearer <token>'")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    scheduler: str | None = Field(None, description="tcp://HOST:8786 of an existing Dask scheduler")
+    executor: str = Field("dask", pattern="^(dask|fake)$", description="'fake' runs synthetic GPUs (tests only)")
+    fake_workers: int = Field(2, ge=0, description="fake GPUs when executor=fake")
+    fake_delay_s: float = Field(0.0, ge=0, description="seconds per fake trial")
+    max_budget_trials: int = Field(4096, ge=1)
+    max_budget_seconds: float = Field(6 * 3600.0, gt=0)
+    max_shapes: int = Field(32, ge=1)
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="request bodies larger than this get 413")
+    batch_size: int = Field(8, ge=1, description="candidates per evaluation batch")
+    worker_answer_timeout_s: float = Field(900.0, gt=0, description="a GPU worker silent this long is replaced")
 
 
 _current: Settings | None = None

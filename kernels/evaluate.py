@@ -52,13 +52,14 @@ def evaluate(
     reps: int = 50,
     flusher: L2Flusher | None = None,
     timeout_s: float = 10.0,
+    arch: str | None = None,
 ) -> Evaluation:
     """Compile, verify on fresh inputs, then (if verified and ``timed``) time with CUDA events."""
     reason = variant.check_shape(shape)
     if reason:
         return Evaluation(variant, shape, UNSUPPORTED, reason)
     try:
-        compiled = variant.compile(compiler)
+        compiled = variant.compile(compiler, arch)
     except CompileError as exc:
         return Evaluation(variant, shape, COMPILE_ERROR, str(exc))
     result = Evaluation(variant, shape, OK, compiled=compiled)

@@ -1,0 +1,163 @@
+"""The agent loop: propose -> evaluate -> record, per shape, until budget, plateau or cancel.
+
+The loop owns no storage: a ``Recorder`` (the service's store, or anything with
+the same methods) keeps the history, so a job resumed after a crash continues
+from its recorded trials and never re-runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kernelmill.agents.evaluator import SKIPPED, Evaluator, TrialResult
+from kernelmill.agents.space import Observation, Space
+from kernelmill.agents.strategies import get_strategy
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import format_shape
+from kernelmill.kernels.render import render
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobPlan:
+    job_id: int
+    op: str
+    shapes: list[tuple[int, ...]]
+    dtype: str
+    attrs: dict[str, Any]
+    strategy: str
+    budget_trials: int
+    budget_seconds: float
+    batch_size: int = 8
+    #: Stop a shape when this many trials in a row bring no gain over 1%.
+    plateau: int = 48
+
+
+@dataclass
+class Progress:
+    job_id: int
+    shape: str
+    trials: int  # over all shapes
+    failed: int
+    budget: int
+    best_ms: float | None
+    baseline_ms: float | None
+    last: list[TrialResult] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        return self.baseline_ms / self.best_ms if self.best_ms and self.baseline_ms else None
+
+
+class Recorder(Protocol):
+    def observations(self, shape: str) -> list[Observation]:
+        """Trials already recorded for this job and shape."""
+        ...
+
+    def record(self, shape: str, results: Sequence[TrialResult]) -> None: ...
+
+    def baseline(self, shape: str) -> tuple[bool, float | None]:
+        """(measured already?, PyTorch's median ms or None where it could not be timed)."""
+        ...
+
+    def record_baseline(self, shape: str, median_ms: float | None, device_name: str) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+    def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
+        """Serve the fastest verified trial of ``shape``; ``served_fields(family, params)`` adds source and launches."""
+        ...
+
+
+def served_fields(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any]):
+    """Builds what the runtime needs to launch a served kernel, beyond the trial itself."""
+    spec = get_op(op)
+
+    def build(family: str, params: dict[str, Any]) -> dict[str, Any]:
+        fam = spec.family(family)
+        launches = [
+            {
+                "entry": launch.entry,
+                "grid": list(launch.grid),
+                "block": list(launch.block),
+                "smem_bytes": launch.smem_bytes,
+                "args": list(launch.args),
+            }
+            for launch in fam.launches(shape, params, dtype)
+        ]
+        return {
+            "source": render(fam, params, dtype, spec.resolve_attrs(attrs)),
+            "launches": launches,
+            "workspace": fam.workspace(shape, params, dtype),
+        }
+
+    return build
+
+
+def run_job(
+    plan: JobPlan,
+    evaluator: Evaluator,
+    recorder: Recorder,
+    on_progress: Callable[[Progress], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
+    """Run the search; returns the final state: "done" or "cancelled"."""
+    spec = get_op(plan.op)
+    facts = evaluator.facts()
+    deadline = clock() + plan.budget_seconds
+    per_shape = max(1, math.ceil(plan.budget_trials / max(1, len(plan.shapes))))
+    space = Space(spec, plan.dtype)
+    total = failed = 0
+    histories = {format_shape(s): recorder.observations(format_shape(s)) for s in plan.shapes}
+    for history in histories.values():
+        total += len(history)
+        failed += sum(1 for o in history if not o.ok)
+
+    for shape in plan.shapes:
+        key = format_shape(shape)
+        history = histories[key]
+        measured, baseline = recorder.baseline(key)
+        if not measured:
+            baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs)
+            recorder.record_baseline(key, baseline, facts.name)
+        strategy = get_strategy(plan.strategy, seed=plan.job_id)
+        best = min((o.median_ms for o in history if o.ok), default=None)
+        since_gain = 0
+        while len(history) < per_shape:
+            if recorder.cancelled():
+                return "cancelled"
+            if clock() > deadline:
+                log.info("job %s: time budget spent", plan.job_id)
+                break
+            if since_gain >= plan.plateau:
+                log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
+                break
+            batch = strategy.propose(space, history, min(plan.batch_size, per_shape - len(history)))
+            if not batch:
+                break
+            results = evaluator.evaluate(plan.op, shape, plan.dtype, plan.attrs, batch)
+            kept = [r for r in results if r.status != SKIPPED]
+            recorder.record(key, kept)
+            for r in kept:
+                history.append(Observation(r.candidate, r.status, r.median_ms))
+                total += 1
+                if r.status != "ok" or r.median_ms is None:
+                    failed += 1
+                    since_gain += 1
+                elif best is None or r.median_ms < best * 0.99:
+                    best, since_gain = r.median_ms, 0
+                else:
+                    since_gain += 1
+                    best = min(best, r.median_ms)
+            if on_progress:
+                on_progress(Progress(plan.job_id, key, total, failed, per_shape * len(plan.shapes), best, baseline, kept))
+        recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))
+        if clock() > deadline:
+            break
+    return "done"

@@ -1,0 +1,87 @@
+"""The search space of a job: every valid (family, params) of an op for one dtype."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kernelmill.kernels.ops.base import OpSpec
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the space: a family and its parameter values."""
+
+    family: str
+    params_json: str  # canonical JSON (sorted keys): hashable and storable
+
+    @classmethod
+    def of(cls, family: str, params: Mapping[str, Any]) -> Candidate:
+        return cls(family, json.dumps(dict(params), sort_keys=True))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return json.loads(self.params_json)
+
+    @property
+    def key(self) -> str:
+        return f"{self.family}:{self.params_json}"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the loop learned about a candidate at one shape (a trial, reduced)."""
+
+    candidate: Candidate
+    status: str
+    median_ms: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.median_ms is not None
+
+
+class Space:
+    """Valid candidates of ``op`` for ``dtype``, with each family's knobs for mutation."""
+
+    def __init__(self, op: OpSpec, dtype: str, families: Iterable[str] | None = None) -> None:
+        self.op = op
+        self.dtype = dtype
+        names = list(families) if families else [f.name for f in op.families.values() if dtype in f.dtypes]
+        self.families = {name: op.family(name) for name in names}
+        self.candidates: list[Candidate] = [
+            Candidate.of(name, params) for name, fam in self.families.items() for params in fam.space(dtype)
+        ]
+        self._index = {c.key: c for c in self.candidates}
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def __contains__(self, candidate: Candidate) -> bool:
+        return candidate.key in self._index
+
+    def defaults(self) -> list[Candidate]:
+        """Each family's default point: where every search starts."""
+        return [Candidate.of(name, fam.defaults(self.dtype)) for name, fam in self.families.items()]
+
+    def valid(self, family: str, params: Mapping[str, Any]) -> Candidate | None:
+        """The candidate for these params if it is in the space, else None."""
+        cand = Candidate.of(family, params)
+        return cand if cand in self else None
+
+    def neighbours(self, candidate: Candidate) -> list[Candidate]:
+        """Valid points that differ from ``candidate`` by one knob moved one step."""
+        fam = self.families[candidate.family]
+        params = candidate.params
+        out = []
+        for knob in fam.params:
+            values = list(knob.values)
+            i = values.index(params[knob.name])
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(values):
+                    moved = self.valid(candidate.family, {**params, knob.name: values[j]})
+                    if moved is not None:
+                        out.append(moved)
+        return out

@@ -1,0 +1,151 @@
+"""What the CLI does against a server (httpx) or, without one, against the local store and GPU."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kernelmill.settings import Settings, get_settings
+
+
+class ServerError(ValueError):
+    """The server refused a request or could not be reached; the message says why."""
+
+
+def _request(method: str, url: str, **kw) -> Any:
+    token = get_settings().api_token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.request(method, url, headers=headers, timeout=30.0, **kw)
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {url}: {exc}") from None
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        raise ServerError(f"server answered {resp.status_code}: {detail}")
+    return resp.json()
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("failed {task.fields[failed]}"),
+        TextColumn("best {task.fields[best]}"),
+        TextColumn("vs torch {task.fields[speedup]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def _fmt(best_ms: float | None, speedup: float | None) -> dict[str, str]:
+    return {
+        "best": f"{best_ms * 1e3:.1f} us" if best_ms else "-",
+        "speedup": f"{speedup:.2f}x" if speedup else "-",
+    }
+
+
+def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: float = 1.0) -> dict[str, Any]:
+    base = server.rstrip("/")
+    body = {
+        "op": fields["op"],
+        "shapes": fields["shapes"],
+        "dtype": fields["dtype"],
+        "strategy": fields["strategy"],
+        "attrs": {k: str(v) for k, v in fields["attrs"].items()},
+        "budget": {"trials": fields["budget_trials"], "seconds": fields["budget_seconds"]},
+    }
+    job = _request("POST", f"{base}/api/jobs", json=body)
+    console.print(f"job {job['id']} submitted to {base}")
+    try:
+        with _progress(console) as bar:
+            task = bar.add_task(f"job {job['id']} queued", total=job["budget"]["trials"], failed=0, **_fmt(None, None))
+            while job["state"] in ("queued", "running"):
+                time.sleep(poll_s)
+                job = _request("GET", f"{base}/api/jobs/{job['id']}")
+                best = min((s for s in job["per_shape"] if s["best_ms"]), key=lambda s: s["best_ms"], default=None)
+                bar.update(
+                    task, completed=job["trials_done"], failed=job["trials_failed"],
+                    description=f"job {job['id']} {job['state']}",
+                    **_fmt(best and best["best_ms"], best and best["speedup"]),
+                )
+    except KeyboardInterrupt:
+        console.print(f"stopped watching; job {job['id']} goes on (cancel: POST {base}/api/jobs/{job['id']}/cancel)")
+        return job
+    _summary(console, job)
+    return job
+
+
+def _summary(console: Console, job: dict[str, Any]) -> None:
+    console.print(f"job {job['id']} {job['state']}" + (f": {job['error']}" if job.get("error") else ""))
+    for s in job["per_shape"]:
+        best = f"{s['best_ms'] * 1e3:.1f} us" if s["best_ms"] else "no verified kernel"
+        torch = f"{s['baseline_ms'] * 1e3:.1f} us" if s["baseline_ms"] else "n/a"
+        speed = f" ({s['speedup']:.2f}x)" if s["speedup"] else ""
+        console.print(f"  {s['shape']}: best {best}, torch {torch}{speed}; {s['trials']} trials, {s['failed']} failed")
+
+
+def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) -> dict[str, Any]:
+    """Run the job in this process on this GPU, recorded in the local database."""
+    from kernelmill.agents.evaluator import LocalEvaluator
+    from kernelmill.agents.loop import JobPlan, run_job
+    from kernelmill.service.api.jobs import job_out
+    from kernelmill.service.db.store import Store
+    from kernelmill.service.jobs import StoreRecorder
+
+    evaluator = LocalEvaluator(0, settings.verify_seeds, settings.bench_reps, settings.kernel_timeout_s)
+    store = Store(settings.database_url)
+    facts = evaluator.facts()
+    job = store.create_job(arch=facts.arch, **fields)
+    store.start_job(job.id, "embedded", facts.name)
+    plan = JobPlan(
+        job.id, job.op, [tuple(s) for s in job.shapes], job.dtype, job.attrs, job.strategy,
+        job.budget_trials, job.budget_seconds, batch_size=settings.batch_size,
+    )
+    console.print(f"job {job.id} on {facts.name} ({facts.arch}), recorded in {settings.database_url}")
+    with _progress(console) as bar:
+        task = bar.add_task(f"job {job.id}", total=job.budget_trials, failed=0, **_fmt(None, None))
+
+        def show(p) -> None:
+            bar.update(task, completed=p.trials, failed=p.failed, description=f"job {job.id} {p.shape}",
+                       **_fmt(p.best_ms, p.speedup))
+
+        try:
+            state = run_job(plan, evaluator, StoreRecorder(store, job.id), show)
+        except KeyboardInterrupt:
+            store.finish_job(job.id, "cancelled", "interrupted")
+            raise
+    store.finish_job(job.id, state)
+    out = job_out(store, store.get_job(job.id)).model_dump()
+    _summary(console, out)
+    return out
+
+
+def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[str, Any]]:
+    if server:
+        params = {"limit": limit, **({"state": state} if state else {})}
+        return _request("GET", f"{server.rstrip('/')}/api/jobs", params=params)["items"]
+    from kernelmill.service.api.jobs import job_out
+    from kernelmill.service.db.store import Store
+
+    store = Store(get_settings().database_url)
+    rows, _ = store.list_jobs(state, None, limit)
+    return [job_out(store, j).model_dump() for j in rows]
+
+
+def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list[dict[str, Any]]:
+    if server:
+        params = {k: v for k, v in {"op": op, "dtype": dtype}.items() if v}
+        return _request("GET", f"{server.rstrip('/')}/api/kernels", params=params)["items"]
+    from kernelmill.service.api.schemas import KernelSummary
+    from kernelmill.service.db.store import Store
+
+    rows, _ = Store(get_settings().database_url).list_kernels(op, dtype)
+    return [KernelSummary.model_validate(k).model_dump() for k in rows]

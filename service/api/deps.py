@@ -1,0 +1,36 @@
+"""Dependencies shared by the routes: the store, the runner, settings and the write token."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from kernelmill.service.db.store import Store
+from kernelmill.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def require_writer(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+) -> None:
+    """Writes need the bearer token when KERNELMILL_API_TOKEN is set."""
+    token = request.app.state.settings.api_token
+    if not token:
+        return
+    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            detail="this server needs 'Authorization: Bearer <token>' for writes (KERNELMILL_API_TOKEN)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

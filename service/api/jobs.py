@@ -1,0 +1,97 @@
+"""/api/jobs: submit, list, inspect, cancel, and the trials of a job."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, status
+
+from kernelmill.service.api.deps import get_settings_dep, get_store, require_writer
+from kernelmill.service.api.schemas import Budget, JobCreate, JobOut, Page, ShapeProgress, TrialOut
+from kernelmill.service.db.models import Job, utcnow
+from kernelmill.service.db.store import Store
+from kernelmill.service.jobs import JobError, validate_submission
+from kernelmill.settings import Settings
+
+router = APIRouter(prefix="/api/jobs", tags=["jobs"])
+
+
+def job_out(store: Store, job: Job) -> JobOut:
+    per_shape = [ShapeProgress(**s.__dict__, speedup=s.speedup) for s in store.summary(job)]
+    done = sum(s.trials for s in per_shape)
+    eta = None
+    if job.state == "running" and job.started_at and done:
+        elapsed = (utcnow() - job.started_at).total_seconds()
+        remaining = max(0, job.budget_trials - done)
+        eta = min(elapsed / done * remaining, max(0.0, job.budget_seconds - elapsed))
+    return JobOut(
+        id=job.id, op=job.op, shapes=job.shapes, dtype=job.dtype, arch=job.arch, attrs=job.attrs or {},
+        strategy=job.strategy, budget=Budget(trials=job.budget_trials, seconds=job.budget_seconds), state=job.state,
+        error=job.error, worker=job.worker, device_name=job.device_name, created_at=job.created_at,
+        started_at=job.started_at, finished_at=job.finished_at, trials_done=done,
+        trials_failed=sum(s.failed for s in per_shape), per_shape=per_shape, eta_seconds=eta,
+    )
+
+
+def _job_or_404(store: Store, job_id: int) -> Job:
+    job = store.get_job(job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no job with id {job_id}")
+    return job
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Depends(require_writer)])
+def create_job(
+    body: JobCreate, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
+) -> JobOut:
+    try:
+        fields = validate_submission(
+            settings, body.op, body.shapes, body.dtype, body.strategy, body.budget.trials, body.budget.seconds,
+            body.attrs,
+        )
+    except JobError as exc:
+        raise HTTPException(422, detail=str(exc)) from None
+    return job_out(store, store.create_job(arch=body.arch, **fields))
+
+
+@router.get("")
+def list_jobs(
+    store: Store = Depends(get_store),
+    state: Literal["queued", "running", "done", "failed", "cancelled"] | None = None,
+    op: str | None = None,
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0),
+) -> Page[JobOut]:
+    jobs, total = store.list_jobs(state, op, limit, offset)
+    return Page[JobOut](items=[job_out(store, j) for j in jobs], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}")
+def get_job(job_id: int, store: Store = Depends(get_store)) -> JobOut:
+    return job_out(store, _job_or_404(store, job_id))
+
+
+@router.post("/{job_id}/cancel", dependencies=[Depends(require_writer)])
+def cancel_job(job_id: int, store: Store = Depends(get_store)) -> JobOut:
+    job = _job_or_404(store, job_id)
+    if job.state in ("done", "failed", "cancelled"):
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id} is already {job.state}")
+    return job_out(store, store.request_cancel(job_id))
+
+
+@router.get("/{job_id}/trials")
+def list_trials(
+    job_id: int,
+    store: Store = Depends(get_store),
+    sort: Literal["seq", "median_ms", "status", "family"] = "seq",
+    order: Literal["asc", "desc"] = "asc",
+    status_filter: str | None = Query(None, alias="status"),
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> Page[TrialOut]:
+    _job_or_404(store, job_id)
+    trials, total = store.list_trials(job_id, sort, order == "desc", status_filter, limit, offset)
+    return Page[TrialOut](
+        items=[TrialOut.model_validate(t) for t in trials], total=total, limit=limit, offset=offset
+    )
+

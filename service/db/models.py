@@ -1,0 +1,133 @@
+"""SQLAlchemy 2 tables. API schemas live apart (service/api/schemas.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
+
+
+class DeviceRow(Base):
+    """A GPU a worker serves, with its measured ceilings."""
+
+    __tablename__ = "devices"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    arch: Mapped[str] = mapped_column(String(16))
+    worker: Mapped[str] = mapped_column(String(128), unique=True)
+    sm_count: Mapped[int | None] = mapped_column(Integer)
+    copy_gbps: Mapped[float | None] = mapped_column(Float)
+    matrix_tflops: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    op: Mapped[str] = mapped_column(String(32), index=True)
+    shapes: Mapped[list[Any]] = mapped_column()
+    dtype: Mapped[str] = mapped_column(String(16))
+    attrs: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    arch: Mapped[str] = mapped_column(String(16), default="auto")
+    strategy: Mapped[str] = mapped_column(String(32))
+    budget_trials: Mapped[int] = mapped_column(Integer)
+    budget_seconds: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    worker: Mapped[str | None] = mapped_column(String(128))
+    device_name: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column()
+    finished_at: Mapped[datetime | None] = mapped_column()
+    trials: Mapped[list[Trial]] = relationship(back_populates="job", cascade="all, delete-orphan", lazy="raise")
+
+
+class Trial(Base):
+    """One variant evaluated on one device for one shape; failures are rows with a reason."""
+
+    __tablename__ = "trials"
+    __table_args__ = (
+        UniqueConstraint("job_id", "shape_key", "family", "params_key", name="uq_trial_candidate"),
+        Index("ix_trials_job_shape", "job_id", "shape_key"),
+    )
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)  # order within the job
+    shape_key: Mapped[str] = mapped_column(String(64))
+    family: Mapped[str] = mapped_column(String(64))
+    params: Mapped[dict[str, Any]] = mapped_column()
+    params_key: Mapped[str] = mapped_column(String(512))
+    status: Mapped[str] = mapped_column(String(24), index=True)
+    reason: Mapped[str | None] = mapped_column(Text)
+    arch: Mapped[str | None] = mapped_column(String(16))
+    variant_key: Mapped[str | None] = mapped_column(String(64))
+    ptxas: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    max_rel_err: Mapped[float | None] = mapped_column(Float)
+    verify: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    median_ms: Mapped[float | None] = mapped_column(Float)
+    min_ms: Mapped[float | None] = mapped_column(Float)
+    spread: Mapped[float | None] = mapped_column(Float)
+    reps: Mapped[int | None] = mapped_column(Integer)
+    profile: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    note: Mapped[str | None] = mapped_column(Text)  # why the strategy proposed it
+    cubin: Mapped[bytes | None] = deferred(mapped_column(LargeBinary))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    job: Mapped[Job] = relationship(back_populates="trials")
+
+
+class Baseline(Base):
+    """PyTorch's time for a job's shape, measured on the job's GPU in the same job."""
+
+    __tablename__ = "baselines"
+    __table_args__ = (UniqueConstraint("job_id", "shape_key", name="uq_baseline_job_shape"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    shape_key: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(32), default="torch")
+    median_ms: Mapped[float | None] = mapped_column(Float)
+    device_name: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Kernel(Base):
+    """The best verified trial per (op, shape, dtype, arch, attrs): what is served."""
+
+    __tablename__ = "kernels"
+    __table_args__ = (UniqueConstraint("op", "shape_key", "dtype", "arch", "attrs_key", name="uq_kernel_problem"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    op: Mapped[str] = mapped_column(String(32), index=True)
+    shape: Mapped[list[Any]] = mapped_column()
+    shape_key: Mapped[str] = mapped_column(String(64))
+    dtype: Mapped[str] = mapped_column(String(16))
+    arch: Mapped[str] = mapped_column(String(16))
+    attrs: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    attrs_key: Mapped[str] = mapped_column(String(256), default="{}")
+    family: Mapped[str] = mapped_column(String(64))
+    params: Mapped[dict[str, Any]] = mapped_column()
+    source: Mapped[str] = mapped_column(Text)
+    cubin: Mapped[bytes] = deferred(mapped_column(LargeBinary))
+    launches: Mapped[list[Any]] = mapped_column()
+    workspace: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    ptxas: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    median_ms: Mapped[float] = mapped_column(Float)
+    baseline_ms: Mapped[float | None] = mapped_column(Float)
+    speedup: Mapped[float | None] = mapped_column(Float)
+    max_rel_err: Mapped[float | None] = mapped_column(Float)
+    device_name: Mapped[str | None] = mapped_column(String(128))
+    trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id", ondelete="SET NULL"))
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

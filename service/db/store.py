@@ -1,0 +1,371 @@
+"""The store: the database is the truth for jobs, trials, baselines, served kernels and devices.
+
+One function per question the API or the loop asks; routes and the loop never
+build queries themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker, undefer
+
+from kernelmill.service.db.models import Baseline, DeviceRow, Job, Kernel, Trial, utcnow
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def shape_key(shape: Sequence[int]) -> str:
+    return "x".join(str(int(v)) for v in shape)
+
+
+def attrs_key(attrs: dict[str, Any] | None) -> str:
+    return json.dumps(attrs or {}, sort_keys=True)
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):  # WAL: readers never wait for the loop's writes
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Apply Alembic migrations up to ``revision``."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def downgrade(engine: Engine, revision: str = "base") -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+
+@dataclass
+class ShapeSummary:
+    shape: str
+    trials: int
+    failed: int
+    best_ms: float | None
+    best_trial_id: int | None
+    baseline_ms: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best_ms and self.baseline_ms:
+            return self.baseline_ms / self.best_ms
+        return None
+
+
+class Store:
+    def __init__(self, url: str, *, migrate_on_open: bool = True) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        if migrate_on_open:
+            migrate(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def session(self) -> Session:
+        return self._session()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- jobs --------------------------------------------------------------------
+
+    def create_job(self, **fields: Any) -> Job:
+        with self.session() as s, s.begin():
+            job = Job(**fields)
+            s.add(job)
+        return job
+
+    def get_job(self, job_id: int) -> Job | None:
+        with self.session() as s:
+            return s.get(Job, job_id)
+
+    def list_jobs(
+        self, state: str | None = None, op: str | None = None, limit: int = 50, offset: int = 0
+    ) -> tuple[list[Job], int]:
+        query = select(Job)
+        if state:
+            query = query.where(Job.state == state)
+        if op:
+            query = query.where(Job.op == op)
+        with self.session() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = s.scalars(query.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
+        return list(rows), total
+
+    def jobs_in_state(self, *states: str) -> list[Job]:
+        with self.session() as s:
+            return list(s.scalars(select(Job).where(Job.state.in_(states)).order_by(Job.id)).all())
+
+    def update_job(self, job_id: int, **fields: Any) -> Job:
+        with self.session() as s, s.begin():
+            job = s.get(Job, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            for key, value in fields.items():
+                setattr(job, key, value)
+        return job
+
+    def start_job(self, job_id: int, worker: str | None, device_name: str | None) -> Job:
+        job = self.get_job(job_id)
+        started = job.started_at if job and job.started_at else utcnow()
+        return self.update_job(job_id, state="running", worker=worker, device_name=device_name, started_at=started)
+
+    def finish_job(self, job_id: int, state: str, error: str | None = None) -> Job:
+        return self.update_job(job_id, state=state, error=error, finished_at=utcnow())
+
+    def request_cancel(self, job_id: int) -> Job:
+        """Queued jobs are cancelled at once; running ones at the loop's next check."""
+        with self.session() as s, s.begin():
+            job = s.get(Job, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.state == "queued":
+                job.state, job.finished_at = "cancelled", utcnow()
+            elif job.state == "running":
+                job.cancel_requested = True
+        return job
+
+    def cancel_requested(self, job_id: int) -> bool:
+        with self.session() as s:
+            return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+
+    # -- trials ------------------------------------------------------------------
+
+    def trials(self, job_id: int, shape: str | None = None) -> list[Trial]:
+        query = select(Trial).where(Trial.job_id == job_id)
+        if shape is not None:
+            query = query.where(Trial.shape_key == shape)
+        with self.session() as s:
+            return list(s.scalars(query.order_by(Trial.seq)).all())
+
+    def record_trials(self, job_id: int, shape: str, rows: Iterable[dict[str, Any]]) -> list[Trial]:
+        """Insert trials; a candidate already recorded for this job and shape is skipped (no duplicates)."""
+        added = []
+        with self.session() as s:
+            seq = s.scalar(select(func.coalesce(func.max(Trial.seq), 0)).where(Trial.job_id == job_id)) or 0
+            for row in rows:
+                seq += 1
+                trial = Trial(job_id=job_id, shape_key=shape, seq=seq, **row)
+                try:
+                    with s.begin_nested():
+                        s.add(trial)
+                except IntegrityError:
+                    seq -= 1
+                    log.info("job %s: trial %s %s already recorded", job_id, row.get("family"), row.get("params"))
+                    continue
+                added.append(trial)
+            s.commit()
+        return added
+
+    def list_trials(
+        self,
+        job_id: int,
+        sort: str = "seq",
+        descending: bool = False,
+        status: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> tuple[list[Trial], int]:
+        column = {"seq": Trial.seq, "median_ms": Trial.median_ms, "status": Trial.status, "family": Trial.family}[sort]
+        query = select(Trial).where(Trial.job_id == job_id)
+        if status:
+            query = query.where(Trial.status == status)
+        order = column.desc() if descending else column.asc()
+        with self.session() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = s.scalars(query.order_by(order.nulls_last(), Trial.seq).limit(limit).offset(offset)).all()
+        return list(rows), total
+
+    def trial(self, trial_id: int, with_cubin: bool = False) -> Trial | None:
+        with self.session() as s:
+            opts = [undefer(Trial.cubin)] if with_cubin else []
+            return s.get(Trial, trial_id, options=opts)
+
+    def best_trial(self, job_id: int, shape: str) -> Trial | None:
+        """The fastest verified trial of a job's shape, cubin loaded."""
+        query = (
+            select(Trial)
+            .options(undefer(Trial.cubin))
+            .where(Trial.job_id == job_id, Trial.shape_key == shape, Trial.status == "ok")
+            .order_by(Trial.median_ms.asc())
+            .limit(1)
+        )
+        with self.session() as s:
+            return s.scalar(query)
+
+    def summary(self, job: Job) -> list[ShapeSummary]:
+        """Per shape: trials done and failed, best time, PyTorch baseline."""
+        out = []
+        with self.session() as s:
+            for shape in job.shapes:
+                key = shape_key(shape)
+                counts = dict(
+                    s.execute(
+                        select(Trial.status, func.count())
+                        .where(Trial.job_id == job.id, Trial.shape_key == key)
+                        .group_by(Trial.status)
+                    ).all()
+                )
+                best = s.execute(
+                    select(Trial.id, Trial.median_ms)
+                    .where(Trial.job_id == job.id, Trial.shape_key == key, Trial.status == "ok")
+                    .order_by(Trial.median_ms.asc())
+                    .limit(1)
+                ).first()
+                base = s.scalar(select(Baseline.median_ms).where(Baseline.job_id == job.id, Baseline.shape_key == key))
+                total = sum(counts.values())
+                out.append(
+                    ShapeSummary(
+                        key, total, total - counts.get("ok", 0), best[1] if best else None, best[0] if best else None, base
+                    )
+                )
+        return out
+
+    # -- baselines -----------------------------------------------------------------
+
+    def record_baseline(self, job_id: int, shape: str, median_ms: float | None, device_name: str | None) -> None:
+        with self.session() as s, s.begin():
+            row = s.scalar(select(Baseline).where(Baseline.job_id == job_id, Baseline.shape_key == shape))
+            if row is None:
+                s.add(Baseline(job_id=job_id, shape_key=shape, median_ms=median_ms, device_name=device_name))
+            else:
+                row.median_ms, row.device_name = median_ms, device_name
+
+    def has_baseline(self, job_id: int, shape: str) -> bool:
+        with self.session() as s:
+            query = select(Baseline.id).where(Baseline.job_id == job_id, Baseline.shape_key == shape)
+            return s.scalar(query) is not None
+
+    def baseline(self, job_id: int, shape: str) -> float | None:
+        with self.session() as s:
+            return s.scalar(select(Baseline.median_ms).where(Baseline.job_id == job_id, Baseline.shape_key == shape))
+
+    # -- served kernels --------------------------------------------------------------
+
+    def publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
+        """Serve ``trial`` for its problem unless a faster kernel is already served."""
+        try:
+            return self._publish(job, trial, fields)
+        except IntegrityError:  # another job published the same problem first: compare with it
+            return self._publish(job, trial, fields)
+
+    def _publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
+        key = attrs_key(job.attrs)
+        with self.session() as s, s.begin():
+            current = s.scalar(
+                select(Kernel).where(
+                    Kernel.op == job.op,
+                    Kernel.shape_key == trial.shape_key,
+                    Kernel.dtype == job.dtype,
+                    Kernel.arch == trial.arch,
+                    Kernel.attrs_key == key,
+                )
+            )
+            if current is not None and current.median_ms <= trial.median_ms and current.trial_id != trial.id:
+                return current
+            kernel = current or Kernel(op=job.op, shape_key=trial.shape_key, dtype=job.dtype, arch=trial.arch)
+            kernel.shape = [int(v) for v in trial.shape_key.split("x")]
+            kernel.attrs, kernel.attrs_key = dict(job.attrs or {}), key
+            kernel.family, kernel.params = trial.family, trial.params
+            kernel.median_ms, kernel.max_rel_err, kernel.ptxas = trial.median_ms, trial.max_rel_err, trial.ptxas
+            kernel.trial_id, kernel.job_id, kernel.device_name = trial.id, job.id, job.device_name
+            for name, value in fields.items():
+                setattr(kernel, name, value)
+            if kernel.baseline_ms:
+                kernel.speedup = kernel.baseline_ms / kernel.median_ms
+            s.add(kernel)
+        return kernel
+
+    def list_kernels(
+        self, op: str | None = None, dtype: str | None = None, arch: str | None = None, limit: int = 100, offset: int = 0
+    ) -> tuple[list[Kernel], int]:
+        query = select(Kernel)
+        for column, value in ((Kernel.op, op), (Kernel.dtype, dtype), (Kernel.arch, arch)):
+            if value:
+                query = query.where(column == value)
+        with self.session() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = s.scalars(query.order_by(Kernel.op, Kernel.shape_key).limit(limit).offset(offset)).all()
+        return list(rows), total
+
+    def kernel(self, kernel_id: int, with_cubin: bool = False) -> Kernel | None:
+        with self.session() as s:
+            opts = [undefer(Kernel.cubin)] if with_cubin else []
+            return s.get(Kernel, kernel_id, options=opts)
+
+    def best_kernel(
+        self, op: str, shape: Sequence[int], dtype: str, arch: str | None, attrs: dict[str, Any] | None = None
+    ) -> tuple[Kernel, bool] | None:
+        """The kernel for exactly this shape, else the nearest tuned shape (log distance), with ``exact``."""
+        query = select(Kernel).where(Kernel.op == op, Kernel.dtype == dtype, Kernel.attrs_key == attrs_key(attrs))
+        if arch:
+            query = query.where(Kernel.arch == arch)
+        with self.session() as s:
+            candidates = list(s.scalars(query).all())
+        if not candidates:
+            return None
+        want = [max(int(v), 1) for v in shape]
+
+        def distance(k: Kernel) -> float:
+            if len(k.shape) != len(want):
+                return math.inf
+            return sum(abs(math.log(max(a, 1) / b)) for a, b in zip(k.shape, want, strict=True))
+
+        best = min(candidates, key=distance)
+        if math.isinf(distance(best)):
+            return None
+        return best, list(best.shape) == want
+
+    # -- devices ---------------------------------------------------------------------
+
+    def upsert_device(self, worker: str, **fields: Any) -> DeviceRow:
+        with self.session() as s, s.begin():
+            row = s.scalar(select(DeviceRow).where(DeviceRow.worker == worker))
+            if row is None:
+                row = DeviceRow(worker=worker, **fields)
+                s.add(row)
+            else:
+                for key, value in fields.items():
+                    setattr(row, key, value)
+            row.last_seen = utcnow()
+        return row
+
+    def devices(self) -> list[DeviceRow]:
+        with self.session() as s:
+            return list(s.scalars(select(DeviceRow).order_by(DeviceRow.worker)).all())

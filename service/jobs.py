@@ -1,0 +1,175 @@
+"""Jobs: validation of a submission, and the runner that hands queued jobs to idle GPU workers.
+
+The database is the truth: on start-up, jobs left ``running`` by a dead service
+are queued again and resume from their recorded trials.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kernelmill.agents.evaluator import TrialResult
+from kernelmill.agents.loop import JobPlan, Progress, run_job
+from kernelmill.agents.space import Candidate, Observation
+from kernelmill.agents.strategies import STRATEGIES
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import SpecError
+from kernelmill.service.db.models import Job
+from kernelmill.service.db.store import Store
+from kernelmill.service.executor import Executor
+from kernelmill.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class JobError(ValueError):
+    """A submission that cannot be accepted; the message says why (422)."""
+
+
+def validate_submission(
+    settings: Settings,
+    op: str,
+    shapes: Sequence[Sequence[int] | str],
+    dtype: str,
+    strategy: str,
+    budget_trials: int,
+    budget_seconds: float,
+    attrs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Normalized job fields, or JobError saying what is wrong."""
+    try:
+        spec = get_op(op)
+        spec.check_dtype(dtype)
+        if not shapes:
+            raise JobError("shapes: give at least one shape")
+        if len(shapes) > settings.max_shapes:
+            raise JobError(f"shapes: at most {settings.max_shapes} per job, got {len(shapes)}")
+        parsed = [list(spec.parse_shape(s)) for s in shapes]
+        resolved_attrs = spec.resolve_attrs(attrs or {})
+    except SpecError as exc:
+        raise JobError(str(exc)) from None
+    if strategy not in STRATEGIES:
+        raise JobError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if not 1 <= budget_trials <= settings.max_budget_trials:
+        raise JobError(f"budget.trials must be in 1..{settings.max_budget_trials}, got {budget_trials}")
+    if not 0 < budget_seconds <= settings.max_budget_seconds:
+        raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
+    if not any(dtype in f.dtypes for f in spec.families.values()):
+        raise JobError(f"no {op} family supports {dtype}")
+    return {
+        "op": op,
+        "shapes": parsed,
+        "dtype": dtype,
+        "attrs": resolved_attrs,
+        "strategy": strategy,
+        "budget_trials": budget_trials,
+        "budget_seconds": budget_seconds,
+    }
+
+
+class StoreRecorder:
+    """The loop's Recorder backed by the store."""
+
+    def __init__(self, store: Store, job_id: int) -> None:
+        self.store, self.job_id = store, job_id
+
+    def observations(self, shape: str) -> list[Observation]:
+        return [
+            Observation(Candidate.of(t.family, t.params), t.status, t.median_ms)
+            for t in self.store.trials(self.job_id, shape)
+        ]
+
+    def record(self, shape: str, results: Sequence[TrialResult]) -> None:
+        self.store.record_trials(self.job_id, shape, [r.row() for r in results])
+
+    def baseline(self, shape: str) -> tuple[bool, float | None]:
+        return self.store.has_baseline(self.job_id, shape), self.store.baseline(self.job_id, shape)
+
+    def record_baseline(self, shape: str, median_ms: float | None, device_name: str) -> None:
+        self.store.record_baseline(self.job_id, shape, median_ms, device_name)
+
+    def cancelled(self) -> bool:
+        return self.store.cancel_requested(self.job_id)
+
+    def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
+        best = self.store.best_trial(self.job_id, shape)
+        if best is None:
+            log.info("job %s %s: no verified trial to serve", self.job_id, shape)
+            return
+        job = self.store.get_job(self.job_id)
+        fields = served_fields(best.family, best.params)
+        fields.update(cubin=best.cubin, baseline_ms=self.store.baseline(self.job_id, shape))
+        self.store.publish(job, best, fields)
+
+
+class JobRunner:
+    """Polls the store for queued jobs and runs each on an idle GPU worker, one thread per job."""
+
+    def __init__(self, store: Store, executor: Executor, settings: Settings, poll_s: float = 0.5) -> None:
+        self.store, self.executor, self.settings, self.poll_s = store, executor, settings, poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running: dict[int, threading.Thread] = {}
+        self.progress: dict[int, Progress] = {}
+
+    def start(self) -> None:
+        for job in self.store.jobs_in_state("running"):
+            log.info("job %s was running when the service stopped: queued again to resume", job.id)
+            self.store.update_job(job.id, state="queued")
+        self._thread = threading.Thread(target=self._poll, name="kernelmill-jobs", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout_s)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._assign()
+            except Exception:  # noqa: BLE001 - the runner must outlive any one bad poll
+                log.exception("job runner poll failed")
+            self._stop.wait(self.poll_s)
+
+    def _assign(self) -> None:
+        queued = [j for j in self.store.jobs_in_state("queued") if j.id not in self._running]
+        if not queued:
+            return
+        for worker in self.executor.workers():
+            if not queued:
+                return
+            if worker.busy:
+                continue
+            job = queued[0]
+            if not self.executor.claim(worker.name, job.id):
+                continue
+            queued.pop(0)
+            thread = threading.Thread(target=self._run, args=(job, worker.name), name=f"job-{job.id}", daemon=True)
+            self._running[job.id] = thread
+            thread.start()
+
+    def _run(self, job: Job, worker: str) -> None:
+        try:
+            evaluator = self.executor.evaluator(worker)
+            facts = evaluator.facts()
+            self.store.start_job(job.id, worker, facts.name)
+            plan = JobPlan(
+                job.id, job.op, [tuple(s) for s in job.shapes], job.dtype, dict(job.attrs or {}), job.strategy,
+                job.budget_trials, job.budget_seconds, batch_size=self.settings.batch_size,
+            )
+            state = run_job(plan, evaluator, StoreRecorder(self.store, job.id), self._on_progress)
+            self.store.finish_job(job.id, state)
+        except Exception as exc:  # noqa: BLE001 - a failed job is recorded, the service stays up
+            log.exception("job %s failed", job.id)
+            self.store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}")
+        finally:
+            self.executor.release(worker)
+            self._running.pop(job.id, None)
+            self.progress.pop(job.id, None)
+
+    def _on_progress(self, progress: Progress) -> None:
+        self.progress[progress.job_id] = progress

@@ -1,0 +1,126 @@
+"""The whole job lifecycle over REST with the fake device (logic only), and every 422/404 path."""
+
+import pytest
+
+from tests.api.conftest import SOFTMAX_JOB, wait_state
+
+
+def test_job_lifecycle_serves_best_kernel(client):
+    resp = client.post("/api/jobs", json=SOFTMAX_JOB)
+    assert resp.status_code == 201, resp.text
+    job = resp.json()
+    assert job["state"] in ("queued", "running") and job["shapes"] == [[1024, 1024], [4096, 512]]
+
+    job = wait_state(client, job["id"])
+    assert job["state"] == "done", job
+    assert job["trials_done"] == 24 and job["worker"].startswith("fake-gpu")
+    for shape in job["per_shape"]:
+        assert shape["trials"] == 12
+        assert shape["best_ms"] and shape["baseline_ms"] == 1.0
+        assert shape["speedup"] == pytest.approx(1.0 / shape["best_ms"])
+
+    page = client.get(f"/api/jobs/{job['id']}/trials", params={"sort": "median_ms", "limit": 5}).json()
+    assert page["total"] == 24 and len(page["items"]) == 5
+    times = [t["median_ms"] for t in page["items"] if t["median_ms"] is not None]
+    assert times == sorted(times)
+    failed = client.get(f"/api/jobs/{job['id']}/trials", params={"status": "wrong_result"}).json()
+    assert failed["total"] == job["trials_failed"]
+    assert all(t["reason"] for t in failed["items"])
+
+    best = client.get("/api/kernels/best", params={"op": "softmax", "shape": "1024x1024", "dtype": "float16"}).json()
+    assert best["exact"] is True and best["median_ms"] == pytest.approx(job["per_shape"][0]["best_ms"])
+    assert "extern \"C\" __global__" in best["source"] and best["launches"][0]["entry"].startswith("softmax_")
+    near = client.get("/api/kernels/best", params={"op": "softmax", "shape": "4000x500", "dtype": "float16"}).json()
+    assert near["exact"] is False and near["shape"] == [4096, 512]
+
+    kernel = client.get(f"/api/kernels/{best['id']}").json()
+    assert kernel["params"] == best["params"]
+    cubin = client.get(f"/api/kernels/{best['id']}/cubin")
+    assert cubin.status_code == 200 and cubin.content == b"fake-cubin"
+    listing = client.get("/api/kernels", params={"op": "softmax"}).json()
+    assert listing["total"] == 2
+
+
+def test_list_jobs_filters_and_pages(client):
+    ids = [client.post("/api/jobs", json=SOFTMAX_JOB).json()["id"] for _ in range(3)]
+    for job_id in ids:
+        wait_state(client, job_id)
+    page = client.get("/api/jobs", params={"limit": 2}).json()
+    assert page["total"] == 3 and len(page["items"]) == 2 and page["items"][0]["id"] == ids[-1]
+    assert client.get("/api/jobs", params={"state": "done", "op": "softmax"}).json()["total"] == 3
+    assert client.get("/api/jobs", params={"op": "matmul"}).json()["total"] == 0
+
+
+def test_cancel(client):
+    job = client.post("/api/jobs", json={**SOFTMAX_JOB, "budget": {"trials": 4000, "seconds": 600}}).json()
+    resp = client.post(f"/api/jobs/{job['id']}/cancel")
+    assert resp.status_code == 200
+    job = wait_state(client, job["id"])
+    assert job["state"] == "cancelled"
+    again = client.post(f"/api/jobs/{job['id']}/cancel")
+    assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"op": "conv2d"}, "unknown op"),
+        ({"dtype": "float64"}, "unknown dtype"),
+        ({"strategy": "telepathy"}, "unknown strategy"),
+        ({"shapes": [[1024]]}, "2 dims"),
+        ({"shapes": [[1024, 0]]}, "must be > 0"),
+        ({"shapes": [[1024, -3]]}, "must be > 0"),
+        ({"shapes": []}, "shapes"),
+        ({"shapes": ["12xq"]}, "malformed shape"),
+        ({"budget": {"trials": 0, "seconds": 10}}, "budget.trials"),
+        ({"budget": {"trials": 10**6, "seconds": 10}}, "budget.trials"),
+        ({"budget": {"trials": 10, "seconds": 10**9}}, "budget.seconds"),
+        ({"attrs": {"act": "relu"}}, "no attribute"),
+        ({"arch": "hopper"}, "arch"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_submission_errors_are_422_with_reason(client, change, message):
+    resp = client.post("/api/jobs", json={**SOFTMAX_JOB, **change})
+    assert resp.status_code == 422, resp.text
+    assert message in resp.json()["detail"]
+
+
+def test_unknown_ids_are_404(client):
+    for url in ("/api/jobs/999", "/api/jobs/999/trials", "/api/kernels/999", "/api/kernels/999/cubin"):
+        resp = client.get(url)
+        assert resp.status_code == 404 and "999" in resp.json()["detail"]
+    assert client.post("/api/jobs/999/cancel").status_code == 404
+
+
+def test_best_kernel_missing_is_404_with_reason_and_bad_query_422(client):
+    resp = client.get("/api/kernels/best", params={"op": "matmul", "shape": "64x64x64", "dtype": "float16"})
+    assert resp.status_code == 404 and "submit a job" in resp.json()["detail"]
+    resp = client.get("/api/kernels/best", params={"op": "matmul", "shape": "64x64", "dtype": "float16"})
+    assert resp.status_code == 422
+
+
+def test_workers_and_health(client):
+    workers = client.get("/api/workers").json()
+    assert [w["name"] for w in workers["workers"]] == ["fake-gpu0", "fake-gpu1"] and workers["reason"] is None
+    health = client.get("/api/health").json()
+    assert health["status"] == "ok" and health["database"] == "sqlite" and health["workers"] == 2
+
+
+def test_body_size_limit(client):
+    resp = client.post("/api/jobs", content=b"{" + b" " * 100_000 + b"}", headers={"content-type": "application/json"})
+    assert resp.status_code == 413
+
+
+def test_auth_on_guards_writes_only(authed):
+    assert authed.post("/api/jobs", json=SOFTMAX_JOB).status_code == 401
+    bad = authed.post("/api/jobs", json=SOFTMAX_JOB, headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and "Bearer" in bad.json()["detail"]
+    ok = authed.post("/api/jobs", json=SOFTMAX_JOB, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 201
+    assert authed.post(f"/api/jobs/{ok.json()['id']}/cancel").status_code == 401
+    assert authed.get("/api/jobs").status_code == 200  # reads stay open
+
+
+def test_auth_off_accepts_writes(client):
+    assert client.post("/api/jobs", json=SOFTMAX_JOB).status_code == 201
