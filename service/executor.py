@@ -276,7 +276,11 @@ def _worker_spec(index: int, prefix: str, fake_device: bool) -> dict[str, Any]:
 
 
 def _local_cluster(n_gpus: int, fake_device: bool):
+    import dask
     from distributed import Scheduler, SpecCluster
+
+    # A kernel that kills its worker process would kill the retry too: fail the task at once.
+    dask.config.set({"distributed.scheduler.allowed-failures": 0})
 
     workers = {f"gpu{i}": _worker_spec(i, "", fake_device) for i in range(n_gpus)}
     return SpecCluster(

@@ -1,0 +1,76 @@
+"""The Dask executor on CPU: fake-device worker processes (one per 'GPU'), a worker that dies mid-task."""
+
+import time
+
+import pytest
+
+from kernelmill.agents.space import Candidate, Space
+from kernelmill.kernels.ops import get_op
+from kernelmill.service.db.store import Store
+from kernelmill.service.executor import DaskExecutor
+from kernelmill.service.jobs import JobRunner
+from kernelmill.settings import Settings
+
+
+@pytest.fixture
+def crash_family_key(monkeypatch):
+    space = Space(get_op("softmax"), "float16")
+    victim = space.candidates[5]
+    # Worker processes inherit this: evaluating the victim kills the process (os._exit).
+    monkeypatch.setenv("KERNELMILL_FAKE_CRASH_ON", victim.params_json)
+    return victim
+
+
+@pytest.fixture
+def executor(crash_family_key, tmp_path):
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/d.db", worker_answer_timeout_s=60)
+    ex = DaskExecutor(settings, gpus=2, fake_device=True)
+    deadline = time.monotonic() + 60
+    while len(ex.worker_names()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield ex
+    ex.close()
+
+
+def test_workers_pinned_one_per_gpu(executor):
+    assert executor.worker_names() == ["gpu0", "gpu1"]
+    facts = {w: executor.facts(w)["name"] for w in executor.worker_names()}
+    assert facts == {"gpu0": "FakeGPU 0", "gpu1": "FakeGPU 1"}  # CUDA_VISIBLE_DEVICES per worker
+
+
+def test_dead_worker_is_replaced_and_batch_recorded_as_fault(executor, crash_family_key):
+    evaluator = executor.evaluator("gpu1")
+    ok = Candidate.of(crash_family_key.family, {**crash_family_key.params, "fast_exp": not crash_family_key.params["fast_exp"]})
+    results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [crash_family_key])
+    assert [r.status for r in results] == ["fault"]
+    assert "died" in results[0].reason
+    deadline = time.monotonic() + 60
+    while "gpu1" not in executor.worker_names() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "gpu1" in executor.worker_names()
+    again = evaluator.evaluate("softmax", (64, 64), "float16", {}, [ok])
+    assert again[0].status in ("ok", "wrong_result")  # a fresh process answers again
+
+
+def test_job_through_dask_completes_despite_crash(executor, tmp_path, crash_family_key):
+    store = Store(f"sqlite:///{tmp_path}/jobs.db")
+    settings = Settings(database_url=store.url, batch_size=4)
+    runner = JobRunner(store, executor, settings, poll_s=0.1)
+    job = store.create_job(
+        op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="exhaustive",
+        budget_trials=12, budget_seconds=120,
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while store.get_job(job.id).state not in ("done", "failed") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        runner.stop()
+    final = store.get_job(job.id)
+    assert final.state == "done", final.error
+    trials = store.trials(job.id)
+    assert len(trials) == 12
+    assert len({(t.family, t.params_key) for t in trials}) == 12  # no duplicates
+    crashed = [t for t in trials if t.params_key == crash_family_key.params_json and t.family == crash_family_key.family]
+    assert len(crashed) == 1 and crashed[0].status == "fault"

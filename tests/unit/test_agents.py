@@ -1,0 +1,123 @@
+"""Strategies and the loop's logic (fake device: no kernel correctness here)."""
+
+import pytest
+
+from kernelmill.agents.evaluator import FakeEvaluator, TrialResult
+from kernelmill.agents.loop import JobPlan, run_job
+from kernelmill.agents.space import Observation, Space
+from kernelmill.agents.strategies import STRATEGIES, get_strategy
+from kernelmill.kernels.ops import get_op
+
+
+@pytest.fixture(scope="module")
+def space():
+    return Space(get_op("softmax"), "float16")
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_proposes_unseen_valid_points_until_exhausted(space, name):
+    strategy = get_strategy(name, seed=3)
+    history: list[Observation] = []
+    first = strategy.propose(space, history, 8)
+    assert first[: len(space.defaults())] == space.defaults()[: len(first)]  # defaults first
+    while True:
+        batch = strategy.propose(space, history, 64)
+        if not batch:
+            break
+        keys = [c.key for c in batch]
+        assert len(set(keys)) == len(keys)
+        assert all(c in space for c in batch)
+        assert not {o.candidate.key for o in history} & set(keys)
+        history += [Observation(c, "ok", float(i)) for i, c in enumerate(batch)]
+    assert len(history) == len(space)
+
+
+def test_evolutionary_moves_near_the_best(space):
+    strategy = get_strategy("evolutionary", seed=1)
+    best = space.candidates[40]
+    history = [Observation(best, "ok", 0.1)] + [Observation(c, "ok", 1.0) for c in space.defaults()]
+    batch = strategy.propose(space, history, 10)
+    near = set(c.key for c in space.neighbours(best))
+    assert any(c.key in near or c.family == best.family for c in batch)
+
+
+def test_neighbours_differ_by_one_knob(space):
+    cand = space.defaults()[0]
+    for n in space.neighbours(cand):
+        diff = [k for k in cand.params if cand.params[k] != n.params[k]]
+        assert len(diff) == 1
+
+
+class MemoryRecorder:
+    def __init__(self):
+        self.trials: dict[str, list[TrialResult]] = {}
+        self.baselines: dict[str, float | None] = {}
+        self.published: dict[str, tuple] = {}
+        self.cancel_after: int | None = None
+
+    def observations(self, shape):
+        return [Observation(r.candidate, r.status, r.median_ms) for r in self.trials.get(shape, [])]
+
+    def record(self, shape, results):
+        self.trials.setdefault(shape, []).extend(results)
+
+    def baseline(self, shape):
+        return shape in self.baselines, self.baselines.get(shape)
+
+    def record_baseline(self, shape, median_ms, device_name):
+        self.baselines[shape] = median_ms
+
+    def cancelled(self):
+        done = sum(len(v) for v in self.trials.values())
+        return self.cancel_after is not None and done >= self.cancel_after
+
+    def publish_best(self, shape, served_fields):
+        ok = [r for r in self.trials.get(shape, []) if r.status == "ok"]
+        if ok:
+            best = min(ok, key=lambda r: r.median_ms)
+            self.published[shape] = (best, served_fields(best.family, best.params))
+
+
+def plan(**kw):
+    base = dict(job_id=1, op="softmax", shapes=[(256, 256), (64, 1000)], dtype="float16", attrs={},
+                strategy="random", budget_trials=30, budget_seconds=60)
+    return JobPlan(**{**base, **kw})
+
+
+def test_loop_spends_budget_per_shape_records_failures_and_publishes():
+    rec = MemoryRecorder()
+    progress = []
+    state = run_job(plan(), FakeEvaluator(fail_every=5), rec, progress.append)
+    assert state == "done"
+    assert [len(rec.trials[s]) for s in ("256x256", "64x1000")] == [15, 15]
+    assert any(r.status != "ok" for rs in rec.trials.values() for r in rs)
+    assert set(rec.published) == {"256x256", "64x1000"}
+    best, fields = rec.published["64x1000"]
+    assert fields["launches"][0]["args"][-2:] == [64, 1000] and "__global__" in fields["source"]
+    assert progress[-1].trials == 30 and progress[-1].speedup == pytest.approx(1.0 / progress[-1].best_ms)
+
+
+def test_loop_resumes_from_history_without_rerunning():
+    rec = MemoryRecorder()
+    run_job(plan(budget_trials=10), FakeEvaluator(), rec)
+    first = [r.candidate.key for r in rec.trials["256x256"]]
+    run_job(plan(budget_trials=20), FakeEvaluator(), rec)
+    keys = [r.candidate.key for r in rec.trials["256x256"]]
+    assert keys[: len(first)] == first and len(keys) == 10 and len(set(keys)) == 10
+
+
+def test_loop_stops_on_cancel_and_on_time():
+    rec = MemoryRecorder()
+    rec.cancel_after = 8
+    assert run_job(plan(budget_trials=200), FakeEvaluator(), rec) == "cancelled"
+    assert sum(len(v) for v in rec.trials.values()) == 8
+    ticks = iter(range(1000))
+    rec2 = MemoryRecorder()
+    assert run_job(plan(budget_seconds=3), FakeEvaluator(), rec2, clock=lambda: next(ticks)) == "done"
+    assert sum(len(v) for v in rec2.trials.values()) < 30
+
+
+def test_loop_stops_on_plateau():
+    rec = MemoryRecorder()
+    run_job(plan(shapes=[(256, 256)], budget_trials=400, plateau=10, batch_size=2), FakeEvaluator(fail_every=0), rec)
+    assert len(rec.trials["256x256"]) < 400
