@@ -86,7 +86,13 @@ class LocalEvaluator:
         self.device = get_device(ordinal)
         self.compiler = Compiler()
         self.flusher = L2Flusher(self.device)
+        from kernelmill.kernels.verify import ReferenceCache
+
         self.seeds, self.reps, self.timeout_s = seeds, reps, timeout_s
+        # Fresh seeds per problem, drawn once per worker process: every trial of a search is
+        # checked on the same random inputs, whose float64 reference is computed once.
+        self._problem_seeds: dict[tuple, list[int]] = {}
+        self.references = ReferenceCache()
 
     def facts(self) -> DeviceFacts:
         info = self.device.info
@@ -107,7 +113,11 @@ class LocalEvaluator:
         from kernelmill.kernels.ops.base import SpecError
         from kernelmill.kernels.variant import Variant
 
+        from kernelmill.kernels.verify import fresh_seeds
+
         shape = tuple(shape)
+        problem = (op, shape, dtype, tuple(sorted(attrs.items())))
+        seeds = self._problem_seeds.setdefault(problem, fresh_seeds(self.seeds))
         variants = []
         for cand in candidates:
             try:
@@ -131,8 +141,8 @@ class LocalEvaluator:
             try:
                 ev = evaluate(
                     variant, shape, self.device, self.compiler,
-                    seeds=self.seeds, reps=self.reps, flusher=self.flusher, timeout_s=self.timeout_s,
-                    arch=arch + variant.family.arch_suffix,
+                    seeds=seeds, reps=self.reps, flusher=self.flusher, timeout_s=self.timeout_s,
+                    arch=arch + variant.family.arch_suffix, cache=self.references,
                 )
             except CompileError as exc:  # pragma: no cover - evaluate() already turns these into data
                 results.append(TrialResult(cand.family, cand.params, "compile_error", str(exc)))

@@ -10,7 +10,7 @@ from kernelmill.kernels.compile import CompiledKernel, CompileError, Compiler
 from kernelmill.kernels.device import Device, DeviceFault
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.kernels.variant import BoundVariant, Variant
-from kernelmill.kernels.verify import VerifyResult, verify
+from kernelmill.kernels.verify import ReferenceCache, VerifyResult, verify
 
 #: Trial statuses; the loop and the dashboard colour by these.
 OK, COMPILE_ERROR, UNSUPPORTED, WRONG_RESULT, FAULT, TIMEOUT = (
@@ -46,13 +46,14 @@ def evaluate(
     device: Device,
     compiler: Compiler | None = None,
     *,
-    seeds: int = 3,
+    seeds: int | list[int] = 3,
     timed: bool = True,
     warmup: int = 5,
     reps: int = 50,
     flusher: L2Flusher | None = None,
     timeout_s: float = 10.0,
     arch: str | None = None,
+    cache: ReferenceCache | None = None,
 ) -> Evaluation:
     """Compile, verify on fresh inputs, then (if verified and ``timed``) time with CUDA events."""
     reason = variant.check_shape(shape)
@@ -71,7 +72,7 @@ def evaluate(
     except DeviceFault as exc:
         result.status, result.reason, result.poisoned = FAULT, exc.reason, exc.poisoned
         return result
-    check = verify(device, bound, seeds, timeout_s=timeout_s)
+    check = verify(device, bound, seeds, timeout_s=timeout_s, cache=cache)
     result.verification = check
     if not check.ok:
         result.status = check.status

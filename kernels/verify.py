@@ -8,6 +8,7 @@ passes. The result is data: per-seed errors and, on failure, why.
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -88,6 +89,35 @@ def compare(out: np.ndarray, ref: np.ndarray, seed: int, name: str) -> SeedCheck
     return SeedCheck(seed, name, rel, max_abs_rel, 0, tuple(int(i) for i in worst))
 
 
+class ReferenceCache:
+    """Inputs and float64 references by (problem, seed), so trials of one search share them.
+
+    The seeds are still fresh random ones (drawn per search); only the host-side
+    reference, which can take seconds at large shapes, is computed once.
+    """
+
+    def __init__(self, max_bytes: int = 4 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, tuple[dict, dict, int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, op, shape, dtype, attrs, seed) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        key = (op.name, tuple(shape), dtype, tuple(sorted(attrs.items())), seed)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            inputs, reference, _ = self._entries[key]
+            return inputs, reference
+        inputs = op.make_inputs(shape, dtype, seed)
+        reference = op.reference(inputs, attrs)
+        size = sum(a.nbytes for a in (*inputs.values(), *reference.values()))
+        self._entries[key] = (inputs, reference, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
+        return inputs, reference
+
+
 def fresh_seeds(n: int) -> list[int]:
     """New random seeds every call, recorded in the result so a failure can be replayed."""
     return [secrets.randbits(31) for _ in range(n)]
@@ -99,6 +129,7 @@ def verify(
     seeds: Sequence[int] | int = 3,
     timeout_s: float = 10.0,
     tolerance: float | None = None,
+    cache: ReferenceCache | None = None,
 ) -> VerifyResult:
     """Run ``bound`` on fresh inputs per seed and compare every output with the float64 reference."""
     variant = bound.variant
@@ -108,8 +139,11 @@ def verify(
     seed_list = fresh_seeds(seeds) if isinstance(seeds, int) else list(seeds)
     result = VerifyResult(ok=True, status="ok", precision=precision, tolerance=tol, shape=shape)
     for seed in seed_list:
-        inputs = op.make_inputs(shape, variant.dtype, seed)
-        reference = op.reference(inputs, variant.attrs)
+        if cache is not None:
+            inputs, reference = cache.get(op, shape, variant.dtype, variant.attrs, seed)
+        else:
+            inputs = op.make_inputs(shape, variant.dtype, seed)
+            reference = op.reference(inputs, variant.attrs)
         try:
             bound.set_inputs(inputs)
             bound.poison()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One call on a GPU host: the gpu tests (one process per op, so a fault cannot poison the others),
+# the softmax bench next to PyTorch, and a served tuning job over REST. Logs go to $OUT (or ./out).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+py="python3 -P"   # -P: the repo root must not shadow the installed package
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+for sel in "softmax or planted or unwritten" "matmul" "fused_mlp"; do
+  $py -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider -k "$sel" 2>&1 | tee -a "$OUT/gpu-tests.log" | tail -15
+done
+$py -m pytest tests/gpu/test_service_gpu.py tests/gpu/test_multi_gpu.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu-tests.log" | tail -15
+kernelmill bench softmax --shape 8192x8192 --dtype float16 2>&1 | tee "$OUT/bench-softmax.txt"
+# Issue 3's acceptance: a served tuning job over REST, faster than torch.softmax measured in the same job.
+export KERNELMILL_DATABASE_URL=sqlite:////tmp/kernelmill-check.db
+kernelmill serve --port 8000 > "$OUT/serve.log" 2>&1 &
+for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/api/health > /dev/null && break; sleep 0.5; done
+curl -s http://127.0.0.1:8000/api/workers; echo
+timeout 480 kernelmill tune softmax --shape 8192x8192 --dtype float16 --budget 64 --server http://127.0.0.1:8000 2>&1 | tail -5
+kernelmill kernels --server http://127.0.0.1:8000
