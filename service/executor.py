@@ -211,6 +211,7 @@ class DaskExecutor(_Busy):
         self.cluster = None
         self._why: str | None = None
         self._facts: dict[str, dict[str, Any]] = {}
+        self._pending_facts: dict[str, Any] = {}
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -224,15 +225,27 @@ class DaskExecutor(_Busy):
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         return sorted(w["name"] for w in info.values() if w.get("resources", {}).get("GPU"))
 
+    def _facts_future(self, worker: str):
+        if worker not in self._pending_facts:
+            self._pending_facts[worker] = self.client.submit(
+                task_facts, workers=[worker], allow_other_workers=False, pure=False
+            )
+        return self._pending_facts[worker]
+
     def facts(self, worker: str) -> dict[str, Any]:
         if worker not in self._facts:
-            fut = self.client.submit(task_facts, workers=[worker], allow_other_workers=False, pure=False)
-            self._facts[worker] = fut.result(timeout=120)
+            self._facts[worker] = self._facts_future(worker).result(timeout=120)
+            self._pending_facts.pop(worker, None)
         return self._facts[worker]
 
     def workers(self) -> list[WorkerInfo]:
         out = []
         for name in self.worker_names():
+            if name not in self._facts:  # asked once in the background; never blocks this listing
+                future = self._facts_future(name)
+                if future.done() and future.status == "finished":
+                    self._facts[name] = future.result()
+                    self._pending_facts.pop(name, None)
             facts = self._facts.get(name, {})
             out.append(WorkerInfo(name, facts.get("name"), facts.get("arch"), self.job(name) is not None, self.job(name)))
         return out
@@ -248,6 +261,7 @@ class DaskExecutor(_Busy):
     def restart(self, worker: str) -> None:
         log.warning("restarting worker %s (fresh CUDA context)", worker)
         self._facts.pop(worker, None)
+        self._pending_facts.pop(worker, None)
         try:
             self.client.restart_workers([worker], timeout=120)
         except Exception as exc:  # noqa: BLE001 - a dead worker is replaced by its nanny anyway
