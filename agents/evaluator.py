@@ -112,7 +112,6 @@ class LocalEvaluator:
         from kernelmill.kernels.evaluate import evaluate
         from kernelmill.kernels.ops.base import SpecError
         from kernelmill.kernels.variant import Variant
-
         from kernelmill.kernels.verify import fresh_seeds
 
         shape = tuple(shape)
@@ -140,9 +139,16 @@ class LocalEvaluator:
                 continue
             try:
                 ev = evaluate(
-                    variant, shape, self.device, self.compiler,
-                    seeds=seeds, reps=self.reps, flusher=self.flusher, timeout_s=self.timeout_s,
-                    arch=arch + variant.family.arch_suffix, cache=self.references,
+                    variant,
+                    shape,
+                    self.device,
+                    self.compiler,
+                    seeds=seeds,
+                    reps=self.reps,
+                    flusher=self.flusher,
+                    timeout_s=self.timeout_s,
+                    arch=arch + variant.family.arch_suffix,
+                    cache=self.references,
                 )
             except CompileError as exc:  # pragma: no cover - evaluate() already turns these into data
                 results.append(TrialResult(cand.family, cand.params, "compile_error", str(exc)))
@@ -202,8 +208,18 @@ class FakeEvaluator:
             ms = 0.5 + rng.random()
             out.append(
                 TrialResult(
-                    cand.family, cand.params, "ok", None, self.arch, f"fake-{digest % 10**12}",
-                    max_rel_err=1e-6, median_ms=ms, min_ms=ms * 0.98, spread=0.01, reps=10, cubin=b"fake-cubin",
+                    cand.family,
+                    cand.params,
+                    "ok",
+                    None,
+                    self.arch,
+                    f"fake-{digest % 10**12}",
+                    max_rel_err=1e-6,
+                    median_ms=ms,
+                    min_ms=ms * 0.98,
+                    spread=0.01,
+                    reps=10,
+                    cubin=b"fake-cubin",
                 )
             )
         return out

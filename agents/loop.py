@@ -156,7 +156,9 @@ def run_job(
                     since_gain += 1
                     best = min(best, r.median_ms)
             if on_progress:
-                on_progress(Progress(plan.job_id, key, total, failed, per_shape * len(plan.shapes), best, baseline, kept))
+                on_progress(
+                    Progress(plan.job_id, key, total, failed, per_shape * len(plan.shapes), best, baseline, kept)
+                )
         recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))
         if clock() > deadline:
             break

@@ -289,8 +289,17 @@ def _print_bench(report: dict[str, Any]) -> None:
         )
     torch_t = report["torch"]
     if torch_t:
-        table.add_row("torch", "baseline", "", f"{torch_t['median_ms'] * 1e3:.1f}", f"{100 * torch_t['spread']:.1f}%",
-                      "", "", f"{100 * report['floor_ms'] / torch_t['median_ms']:.0f}%", "1.00x")
+        table.add_row(
+            "torch",
+            "baseline",
+            "",
+            f"{torch_t['median_ms'] * 1e3:.1f}",
+            f"{100 * torch_t['spread']:.1f}%",
+            "",
+            "",
+            f"{100 * report['floor_ms'] / torch_t['median_ms']:.0f}%",
+            "1.00x",
+        )
     console.print(table)
     ceilings = f"copy {report['copy_gbps']:.0f} GB/s"
     if report["matrix_tflops"]:
@@ -313,7 +322,8 @@ if __name__ == "__main__":  # pragma: no cover
 # -- service commands ----------------------------------------------------------------------
 
 ServerOpt = Annotated[
-    str | None, typer.Option("--server", envvar="KERNELMILL_SERVER", help="kernelmill service URL, e.g. http://127.0.0.1:8000")
+    str | None,
+    typer.Option("--server", envvar="KERNELMILL_SERVER", help="kernelmill service URL, e.g. http://127.0.0.1:8000"),
 ]
 
 
@@ -401,8 +411,14 @@ def jobs(
     for job in fetch_jobs(server, state, limit):
         best = [s for s in job["per_shape"] if s["best_ms"]]
         table.add_row(
-            str(job["id"]), job["op"], " ".join("x".join(map(str, s)) for s in job["shapes"]), job["dtype"],
-            job["strategy"], job["state"], str(job["trials_done"]), str(job["trials_failed"]),
+            str(job["id"]),
+            job["op"],
+            " ".join("x".join(map(str, s)) for s in job["shapes"]),
+            job["dtype"],
+            job["strategy"],
+            job["state"],
+            str(job["trials_done"]),
+            str(job["trials_failed"]),
             " ".join(f"{s['best_ms'] * 1e3:.1f}" for s in best),
             " ".join(f"{s['speedup']:.2f}x" for s in best if s["speedup"]),
         )
@@ -424,8 +440,15 @@ def kernels(
         table.add_column(col)
     for k in fetch_kernels(server, op, dtype):
         table.add_row(
-            str(k["id"]), k["op"], "x".join(map(str, k["shape"])), k["dtype"], k["arch"], k["family"],
-            f"{k['median_ms'] * 1e3:.1f}", f"{k['baseline_ms'] * 1e3:.1f}" if k["baseline_ms"] else "",
-            f"{k['speedup']:.2f}x" if k["speedup"] else "", k["device_name"] or "",
+            str(k["id"]),
+            k["op"],
+            "x".join(map(str, k["shape"])),
+            k["dtype"],
+            k["arch"],
+            k["family"],
+            f"{k['median_ms'] * 1e3:.1f}",
+            f"{k['baseline_ms'] * 1e3:.1f}" if k["baseline_ms"] else "",
+            f"{k['speedup']:.2f}x" if k["speedup"] else "",
+            k["device_name"] or "",
         )
     console.print(table)

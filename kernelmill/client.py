@@ -72,7 +72,9 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
                 job = _request("GET", f"{base}/api/jobs/{job['id']}")
                 best = min((s for s in job["per_shape"] if s["best_ms"]), key=lambda s: s["best_ms"], default=None)
                 bar.update(
-                    task, completed=job["trials_done"], failed=job["trials_failed"],
+                    task,
+                    completed=job["trials_done"],
+                    failed=job["trials_failed"],
                     description=f"job {job['id']} {job['state']}",
                     **_fmt(best and best["best_ms"], best and best["speedup"]),
                 )
@@ -106,16 +108,28 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
     job = store.create_job(arch=facts.arch, **fields)
     store.start_job(job.id, "embedded", facts.name)
     plan = JobPlan(
-        job.id, job.op, [tuple(s) for s in job.shapes], job.dtype, job.attrs, job.strategy,
-        job.budget_trials, job.budget_seconds, batch_size=settings.batch_size,
+        job.id,
+        job.op,
+        [tuple(s) for s in job.shapes],
+        job.dtype,
+        job.attrs,
+        job.strategy,
+        job.budget_trials,
+        job.budget_seconds,
+        batch_size=settings.batch_size,
     )
     console.print(f"job {job.id} on {facts.name} ({facts.arch}), recorded in {settings.database_url}")
     with _progress(console) as bar:
         task = bar.add_task(f"job {job.id}", total=job.budget_trials, failed=0, **_fmt(None, None))
 
         def show(p) -> None:
-            bar.update(task, completed=p.trials, failed=p.failed, description=f"job {job.id} {p.shape}",
-                       **_fmt(p.best_ms, p.speedup))
+            bar.update(
+                task,
+                completed=p.trials,
+                failed=p.failed,
+                description=f"job {job.id} {p.shape}",
+                **_fmt(p.best_ms, p.speedup),
+            )
 
         try:
             state = run_job(plan, evaluator, StoreRecorder(store, job.id), show)

@@ -46,9 +46,7 @@ def create_app(
     async def limit_body(request: Request, call_next):
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(
-                {"detail": f"request body over {settings.max_body_bytes} bytes"}, status_code=413
-            )
+            return JSONResponse({"detail": f"request body over {settings.max_body_bytes} bytes"}, status_code=413)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

@@ -247,7 +247,9 @@ class DaskExecutor(_Busy):
                     self._facts[name] = future.result()
                     self._pending_facts.pop(name, None)
             facts = self._facts.get(name, {})
-            out.append(WorkerInfo(name, facts.get("name"), facts.get("arch"), self.job(name) is not None, self.job(name)))
+            out.append(
+                WorkerInfo(name, facts.get("name"), facts.get("arch"), self.job(name) is not None, self.job(name))
+            )
         return out
 
     def why_none(self) -> str | None:

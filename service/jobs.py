@@ -158,8 +158,15 @@ class JobRunner:
             facts = evaluator.facts()
             self.store.start_job(job.id, worker, facts.name)
             plan = JobPlan(
-                job.id, job.op, [tuple(s) for s in job.shapes], job.dtype, dict(job.attrs or {}), job.strategy,
-                job.budget_trials, job.budget_seconds, batch_size=self.settings.batch_size,
+                job.id,
+                job.op,
+                [tuple(s) for s in job.shapes],
+                job.dtype,
+                dict(job.attrs or {}),
+                job.strategy,
+                job.budget_trials,
+                job.budget_seconds,
+                batch_size=self.settings.batch_size,
             )
             state = run_job(plan, evaluator, StoreRecorder(self.store, job.id), self._on_progress)
             self.store.finish_job(job.id, state)

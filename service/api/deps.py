@@ -21,9 +21,7 @@ def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def require_writer(
-    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
-) -> None:
+def require_writer(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
     """Writes need the bearer token when KERNELMILL_API_TOKEN is set."""
     token = request.app.state.settings.api_token
     if not token:

@@ -25,11 +25,25 @@ def job_out(store: Store, job: Job) -> JobOut:
         remaining = max(0, job.budget_trials - done)
         eta = min(elapsed / done * remaining, max(0.0, job.budget_seconds - elapsed))
     return JobOut(
-        id=job.id, op=job.op, shapes=job.shapes, dtype=job.dtype, arch=job.arch, attrs=job.attrs or {},
-        strategy=job.strategy, budget=Budget(trials=job.budget_trials, seconds=job.budget_seconds), state=job.state,
-        error=job.error, worker=job.worker, device_name=job.device_name, created_at=job.created_at,
-        started_at=job.started_at, finished_at=job.finished_at, trials_done=done,
-        trials_failed=sum(s.failed for s in per_shape), per_shape=per_shape, eta_seconds=eta,
+        id=job.id,
+        op=job.op,
+        shapes=job.shapes,
+        dtype=job.dtype,
+        arch=job.arch,
+        attrs=job.attrs or {},
+        strategy=job.strategy,
+        budget=Budget(trials=job.budget_trials, seconds=job.budget_seconds),
+        state=job.state,
+        error=job.error,
+        worker=job.worker,
+        device_name=job.device_name,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        trials_done=done,
+        trials_failed=sum(s.failed for s in per_shape),
+        per_shape=per_shape,
+        eta_seconds=eta,
     )
 
 
@@ -46,7 +60,13 @@ def create_job(
 ) -> JobOut:
     try:
         fields = validate_submission(
-            settings, body.op, body.shapes, body.dtype, body.strategy, body.budget.trials, body.budget.seconds,
+            settings,
+            body.op,
+            body.shapes,
+            body.dtype,
+            body.strategy,
+            body.budget.trials,
+            body.budget.seconds,
             body.attrs,
         )
     except JobError as exc:
@@ -91,7 +111,4 @@ def list_trials(
 ) -> Page[TrialOut]:
     _job_or_404(store, job_id)
     trials, total = store.list_trials(job_id, sort, order == "desc", status_filter, limit, offset)
-    return Page[TrialOut](
-        items=[TrialOut.model_validate(t) for t in trials], total=total, limit=limit, offset=offset
-    )
-
+    return Page[TrialOut](items=[TrialOut.model_validate(t) for t in trials], total=total, limit=limit, offset=offset)

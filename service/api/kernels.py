@@ -72,7 +72,9 @@ def get_kernel(kernel_id: int, store: Store = Depends(get_store)) -> KernelOut:
     return _kernel_out(store, kernel_id)
 
 
-@router.get("/{kernel_id}/cubin", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
+@router.get(
+    "/{kernel_id}/cubin", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}}
+)
 def get_cubin(kernel_id: int, store: Store = Depends(get_store)) -> Response:
     kernel = store.kernel(kernel_id, with_cubin=True)
     if kernel is None:

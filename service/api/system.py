@@ -23,6 +23,8 @@ def workers(request: Request) -> WorkersOut:
 def health(request: Request, store: Store = Depends(get_store)) -> Health:
     store.list_jobs(limit=1)  # touches the database
     return Health(
-        status="ok", version=__version__, database=store.engine.url.get_backend_name(),
+        status="ok",
+        version=__version__,
+        database=store.engine.url.get_backend_name(),
         workers=len(request.app.state.executor.workers()),
     )

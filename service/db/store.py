@@ -252,7 +252,12 @@ class Store:
                 total = sum(counts.values())
                 out.append(
                     ShapeSummary(
-                        key, total, total - counts.get("ok", 0), best[1] if best else None, best[0] if best else None, base
+                        key,
+                        total,
+                        total - counts.get("ok", 0),
+                        best[1] if best else None,
+                        best[0] if best else None,
+                        base,
                     )
                 )
         return out
@@ -313,7 +318,12 @@ class Store:
         return kernel
 
     def list_kernels(
-        self, op: str | None = None, dtype: str | None = None, arch: str | None = None, limit: int = 100, offset: int = 0
+        self,
+        op: str | None = None,
+        dtype: str | None = None,
+        arch: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
     ) -> tuple[list[Kernel], int]:
         query = select(Kernel)
         for column, value in ((Kernel.op, op), (Kernel.dtype, dtype), (Kernel.arch, arch)):

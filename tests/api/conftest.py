@@ -8,9 +8,7 @@ from kernelmill.settings import Settings
 
 
 def make_client(tmp_path, **overrides) -> TestClient:
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path}/api.db", executor="fake", fake_workers=2, **overrides
-    )
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/api.db", executor="fake", fake_workers=2, **overrides)
     return TestClient(create_app(settings))
 
 

@@ -29,7 +29,7 @@ def test_job_lifecycle_serves_best_kernel(client):
 
     best = client.get("/api/kernels/best", params={"op": "softmax", "shape": "1024x1024", "dtype": "float16"}).json()
     assert best["exact"] is True and best["median_ms"] == pytest.approx(job["per_shape"][0]["best_ms"])
-    assert "extern \"C\" __global__" in best["source"] and best["launches"][0]["entry"].startswith("softmax_")
+    assert 'extern "C" __global__' in best["source"] and best["launches"][0]["entry"].startswith("softmax_")
     near = client.get("/api/kernels/best", params={"op": "softmax", "shape": "4000x500", "dtype": "float16"}).json()
     assert near["exact"] is False and near["shape"] == [4096, 512]
 

@@ -10,9 +10,7 @@ from kernelmill.kernels.variant import Variant
 
 pytestmark = pytest.mark.nvcc
 
-CASES = [
-    (op.name, fam.name, dtype) for op in OPS.values() for fam in op.families.values() for dtype in fam.dtypes
-]
+CASES = [(op.name, fam.name, dtype) for op in OPS.values() for fam in op.families.values() for dtype in fam.dtypes]
 
 
 def sample_points(fam, dtype, n_random=2):

@@ -19,8 +19,13 @@ def test_two_jobs_run_concurrently_on_two_gpus(tmp_path):
     if n < 2:
         pytest.skip(f"needs 2 GPUs, found {n} ({how})")
     settings = Settings(database_url=f"sqlite:///{tmp_path}/multi.db", executor="dask", batch_size=4)
-    body = {"op": "softmax", "shapes": [[4096, 4096]], "dtype": "float16", "strategy": "random",
-            "budget": {"trials": 16, "seconds": 600}}
+    body = {
+        "op": "softmax",
+        "shapes": [[4096, 4096]],
+        "dtype": "float16",
+        "strategy": "random",
+        "budget": {"trials": 16, "seconds": 600},
+    }
     with TestClient(create_app(settings)) as client:
         deadline = time.monotonic() + 180
         while len(client.get("/api/workers").json()["workers"]) < 2:

@@ -33,8 +33,13 @@ def test_softmax_job_on_gpu_serves_a_verified_kernel(tmp_path):
         while not client.get("/api/workers").json()["workers"]:
             assert time.monotonic() < deadline, client.get("/api/workers").json()
             time.sleep(0.5)
-        body = {"op": "softmax", "shapes": [[333, 4099]], "dtype": "float32", "strategy": "random",
-                "budget": {"trials": 12, "seconds": 300}}
+        body = {
+            "op": "softmax",
+            "shapes": [[333, 4099]],
+            "dtype": "float32",
+            "strategy": "random",
+            "budget": {"trials": 12, "seconds": 300},
+        }
         job = client.post("/api/jobs", json=body).json()
         job = _wait(client, job["id"])
         assert job["state"] == "done", job

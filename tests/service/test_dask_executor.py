@@ -40,7 +40,9 @@ def test_workers_pinned_one_per_gpu(executor):
 
 def test_dead_worker_is_replaced_and_batch_recorded_as_fault(executor, crash_family_key):
     evaluator = executor.evaluator("gpu1")
-    ok = Candidate.of(crash_family_key.family, {**crash_family_key.params, "fast_exp": not crash_family_key.params["fast_exp"]})
+    ok = Candidate.of(
+        crash_family_key.family, {**crash_family_key.params, "fast_exp": not crash_family_key.params["fast_exp"]}
+    )
     results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [crash_family_key])
     assert [r.status for r in results] == ["fault"]
     assert "died" in results[0].reason
@@ -57,8 +59,13 @@ def test_job_through_dask_completes_despite_crash(executor, tmp_path, crash_fami
     settings = Settings(database_url=store.url, batch_size=4)
     runner = JobRunner(store, executor, settings, poll_s=0.1)
     job = store.create_job(
-        op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="exhaustive",
-        budget_trials=12, budget_seconds=120,
+        op="softmax",
+        shapes=[[64, 64]],
+        dtype="float16",
+        attrs={},
+        strategy="exhaustive",
+        budget_trials=12,
+        budget_seconds=120,
     )
     runner.start()
     try:
@@ -72,5 +79,7 @@ def test_job_through_dask_completes_despite_crash(executor, tmp_path, crash_fami
     trials = store.trials(job.id)
     assert len(trials) == 12
     assert len({(t.family, t.params_key) for t in trials}) == 12  # no duplicates
-    crashed = [t for t in trials if t.params_key == crash_family_key.params_json and t.family == crash_family_key.family]
+    crashed = [
+        t for t in trials if t.params_key == crash_family_key.params_json and t.family == crash_family_key.family
+    ]
     assert len(crashed) == 1 and crashed[0].status == "fault"

@@ -79,8 +79,16 @@ class MemoryRecorder:
 
 
 def plan(**kw):
-    base = dict(job_id=1, op="softmax", shapes=[(256, 256), (64, 1000)], dtype="float16", attrs={},
-                strategy="random", budget_trials=30, budget_seconds=60)
+    base = dict(
+        job_id=1,
+        op="softmax",
+        shapes=[(256, 256), (64, 1000)],
+        dtype="float16",
+        attrs={},
+        strategy="random",
+        budget_trials=30,
+        budget_seconds=60,
+    )
     return JobPlan(**{**base, **kw})
 
 

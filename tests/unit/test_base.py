@@ -7,7 +7,7 @@ from kernelmill.kernels.ops.base import DTYPES, Param, numpy_dtype
 
 
 def test_get_op_unknown_lists_known():
-    with pytest.raises(SpecError, match="known ops: softmax"):
+    with pytest.raises(SpecError, match="known ops: softmax, matmul, fused_mlp"):
         get_op("conv")
 
 

@@ -1,0 +1,358 @@
+"""matmul: C[M x N] = A[M x K] @ B[K x N], all row-major, fp32 accumulation.
+
+Two GEMM "cores" live here as plain Python (knobs, constraints, launch geometry) so that other ops can
+reuse them with a fused epilogue; their CUDA lives in templates/common/gemm_simt.cuh.j2 and
+templates/common/gemm_tc.cuh.j2 (one Jinja macro each, documented at the top of those files).
+
+Helpers for ops that embed a GEMM (e.g. fused_mlp), with ``core`` = "simt" or "tensorcore":
+
+* ``gemm_launches(core, entry, M, N, K, params, dtype, a, b, c, bias=None, ws="ws") -> list[Launch]``:
+  the launches of the kernels that the core's macro emitted under ``entry`` (with ``bias=True`` in the
+  macro exactly when ``bias`` names a buffer here). One launch when split_k == 1; with split_k > 1 the
+  GEMM writes fp32 partials to workspace ``ws`` and ``entry + "_reduce"`` sums them into ``c``.
+* ``gemm_workspace(core, M, N, K, params) -> int``: bytes of ``ws`` needed (0 when split_k == 1).
+* ``gemm_check(core, params, dtype) -> str | None``, ``gemm_check_shape(core, M, N, K, params)``,
+  ``gemm_defaults(core, dtype)``, ``gemm_params(core)`` and ``gemm_smem_bytes(core, params, dtype)``.
+
+``params`` holds the core's knobs by their own names (simt: BM BN BK TM TN split_k; tensorcore:
+BM BN BK WM WN stages split_k); extra keys are ignored.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, SpecError, cdiv, itemsize
+
+#: Threads per block and outputs per thread of the split-K reduce kernel (KM_REDUCE_THREADS, 4 per thread).
+REDUCE_THREADS = 256
+REDUCE_ELEMS_PER_THREAD = 4
+#: Element offsets inside A, B and C are 32-bit in the kernels (64-bit ones cost the registers that let the
+#: default tiles fit 128 per thread), so each matrix holds fewer elements than this.
+MAX_MATRIX_ELEMS = 2**31
+#: A grid's y and z dimensions hold at most this many blocks.
+MAX_GRID_YZ = 65535
+#: Shared memory one block may use on sm_90 (227 KiB), and without opting in (static arrays).
+MAX_SMEM_BYTES = 227 * 1024
+MAX_STATIC_SMEM_BYTES = 48 * 1024
+
+_SPLIT_K = Param("split_k", (1, 2, 4, 8, 16), "K slices run in parallel, summed by a second kernel (1: none)")
+
+
+class GemmCore(ABC):
+    """One GEMM kernel design: its knobs, their constraints and its block size / shared memory."""
+
+    name: str
+    params: tuple[Param, ...]
+
+    @abstractmethod
+    def tile(self, params: Mapping[str, Any]) -> tuple[int, int]:
+        """(BM, BN): the output tile of one block."""
+
+    @abstractmethod
+    def threads(self, params: Mapping[str, Any]) -> int:
+        """Threads per (1-D) block of the GEMM kernel."""
+
+    @abstractmethod
+    def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        """Dynamic shared memory the GEMM kernel's launch must pass (0 for static arrays only)."""
+
+    @abstractmethod
+    def check(self, params: Mapping[str, Any], dtype: str) -> str | None:
+        """Why ``params`` break a constraint for ``dtype``, or None."""
+
+    @abstractmethod
+    def defaults(self, dtype: str) -> dict[str, Any]:
+        """Good general-purpose knobs for ``dtype`` (large square problems)."""
+
+
+class SimtCore(GemmCore):
+    """CUDA-core GEMM: TM x TN outputs per thread, double-buffered fp32 shared tiles (gemm_simt.cuh.j2)."""
+
+    name = "simt"
+    params = (
+        Param("BM", (16, 32, 64, 128, 256), "block tile rows (M)"),
+        Param("BN", (16, 32, 64, 128, 256), "block tile columns (N)"),
+        Param("BK", (8, 16, 32), "K depth of one shared-memory tile"),
+        Param("TM", (1, 2, 4, 8), "rows of C per thread"),
+        Param("TN", (1, 2, 4, 8), "columns of C per thread"),
+        _SPLIT_K,
+    )
+    #: Block sizes worth trying: 64-thread blocks of big thread tiles spilled under any occupancy promise and
+    #: hide latency poorly; above 512 threads registers run out.
+    min_threads, max_threads = 128, 512
+    #: Outputs per thread: 4 or more amortize the shared loads; above 64 the accumulators crowd registers.
+    min_outputs, max_outputs = 4, 64
+
+    def tile(self, params):
+        return params["BM"], params["BN"]
+
+    def threads(self, params):
+        return (params["BM"] // params["TM"]) * (params["BN"] // params["TN"])
+
+    def static_smem_bytes(self, params) -> int:
+        """The two fp32 buffers of As[BK][BM+4] and Bs[BK][BN+4]."""
+        return 2 * params["BK"] * (params["BM"] + 4 + params["BN"] + 4) * 4
+
+    def smem_bytes(self, params, dtype):
+        return 0  # static shared arrays only
+
+    def check(self, params, dtype):
+        bm, bn, bk, tm, tn = (params[k] for k in ("BM", "BN", "BK", "TM", "TN"))
+        if bm % tm or bn % tn:
+            return f"thread tile {tm}x{tn} must divide the block tile {bm}x{bn}"
+        threads = self.threads(params)
+        if not self.min_threads <= threads <= self.max_threads:
+            return f"{threads} threads per block; use {self.min_threads}..{self.max_threads}"
+        if not self.min_outputs <= tm * tn <= self.max_outputs:
+            return f"TM*TN={tm * tn} outputs per thread; use {self.min_outputs}..{self.max_outputs}"
+        if (bm * bk) % threads or (bk * bn) % threads:
+            return f"the {bm}x{bk} and {bk}x{bn} tiles must split evenly over {threads} threads"
+        smem = self.static_smem_bytes(params)
+        if smem > MAX_STATIC_SMEM_BYTES:
+            return f"{smem} bytes of static shared memory > {MAX_STATIC_SMEM_BYTES}"
+        return None
+
+    def defaults(self, dtype):
+        return {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "split_k": 1}
+
+
+class TensorCoreCore(GemmCore):
+    """WMMA GEMM: a cp.async ring of `stages` shared tiles, WM x WN outputs per warp (gemm_tc.cuh.j2)."""
+
+    name = "tensorcore"
+    params = (
+        Param("BM", (16, 32, 64, 128, 256), "block tile rows (M)"),
+        Param("BN", (32, 64, 128, 256), "block tile columns (N)"),
+        Param("BK", (16, 32, 64), "K depth of one shared-memory tile"),
+        Param("WM", (16, 32, 64), "warp tile rows (multiple of the 16-row fragment)"),
+        Param("WN", (16, 32, 64), "warp tile columns (multiple of the 16-column fragment)"),
+        Param("stages", (2, 3, 4), "depth of the cp.async shared-memory ring"),
+        _SPLIT_K,
+    )
+    #: WMMA blocks beyond 8 warps were never the fastest in practice and crowd the register file.
+    max_warps = 8
+    #: A 16x16 warp tile does one mma per fragment pair loaded: shared-memory bound; need two or more.
+    min_fragments_per_warp = 2
+    #: fp32 accumulator registers one block may hold (half the register file), so blocks of many warps
+    #: with big warp tiles, which would spill, are not tried.
+    max_acc_regs_per_block = 32768
+    max_regs_per_thread = 255
+
+    def tile(self, params):
+        return params["BM"], params["BN"]
+
+    def warps(self, params) -> int:
+        return (params["BM"] // params["WM"]) * (params["BN"] // params["WN"])
+
+    def threads(self, params):
+        return 32 * self.warps(params)
+
+    def tf32_register_estimate(self, params) -> int:
+        """Registers a float32 (TF32) thread needs: accumulators, 4 per cp.async chunk it issues per tile
+        (address, bounds), 2 per k of the tile (converted fragments ptxas hoists) and 72 more. Fitted to
+        ptxas 13.0: above 255 it spilled (e.g. 64x64 warps at BK=32, 1-2 warp blocks of 128x32 tiles)."""
+        bm, bn, bk = params["BM"], params["BN"], params["BK"]
+        chunks = cdiv((bm * bk + bk * bn) // 4, self.threads(params))
+        return params["WM"] * params["WN"] // 32 + 4 * chunks + 2 * bk + 72
+
+    def smem_bytes(self, params, dtype):
+        """km_gemm_tc_smem_bytes: the ring (rows padded by 16 bytes) or the fp32 epilogue tile, if larger."""
+        bm, bn, bk, stages = params["BM"], params["BN"], params["BK"], params["stages"]
+        size = itemsize(dtype)
+        pad = 16 // size
+        ring = stages * (bm * (bk + pad) + bk * (bn + pad)) * size
+        epilogue = bm * (bn + 4) * 4
+        return max(ring, epilogue)
+
+    def check(self, params, dtype):
+        bm, bn, wm, wn = params["BM"], params["BN"], params["WM"], params["WN"]
+        if bm % wm or bn % wn:
+            return f"warp tile {wm}x{wn} must divide the block tile {bm}x{bn}"
+        if (wm // 16) * (wn // 16) < self.min_fragments_per_warp:
+            return f"warp tile {wm}x{wn} holds fewer than {self.min_fragments_per_warp} 16x16 fragments"
+        warps = self.warps(params)
+        if warps > self.max_warps:
+            return f"{warps} warps per block > {self.max_warps}"
+        acc_regs = self.threads(params) * (wm * wn // 32)
+        if acc_regs > self.max_acc_regs_per_block:
+            return f"{acc_regs} accumulator registers per block > {self.max_acc_regs_per_block}"
+        if dtype == "float32":
+            tf32_regs = self.tf32_register_estimate(params)
+            if tf32_regs > self.max_regs_per_thread:
+                return f"TF32 tile {wm}x{wn} (BK={params['BK']}) needs ~{tf32_regs} registers a thread (spills)"
+        smem = self.smem_bytes(params, dtype)
+        if smem > MAX_SMEM_BYTES:
+            return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES} (227 KiB)"
+        return None
+
+    def defaults(self, dtype):
+        # 8 warps of 64x32; the fp32 (tf32) ring is twice as big, so it keeps 3 stages as well (104 KiB).
+        return {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32, "stages": 3, "split_k": 1}
+
+
+CORES: dict[str, GemmCore] = {core.name: core for core in (SimtCore(), TensorCoreCore())}
+
+
+def gemm_core(core: str) -> GemmCore:
+    try:
+        return CORES[core]
+    except KeyError:
+        raise SpecError(f"unknown GEMM core {core!r}; choose one of {', '.join(CORES)}") from None
+
+
+def gemm_params(core: str) -> tuple[Param, ...]:
+    return gemm_core(core).params
+
+
+def gemm_defaults(core: str, dtype: str) -> dict[str, Any]:
+    return gemm_core(core).defaults(dtype)
+
+
+def gemm_check(core: str, params: Mapping[str, Any], dtype: str) -> str | None:
+    return gemm_core(core).check(params, dtype)
+
+
+def gemm_smem_bytes(core: str, params: Mapping[str, Any], dtype: str) -> int:
+    return gemm_core(core).smem_bytes(params, dtype)
+
+
+def gemm_check_shape(core: str, M: int, N: int, K: int, params: Mapping[str, Any]) -> str | None:  # noqa: N803
+    """Why the kernels cannot run this shape: too many tile rows for the grid, or matrices past 32-bit offsets."""
+    bm, _ = gemm_core(core).tile(params)
+    if cdiv(M, bm) > MAX_GRID_YZ:
+        return f"M={M} needs {cdiv(M, bm)} tile rows > {MAX_GRID_YZ} (grid y); use a larger BM"
+    for name, elems in (("A", M * K), ("B", K * N), ("C", M * N)):
+        if elems >= MAX_MATRIX_ELEMS:
+            return f"{name} has {elems} elements; the kernels index with 32-bit offsets (< 2**31)"
+    return None
+
+
+def gemm_workspace(core: str, M: int, N: int, K: int, params: Mapping[str, Any]) -> int:  # noqa: N803
+    """Bytes of the fp32 split-K partials (split_k slices of M x N), 0 without split-K."""
+    gemm_core(core)  # validate the name
+    split_k = params["split_k"]
+    return split_k * M * N * 4 if split_k > 1 else 0
+
+
+def gemm_launches(
+    core: str,
+    entry: str,
+    M: int,  # noqa: N803
+    N: int,  # noqa: N803
+    K: int,  # noqa: N803
+    params: Mapping[str, Any],
+    dtype: str,
+    a: str,
+    b: str,
+    c: str,
+    bias: str | None = None,
+    ws: str = "ws",
+) -> list[Launch]:
+    """Launches of the kernels a GEMM macro emitted under ``entry``, computing c = act(a @ b [+ bias]).
+
+    a, b, c, bias and ws are buffer names; bias must be given exactly when the macro had bias=true.
+    """
+    g = gemm_core(core)
+    bm, bn = g.tile(params)
+    split_k = params["split_k"]
+    grid = (cdiv(N, bn), cdiv(M, bm), split_k)
+    block = (g.threads(params), 1, 1)
+    smem = g.smem_bytes(params, dtype)
+    bias_args: tuple[str, ...] = (bias,) if bias else ()
+    if split_k == 1:
+        return [Launch(entry, grid, block, smem, (a, b, c, *bias_args, M, N, K))]
+    reduce_grid = (cdiv(M * N, REDUCE_THREADS * REDUCE_ELEMS_PER_THREAD), 1, 1)
+    return [
+        Launch(entry, grid, block, smem, (a, b, ws, M, N, K)),
+        Launch(f"{entry}_reduce", reduce_grid, (REDUCE_THREADS, 1, 1), 0, (ws, c, *bias_args, M, N, split_k)),
+    ]
+
+
+class GemmFamily(Family):
+    """A matmul family that is one GEMM core with no epilogue."""
+
+    def __init__(self, core: GemmCore, name: str, template: str, entry: str, description: str) -> None:
+        self.core = core
+        self.name = name
+        self.template = template
+        self.entry = entry
+        self.description = description
+        self.params = core.params
+
+    def defaults(self, dtype):
+        return self.core.defaults(dtype)
+
+    def check(self, params, dtype):
+        return self.core.check(params, dtype)
+
+    def check_shape(self, shape, params, dtype):
+        return gemm_check_shape(self.core.name, *shape, params)
+
+    def launches(self, shape, params, dtype):
+        M, N, K = shape  # noqa: N806
+        return gemm_launches(self.core.name, self.entry, M, N, K, params, dtype, "A", "B", "C")
+
+    def workspace(self, shape, params, dtype):
+        nbytes = gemm_workspace(self.core.name, *shape, params)
+        return {"ws": nbytes} if nbytes else {}
+
+    def context(self, params, dtype, attrs):
+        return {"smem_bytes": self.core.smem_bytes(params, dtype)}
+
+
+class TensorCoreFamily(GemmFamily):
+    def precision(self, dtype):
+        return "tf32" if dtype == "float32" else dtype
+
+
+SIMT = GemmFamily(
+    CORES["simt"],
+    "simt",
+    "matmul/simt.cu.j2",
+    "matmul_simt",
+    "CUDA-core tiled GEMM, exact fp32 FMA; any dtype",
+)
+TENSORCORE = TensorCoreFamily(
+    CORES["tensorcore"],
+    "tensorcore",
+    "matmul/tensorcore.cu.j2",
+    "matmul_tc",
+    "WMMA tensor-core GEMM with a cp.async ring; float32 runs as TF32",
+)
+
+
+class Matmul(OpSpec):
+    name = "matmul"
+    matrix_bound = True
+    dims = ("M", "N", "K")
+    inputs = ("A", "B")
+    outputs = ("C",)
+    families = {f.name: f for f in (SIMT, TENSORCORE)}
+
+    def tensor_shapes(self, shape):
+        M, N, K = shape  # noqa: N806
+        return {"A": (M, K), "B": (K, N), "C": (M, N)}
+
+    def reference(self, inputs, attrs):
+        return {"C": inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)}
+
+    def flops(self, shape):
+        M, N, K = shape  # noqa: N806
+        return 2.0 * M * N * K
+
+    def input_scale(self, name, shape):
+        return 1.0  # sums of K products of O(1) values: |C| ~ sqrt(K) / 3, well inside fp16 range
+
+    def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
+        import torch
+
+        a, b = tensors["A"], tensors["B"]
+        return lambda: torch.matmul(a, b)
+
+
+MATMUL = Matmul()
