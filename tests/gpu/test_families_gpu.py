@@ -80,7 +80,8 @@ def _planted(old: str, new: str) -> PlantedVariant:
 
 
 def test_planted_wrong_kernel_is_rejected(device, compiler):
-    variant = _planted("1.0f / s", "1.001f / s")  # 0.1% off everywhere: far over fp32's 1e-5
+    # 0.1% off on every element, in the store both the one-pass and the two-pass paths use: far over fp32's 1e-5.
+    variant = _planted("km_exp(v[u][k] - row_max) * inv_sum", "km_exp(v[u][k] - row_max) * inv_sum * 1.001f")
     bound = BoundVariant(device, variant, variant.compile(compiler), (64, 1000))
     result = verify(device, bound, seeds=2)
     assert not result.ok and result.status == "wrong_result"
