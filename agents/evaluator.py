@@ -36,6 +36,7 @@ class TrialResult:
     min_ms: float | None = None
     spread: float | None = None
     reps: int | None = None
+    roofline_pct: float | None = None  # roofline floor / median time, against this GPU's measured ceilings
     cubin: bytes | None = None
     poisoned: bool = False
     note: str | None = None
@@ -74,6 +75,12 @@ class Evaluator(Protocol):
         """One result per candidate, in order: compiled in parallel, then verified and timed."""
         ...
 
+    def profile(
+        self, op: str, shape: Sequence[int], dtype: str, attrs: Mapping[str, Any], candidate: Candidate
+    ) -> dict[str, Any]:
+        """Profiler metrics of one candidate (ncu), or {"error": why} where it cannot be profiled."""
+        ...
+
 
 class LocalEvaluator:
     """Runs on this process's GPU (a Dask worker's, or the CLI's when embedded)."""
@@ -94,9 +101,32 @@ class LocalEvaluator:
         self._problem_seeds: dict[tuple, list[int]] = {}
         self.references = ReferenceCache()
 
+    def ceilings(self):
+        """This GPU's measured copy bandwidth and matrix rates (once per process)."""
+        from kernelmill.kernels.bench import ceilings
+
+        return ceilings(self.device, ("float32", "float16", "bfloat16"))
+
     def facts(self) -> DeviceFacts:
         info = self.device.info
-        return DeviceFacts(info.name, info.arch, info.to_dict())
+        ceil = self.ceilings()
+        extra = {**info.to_dict(), "copy_gbps": ceil.copy_gbps, "matrix_tflops": ceil.matrix_tflops}
+        return DeviceFacts(info.name, info.arch, extra)
+
+    def profile(self, op, shape, dtype, attrs, candidate):
+        from kernelmill.kernels.profile import ProfileUnavailable, profile
+
+        try:
+            arch = self.device.info.arch + self.op_family(op, candidate.family).arch_suffix
+            return profile(op, candidate.family, dtype, candidate.params, tuple(shape), dict(attrs), arch).to_dict()
+        except ProfileUnavailable as exc:
+            return {"error": str(exc)}
+
+    @staticmethod
+    def op_family(op: str, family: str):
+        from kernelmill.kernels.ops import get_op
+
+        return get_op(op).family(family)
 
     def baseline_ms(self, op, shape, dtype, attrs):
         from kernelmill.kernels.bench import time_torch
@@ -153,7 +183,11 @@ class LocalEvaluator:
             except CompileError as exc:  # pragma: no cover - evaluate() already turns these into data
                 results.append(TrialResult(cand.family, cand.params, "compile_error", str(exc)))
                 continue
-            results.append(_result(cand, ev))
+            res = _result(cand, ev)
+            if res.median_ms:
+                floor_ms = self.ceilings().floor_ms(variant.op, shape, dtype)
+                res.roofline_pct = 100.0 * floor_ms / res.median_ms
+            results.append(res)
             poisoned = ev.poisoned
         return results
 
@@ -192,6 +226,10 @@ class FakeEvaluator:
 
     def baseline_ms(self, op, shape, dtype, attrs):
         return 1.0
+
+    def profile(self, op, shape, dtype, attrs, candidate):
+        digest = int(hashlib.sha256(candidate.key.encode()).hexdigest(), 16)
+        return {"kernel": "fake", "fake": True, "dram_pct": float(digest % 100), "sm_pct": float(digest % 37)}
 
     def evaluate(self, op, shape, dtype, attrs, candidates):
         import time

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kernelmill.agents.evaluator import SKIPPED, Evaluator, TrialResult
-from kernelmill.agents.space import Observation, Space
+from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import format_shape
@@ -37,6 +37,12 @@ class JobPlan:
     batch_size: int = 8
     #: Stop a shape when this many trials in a row bring no gain over 1%.
     plateau: int = 48
+    #: Profile this many of each shape's fastest verified trials with ncu after the search.
+    profile_top_k: int = 3
+    #: Start from the best parameters found for nearby problems in the store.
+    warm_start: bool = True
+    #: Search only these template families (None: every family that supports the dtype).
+    families: list[str] | None = None
 
 
 @dataclass
@@ -69,6 +75,12 @@ class Recorder(Protocol):
     def record_baseline(self, shape: str, median_ms: float | None, device_name: str) -> None: ...
 
     def cancelled(self) -> bool: ...
+
+    def warm_start(self, shape: str) -> list[Candidate]:
+        """Best candidates of the nearest recorded problems (other shapes, dtypes, GPUs of the arch), best first."""
+        ...
+
+    def record_profile(self, shape: str, candidate: Candidate, profile: dict[str, Any]) -> None: ...
 
     def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
         """Serve the fastest verified trial of ``shape``; ``served_fields(family, params)`` adds source and launches."""
@@ -112,7 +124,7 @@ def run_job(
     facts = evaluator.facts()
     deadline = clock() + plan.budget_seconds
     per_shape = max(1, math.ceil(plan.budget_trials / max(1, len(plan.shapes))))
-    space = Space(spec, plan.dtype)
+    space = Space(spec, plan.dtype, plan.families)
     total = failed = 0
     histories = {format_shape(s): recorder.observations(format_shape(s)) for s in plan.shapes}
     for history in histories.values():
@@ -129,6 +141,7 @@ def run_job(
         strategy = get_strategy(plan.strategy, seed=plan.job_id)
         best = min((o.median_ms for o in history if o.ok), default=None)
         since_gain = 0
+        warm = [c for c in recorder.warm_start(key) if c in space] if plan.warm_start else []
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"
@@ -138,14 +151,22 @@ def run_job(
             if since_gain >= plan.plateau:
                 log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
                 break
-            batch = strategy.propose(space, history, min(plan.batch_size, per_shape - len(history)))
+            n = min(plan.batch_size, per_shape - len(history))
+            seen = {o.candidate.key for o in history}
+            warm = [c for c in warm if c.key not in seen]
+            batch, warm = warm[:n], warm[n:]
+            if len(batch) < n:
+                picked = {c.key for c in batch}
+                batch += [c for c in strategy.propose(space, history, n - len(batch)) if c.key not in picked]
             if not batch:
                 break
             results = evaluator.evaluate(plan.op, shape, plan.dtype, plan.attrs, batch)
+            for cand, r in zip(batch, results, strict=True):
+                r.note = r.note or cand.note or None
             kept = [r for r in results if r.status != SKIPPED]
             recorder.record(key, kept)
             for r in kept:
-                history.append(Observation(r.candidate, r.status, r.median_ms))
+                history.append(Observation(r.candidate, r.status, r.median_ms, trial_facts(r)))
                 total += 1
                 if r.status != "ok" or r.median_ms is None:
                     failed += 1
@@ -159,7 +180,33 @@ def run_job(
                 on_progress(
                     Progress(plan.job_id, key, total, failed, per_shape * len(plan.shapes), best, baseline, kept)
                 )
+        _profile_best(plan, evaluator, recorder, shape, history)
         recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))
         if clock() > deadline:
             break
     return "done"
+
+
+def trial_facts(result: TrialResult) -> dict[str, Any]:
+    """What a strategy may read of a trial besides its time."""
+    facts: dict[str, Any] = {"roofline_pct": result.roofline_pct}
+    if result.ptxas:
+        facts["registers"] = max((k.get("registers", 0) for k in result.ptxas.values()), default=0)
+        facts["spill_bytes"] = sum(
+            k.get("spill_stores_bytes", 0) + k.get("spill_loads_bytes", 0) for k in result.ptxas.values()
+        )
+    return facts
+
+
+def _profile_best(plan: JobPlan, evaluator: Evaluator, recorder: Recorder, shape, history) -> None:
+    """ncu on the fastest verified trials of a shape (each profile stored with its trial)."""
+    if plan.profile_top_k <= 0:
+        return
+    ranked = sorted((o for o in history if o.ok and not o.facts.get("profile")), key=lambda o: o.median_ms)
+    for obs in ranked[: plan.profile_top_k]:
+        metrics = evaluator.profile(plan.op, shape, plan.dtype, plan.attrs, obs.candidate)
+        obs.facts["profile"] = metrics
+        recorder.record_profile(format_shape(shape), obs.candidate, metrics)
+        if "error" in metrics:  # no ncu here: one message is enough
+            log.info("job %s: no profile: %s", plan.job_id, metrics["error"])
+            break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kernelmill.kernels.ops.base import OpSpec
@@ -16,10 +16,14 @@ class Candidate:
 
     family: str
     params_json: str  # canonical JSON (sorted keys): hashable and storable
+    note: str = field(default="", compare=False, hash=False)  # why a strategy proposed it
 
     @classmethod
-    def of(cls, family: str, params: Mapping[str, Any]) -> Candidate:
-        return cls(family, json.dumps(dict(params), sort_keys=True))
+    def of(cls, family: str, params: Mapping[str, Any], note: str = "") -> Candidate:
+        return cls(family, json.dumps(dict(params), sort_keys=True), note)
+
+    def because(self, note: str) -> Candidate:
+        return Candidate(self.family, self.params_json, note)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -37,6 +41,8 @@ class Observation:
     candidate: Candidate
     status: str
     median_ms: float | None = None
+    #: What is known beyond the time: registers, spills, roofline_pct, profile (ncu metrics).
+    facts: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def ok(self) -> bool:

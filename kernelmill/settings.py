@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
     kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
 
+    # -- optional LLM proposer (an OpenAI-compatible chat endpoint) ------------
+    llm_url: str | None = Field(None, description="e.g. http://127.0.0.1:8080/v1; unset: the llm strategy uses guided")
+    llm_api_key: str | None = None
+    llm_model: str = "gpt-4o-mini"
+    llm_timeout_s: float = Field(30.0, gt=0)
+
     # -- service ---------------------------------------------------------------
     database_url: str = Field("sqlite:///./kernelmill.db", description="any SQLAlchemy URL (PostgreSQL works)")
     api_token: str | None = Field(None, description="when set, writes need 'Authorization: Bearer <token>'")

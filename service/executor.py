@@ -151,6 +151,10 @@ def task_baseline(op: str, shape: list[int], dtype: str, attrs: dict[str, Any]) 
     return _local_evaluator().baseline_ms(op, shape, dtype, attrs)
 
 
+def task_profile(op, shape, dtype, attrs, family: str, params_json: str) -> dict[str, Any]:
+    return _local_evaluator().profile(op, shape, dtype, attrs, Candidate(family, params_json))
+
+
 def task_evaluate(op, shape, dtype, attrs, candidates: list[tuple[str, str]]) -> list[TrialResult]:
     crash_on = os.environ.get("KERNELMILL_FAKE_CRASH_ON")  # tests: a worker that dies mid-task
     cands = [Candidate(family, params_json) for family, params_json in candidates]
@@ -178,6 +182,15 @@ class DaskEvaluator:
         return self._submit(task_baseline, op, list(shape), dtype, dict(attrs)).result(
             timeout=self.executor.settings.worker_answer_timeout_s
         )
+
+    def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
+        future = self._submit(
+            task_profile, op, list(shape), dtype, dict(attrs), candidate.family, candidate.params_json
+        )
+        try:
+            return future.result(timeout=self.executor.settings.worker_answer_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
+            return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 
     def evaluate(self, op, shape, dtype, attrs, candidates: Sequence[Candidate]) -> list[TrialResult]:
         from distributed import KilledWorker

@@ -7,6 +7,7 @@ are queued again and resume from their recorded trials.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,7 +79,7 @@ class StoreRecorder:
 
     def observations(self, shape: str) -> list[Observation]:
         return [
-            Observation(Candidate.of(t.family, t.params), t.status, t.median_ms)
+            Observation(Candidate.of(t.family, t.params), t.status, t.median_ms, {**_facts(t), "profile": t.profile})
             for t in self.store.trials(self.job_id, shape)
         ]
 
@@ -94,6 +95,40 @@ class StoreRecorder:
     def cancelled(self) -> bool:
         return self.store.cancel_requested(self.job_id)
 
+    def warm_start(self, shape: str, limit: int = 8) -> list[Candidate]:
+        """Best parameters of other jobs of this op, nearest problem first: same dtype and a close shape
+        count most, then other dtypes, then other GPUs of the same arch."""
+        job = self.store.get_job(self.job_id)
+        want = [int(v) for v in shape.split("x")]
+        arch = (job.arch or "auto").rstrip("a")
+
+        def distance(trial, other) -> float:
+            dims = [int(v) for v in trial.shape_key.split("x")]
+            d = sum(abs(math.log(a / b)) for a, b in zip(dims, want, strict=False))
+            d += 0.0 if other.dtype == job.dtype else 2.0
+            d += 0.0 if other.device_name == job.device_name else 0.5
+            return d
+
+        found = [
+            (distance(t, o), t, o)
+            for t, o in self.store.best_trials_elsewhere(job)
+            if arch == "auto" or (t.arch or "").rstrip("a") == arch
+        ]
+        out, seen = [], set()
+        for _, trial, other in sorted(found, key=lambda f: f[0]):
+            cand = Candidate.of(trial.family, trial.params)
+            if cand.key in seen:
+                continue
+            seen.add(cand.key)
+            where = f"{other.op} {trial.shape_key} {other.dtype} on {other.device_name or '?'} (job {other.id})"
+            out.append(cand.because(f"warm start: best of {where}"))
+            if len(out) == limit:
+                break
+        return out
+
+    def record_profile(self, shape: str, candidate: Candidate, profile: dict[str, Any]) -> None:
+        self.store.set_trial_profile(self.job_id, shape, candidate.family, candidate.params_json, profile)
+
     def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
         best = self.store.best_trial(self.job_id, shape)
         if best is None:
@@ -103,6 +138,15 @@ class StoreRecorder:
         fields = served_fields(best.family, best.params)
         fields.update(cubin=best.cubin, baseline_ms=self.store.baseline(self.job_id, shape))
         self.store.publish(job, best, fields)
+
+
+def _facts(trial) -> dict[str, Any]:
+    ptxas = trial.ptxas or {}
+    return {
+        "roofline_pct": trial.roofline_pct,
+        "registers": max((k.get("registers", 0) for k in ptxas.values()), default=0),
+        "spill_bytes": sum(k.get("spill_stores_bytes", 0) + k.get("spill_loads_bytes", 0) for k in ptxas.values()),
+    }
 
 
 class JobRunner:
@@ -156,6 +200,10 @@ class JobRunner:
         try:
             evaluator = self.executor.evaluator(worker)
             facts = evaluator.facts()
+            self.store.upsert_device(
+                worker, name=facts.name, arch=facts.arch, sm_count=facts.extra.get("sm_count"),
+                copy_gbps=facts.extra.get("copy_gbps"), matrix_tflops=facts.extra.get("matrix_tflops") or {},
+            )  # fmt: skip
             self.store.start_job(job.id, worker, facts.name)
             plan = JobPlan(
                 job.id,

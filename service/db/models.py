@@ -82,6 +82,7 @@ class Trial(Base):
     min_ms: Mapped[float | None] = mapped_column(Float)
     spread: Mapped[float | None] = mapped_column(Float)
     reps: Mapped[int | None] = mapped_column(Integer)
+    roofline_pct: Mapped[float | None] = mapped_column(Float)
     profile: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     note: Mapped[str | None] = mapped_column(Text)  # why the strategy proposed it
     cubin: Mapped[bytes | None] = deferred(mapped_column(LargeBinary))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,9 @@ class Store:
         if migrate_on_open:
             migrate(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
+        # Publishing reads the served kernel then replaces it: serialized here (SQLite ignores FOR UPDATE)
+        # and by a row lock across processes (PostgreSQL), so a slower trial never overwrites a faster one.
+        self._publish_lock = threading.Lock()
 
     def session(self) -> Session:
         return self._session()
@@ -212,6 +216,36 @@ class Store:
             rows = s.scalars(query.order_by(order.nulls_last(), Trial.seq).limit(limit).offset(offset)).all()
         return list(rows), total
 
+    def set_trial_profile(self, job_id: int, shape: str, family: str, params_key: str, profile: dict) -> None:
+        with self.session() as s, s.begin():
+            trial = s.scalar(
+                select(Trial).where(
+                    Trial.job_id == job_id, Trial.shape_key == shape, Trial.family == family,
+                    Trial.params_key == params_key,
+                )
+            )  # fmt: skip
+            if trial is not None:
+                trial.profile = profile
+
+    def best_trials_elsewhere(self, job: Job, limit_jobs: int = 50) -> list[tuple[Trial, Job]]:
+        """The fastest verified trial of each (job, shape) of other jobs of the same op (warm starts)."""
+        with self.session() as s:
+            others = s.scalars(
+                select(Job).where(Job.op == job.op, Job.id != job.id).order_by(Job.id.desc()).limit(limit_jobs)
+            ).all()
+            out = []
+            for other in others:
+                for shape in other.shapes:
+                    best = s.scalar(
+                        select(Trial)
+                        .where(Trial.job_id == other.id, Trial.shape_key == shape_key(shape), Trial.status == "ok")
+                        .order_by(Trial.median_ms.asc())
+                        .limit(1)
+                    )
+                    if best is not None:
+                        out.append((best, other))
+        return out
+
     def trial(self, trial_id: int, with_cubin: bool = False) -> Trial | None:
         with self.session() as s:
             opts = [undefer(Trial.cubin)] if with_cubin else []
@@ -285,22 +319,25 @@ class Store:
 
     def publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
         """Serve ``trial`` for its problem unless a faster kernel is already served."""
-        try:
-            return self._publish(job, trial, fields)
-        except IntegrityError:  # another job published the same problem first: compare with it
-            return self._publish(job, trial, fields)
+        with self._publish_lock:
+            try:
+                return self._publish(job, trial, fields)
+            except IntegrityError:  # another process published the same problem first: compare with it
+                return self._publish(job, trial, fields)
 
     def _publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
         key = attrs_key(job.attrs)
         with self.session() as s, s.begin():
             current = s.scalar(
-                select(Kernel).where(
+                select(Kernel)
+                .where(
                     Kernel.op == job.op,
                     Kernel.shape_key == trial.shape_key,
                     Kernel.dtype == job.dtype,
                     Kernel.arch == trial.arch,
                     Kernel.attrs_key == key,
                 )
+                .with_for_update()
             )
             if current is not None and current.median_ms <= trial.median_ms and current.trial_id != trial.id:
                 return current

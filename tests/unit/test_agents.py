@@ -54,6 +54,8 @@ class MemoryRecorder:
         self.baselines: dict[str, float | None] = {}
         self.published: dict[str, tuple] = {}
         self.cancel_after: int | None = None
+        self.warm: list = []
+        self.profiles: dict = {}
 
     def observations(self, shape):
         return [Observation(r.candidate, r.status, r.median_ms) for r in self.trials.get(shape, [])]
@@ -70,6 +72,12 @@ class MemoryRecorder:
     def cancelled(self):
         done = sum(len(v) for v in self.trials.values())
         return self.cancel_after is not None and done >= self.cancel_after
+
+    def warm_start(self, shape):
+        return list(self.warm)
+
+    def record_profile(self, shape, candidate, profile):
+        self.profiles[(shape, candidate.key)] = profile
 
     def publish_best(self, shape, served_fields):
         ok = [r for r in self.trials.get(shape, []) if r.status == "ok"]
@@ -129,3 +137,47 @@ def test_loop_stops_on_plateau():
     rec = MemoryRecorder()
     run_job(plan(shapes=[(256, 256)], budget_trials=400, plateau=10, batch_size=2), FakeEvaluator(fail_every=0), rec)
     assert len(rec.trials["256x256"]) < 400
+
+
+def test_warm_start_candidates_go_first_with_their_reason(space):
+    rec = MemoryRecorder()
+    picks = [space.candidates[77], space.candidates[200]]
+    rec.warm = [c.because("warm start: best of softmax 512x512") for c in picks]
+    run_job(plan(shapes=[(256, 256)], budget_trials=6), FakeEvaluator(fail_every=0), rec)
+    first = rec.trials["256x256"][:2]
+    assert [r.candidate for r in first] == picks
+    assert all(r.note.startswith("warm start") for r in first)
+
+
+def test_top_trials_are_profiled_after_the_search():
+    rec = MemoryRecorder()
+    run_job(plan(shapes=[(256, 256)], budget_trials=12, profile_top_k=2), FakeEvaluator(fail_every=0), rec)
+    ok = sorted((r for r in rec.trials["256x256"] if r.status == "ok"), key=lambda r: r.median_ms)
+    assert set(rec.profiles) == {("256x256", r.candidate.key) for r in ok[:2]}
+
+
+def test_guided_explains_moves_and_shrinks_spilling_tiles():
+    space = Space(get_op("matmul"), "float16", ["simt"])
+    strategy = get_strategy("guided", seed=0)
+    default = space.defaults()[0]
+    history = [Observation(default, "ok", 1.0, {"spill_bytes": 64, "registers": 255})]
+    batch = strategy.propose(space, history, 6)
+    assert all(c.note for c in batch)
+    moved = [c for c in batch if c.note.startswith("best spills")]
+    assert moved, [c.note for c in batch]
+    for c in moved[:3]:
+        knob = next(k for k in default.params if default.params[k] != c.params[k])
+        assert c.params[knob] < default.params[knob]  # the top-scored moves shrink a tile knob
+
+
+def test_guided_memory_bound_profile_asks_for_more_in_flight():
+    space = Space(get_op("softmax"), "float16", ["block_row"])
+    base = space.valid("block_row", {"vec": 4, "unroll": 2, "threads": 256, "fast_exp": False})
+    profile = {"dram_pct": 55.0, "sm_pct": 20.0, "achieved_occupancy_pct": 60.0, "registers": 40}
+    history = [Observation(c, "ok", 2.0) for c in space.defaults()]
+    history.append(Observation(base, "ok", 0.5, {"profile": profile}))
+    batch = get_strategy("guided").propose(space, history, 4)
+    first = batch[0]
+    assert first.note.startswith("memory-bound at 55%")
+    knob = next(k for k in base.params if base.params[k] != first.params[k])
+    assert knob in {"vec", "unroll"} and first.params[knob] > base.params[knob]

@@ -1,0 +1,139 @@
+"""An optional LLM proposer: an OpenAI-compatible chat endpoint suggests parameter sets as JSON.
+
+It receives the template, the parameter space and the history; its answers are
+validated against the space (unknown families, values outside a knob's list,
+broken constraints and repeats are dropped), and whatever it does not supply —
+a bad answer, a timeout, no endpoint configured — comes from the guided strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from kernelmill.agents.space import Candidate, Observation, Space
+from kernelmill.agents.strategies.base import seen_keys
+from kernelmill.agents.strategies.guided import Guided
+from kernelmill.settings import get_settings
+from kernelmill.templates import template_dir
+
+log = logging.getLogger(__name__)
+
+SYSTEM = (
+    "You tune CUDA kernels. Given a kernel template, its parameter space and the trials so far, propose "
+    'parameter sets likely to be faster. Answer only JSON: {"candidates": [{"family": str, "params": {...}, '
+    '"reason": str}]}, with values taken from the allowed lists.'
+)
+
+
+class LlmProposer:
+    name = "llm"
+
+    def __init__(self, seed: int = 0, url: str | None = None, api_key: str | None = None, model: str | None = None):
+        settings = get_settings()
+        self.url = (url or settings.llm_url or "").rstrip("/") or None
+        self.api_key = api_key or settings.llm_api_key
+        self.model = model or settings.llm_model
+        self.timeout_s = settings.llm_timeout_s
+        self.fallback = Guided(seed)
+
+    def propose(self, space: Space, history: Sequence[Observation], n: int) -> list[Candidate]:
+        out: list[Candidate] = []
+        why = "no LLM endpoint configured (KERNELMILL_LLM_URL)"
+        if self.url:
+            try:
+                out = self._ask(space, history, n)
+                why = f"the LLM gave {len(out)} valid of {n}"
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+                why = f"LLM answer unusable ({type(exc).__name__}: {exc})"
+                log.warning("llm proposer: %s; using the guided strategy", why)
+        if len(out) < n:
+            picked = {c.key for c in out}
+            rest = self.fallback.propose(space, [*history, *(Observation(c, "pending") for c in out)], n - len(out))
+            out += [c.because(f"{why}; guided: {c.note}") for c in rest if c.key not in picked]
+        return out[:n]
+
+    def _ask(self, space: Space, history: Sequence[Observation], n: int) -> list[Candidate]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        body = {
+            "model": self.model,
+            "temperature": 0.2,
+            "response_format": {"type": "json_object"},
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": _prompt(space, history, n)},
+            ],
+        }
+        resp = httpx.post(f"{self.url}/chat/completions", json=body, headers=headers, timeout=self.timeout_s)
+        resp.raise_for_status()
+        content = resp.json()["choices"][0]["message"]["content"]
+        return validate(space, history, parse_answer(content), n)
+
+
+def parse_answer(content: str) -> list[dict[str, Any]]:
+    """The candidates list from the model's text (tolerates a fenced code block)."""
+    match = re.search(r"\{.*\}", content, re.S)
+    if match is None:
+        raise ValueError("no JSON object in the answer")
+    data = json.loads(match.group(0))
+    items = data["candidates"]
+    if not isinstance(items, list):
+        raise ValueError("'candidates' is not a list")
+    return items
+
+
+def validate(space: Space, history: Sequence[Observation], items: list[dict[str, Any]], n: int) -> list[Candidate]:
+    seen = seen_keys(history)
+    out = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("family") not in space.families:
+            continue
+        fam = space.families[item["family"]]
+        params = item.get("params")
+        if not isinstance(params, dict) or set(params) != {p.name for p in fam.params}:
+            continue
+        try:
+            coerced = {p.name: p.coerce(params[p.name]) for p in fam.params}
+        except ValueError:
+            continue
+        cand = space.valid(fam.name, coerced)
+        if cand is None or cand.key in seen:
+            continue
+        seen.add(cand.key)
+        out.append(cand.because(f"llm: {str(item.get('reason', ''))[:300]}"))
+        if len(out) == n:
+            break
+    return out
+
+
+def _prompt(space: Space, history: Sequence[Observation], n: int) -> str:
+    families = {
+        name: {"params": {p.name: list(p.values) for p in fam.params}, "template": _template(fam.template)}
+        for name, fam in space.families.items()
+    }
+    ok = sorted((o for o in history if o.ok), key=lambda o: o.median_ms)[:20]
+    failed = [o for o in history if not o.ok][:10]
+    return json.dumps(
+        {
+            "op": space.op.name,
+            "dtype": space.dtype,
+            "want": n,
+            "families": families,
+            "fastest": [{"family": o.candidate.family, "params": o.candidate.params, "ms": o.median_ms} for o in ok],
+            "failed": [
+                {"family": o.candidate.family, "params": o.candidate.params, "status": o.status} for o in failed
+            ],
+        }
+    )
+
+
+def _template(path: str, limit: int = 6000) -> str:
+    try:
+        return (template_dir() / path).read_text()[:limit]
+    except OSError:
+        return ""

@@ -1,0 +1,86 @@
+"""The LLM proposer against a local stub of an OpenAI-compatible server (loopback only)."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from kernelmill.agents.space import Space
+from kernelmill.agents.strategies.llm import LlmProposer
+from kernelmill.kernels.ops import get_op
+
+ANSWERS: list = []
+
+
+def _stub() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        prompt = json.loads(body["messages"][1]["content"])
+        assert prompt["op"] == "softmax" and "block_row" in prompt["families"]
+        answer = ANSWERS.pop(0)
+        if answer == "500":
+            from fastapi.responses import PlainTextResponse
+
+            return PlainTextResponse("overloaded", status_code=500)
+        return {"choices": [{"message": {"role": "assistant", "content": answer}}]}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def stub_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_stub(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(5)
+
+
+@pytest.fixture
+def space():
+    return Space(get_op("softmax"), "float16")
+
+
+def test_valid_answers_are_used_with_reasons_and_invalid_dropped(stub_url, space):
+    good = {"vec": 8, "unroll": 4, "threads": 512, "fast_exp": True}
+    answer = {
+        "candidates": [
+            {"family": "block_row", "params": good, "reason": "wider rows"},
+            {"family": "block_row", "params": {**good, "vec": 3}, "reason": "not an allowed value"},
+            {"family": "block_row", "params": {**good, "vec": 8, "unroll": 16}, "reason": "breaks a constraint"},
+            {"family": "no_such", "params": good},
+            "garbage",
+        ]
+    }
+    ANSWERS.append("Sure!\n```json\n" + json.dumps(answer) + "\n```")
+    batch = LlmProposer(url=stub_url).propose(space, [], 3)
+    assert len(batch) == 3
+    assert batch[0].family == "block_row" and batch[0].params == good and batch[0].note == "llm: wider rows"
+    assert all(c in space for c in batch)
+    assert all("guided" in c.note for c in batch[1:])  # the rest came from the fallback
+
+
+@pytest.mark.parametrize("bad", ["500", "no json here", json.dumps({"candidates": "nope"})])
+def test_bad_answers_fall_back_to_guided(stub_url, space, bad):
+    ANSWERS.append(bad)
+    batch = LlmProposer(url=stub_url).propose(space, [], 4)
+    assert len(batch) == 4 and all("unusable" in c.note and "guided" in c.note for c in batch)
+
+
+def test_no_endpoint_means_guided(space, monkeypatch):
+    monkeypatch.delenv("KERNELMILL_LLM_URL", raising=False)
+    batch = LlmProposer().propose(space, [], 2)
+    assert len(batch) == 2 and all("no LLM endpoint" in c.note for c in batch)
