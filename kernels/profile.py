@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,10 +140,13 @@ def profile(
     cmd = [
         ncu, "--clock-control", "none", "--csv", "--page", "raw", "--metrics", metrics,
         "--kernel-name-base", "function", "--target-processes", "all",
-        sys.executable, "-m", "kernelmill.kernels.profile", json.dumps(spec),
+        sys.executable, "-P", "-m", "kernelmill.kernels.profile", json.dumps(spec),
     ]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        # -P and a neutral cwd: a source checkout's kernelmill/ folder must not shadow the installed package.
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=tempfile.gettempdir()
+        )
     except subprocess.TimeoutExpired:
         raise ProfileUnavailable(f"ncu did not finish within {timeout_s:.0f} s") from None
     profiles = parse_ncu_csv(proc.stdout)
