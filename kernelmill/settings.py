@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
     kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
 
+    plugins: str = Field(
+        "",
+        description="comma-separated Python modules that register extra ops (operator-enabled; each module calls "
+        "kernelmill.kernels.ops.register_op). Requests can never supply CUDA source themselves.",
+    )
+
     # -- optional LLM proposer (an OpenAI-compatible chat endpoint) ------------
     llm_url: str | None = Field(None, description="e.g. http://127.0.0.1:8080/v1; unset: the llm strategy uses guided")
     llm_api_key: str | None = None

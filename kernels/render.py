@@ -16,10 +16,12 @@ class RenderError(ValueError):
     """A template could not be rendered (a missing variable or a template bug)."""
 
 
-@lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+@lru_cache(maxsize=8)
+def environment(extra_root: str | None = None) -> jinja2.Environment:
+    """The shipped templates, plus a plugin family's own folder searched first when it has one."""
+    roots = [extra_root, str(template_dir())] if extra_root else [str(template_dir())]
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir())),
+        loader=jinja2.FileSystemLoader(roots),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -34,7 +36,8 @@ def render(family: Family, params: Mapping[str, Any], dtype: str, attrs: Mapping
     context: dict[str, Any] = {**attrs, **params, "T": CTYPES[dtype], "dtype": dtype, "attrs": attrs}
     context.update(family.context(params, dtype, attrs))
     try:
-        body = environment().get_template(family.template).render(context)
+        root = getattr(family, "template_root", None)
+        body = environment(str(root) if root else None).get_template(family.template).render(context)
     except jinja2.TemplateError as exc:
         raise RenderError(f"{family.template}: {exc}") from exc
     knobs = ", ".join(f"{k}={v}" for k, v in sorted({**attrs, **params}.items()))

@@ -1,0 +1,71 @@
+"""Planted faults inside real jobs on the GPU: each is caught and recorded with its reason, the service stays up,
+the job and the jobs after it go on (a poisoned worker process is replaced)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kernelmill.service.app import create_app
+from kernelmill.settings import Settings
+
+pytestmark = pytest.mark.gpu
+
+EXPECTED = {
+    "none": "ok",
+    "oob": "fault",
+    "hang": "timeout",
+    "race": "wrong_result",
+    "nan": "wrong_result",
+    "wrong": "wrong_result",
+}
+
+
+def _wait(client, job_id, timeout_s=400):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/api/jobs/{job_id}").json()
+        if job["state"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not finished: {job}")
+
+
+def test_planted_faults_are_recorded_and_jobs_go_on(tmp_path, monkeypatch):
+    # Operator-enabled plugin; worker processes inherit the environment and sys.path.
+    monkeypatch.setenv("KERNELMILL_PLUGINS", "tests.faults.planted")
+    monkeypatch.setenv("KERNELMILL_KERNEL_TIMEOUT_S", "3")
+    from kernelmill.kernels.ops import load_plugins
+
+    load_plugins("tests.faults.planted")
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/faults.db", executor="dask", batch_size=3)
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 120
+        while not client.get("/api/workers").json()["workers"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        planted = client.post(
+            "/api/jobs",
+            json={"op": "planted_softmax", "shapes": [[64, 1000]], "dtype": "float32", "strategy": "exhaustive",
+                  "budget": {"trials": 6, "seconds": 600}},
+        ).json()  # fmt: skip
+        after = client.post(
+            "/api/jobs",
+            json={"op": "softmax", "shapes": [[256, 1000]], "dtype": "float32", "strategy": "random",
+                  "budget": {"trials": 4, "seconds": 600}},
+        ).json()  # fmt: skip
+        planted = _wait(client, planted["id"])
+        after = _wait(client, after["id"])
+        trials = client.get(f"/api/jobs/{planted['id']}/trials", params={"limit": 100}).json()["items"]
+        assert client.get("/api/health").json()["status"] == "ok"
+    assert planted["state"] == "done", planted
+    got = {t["params"]["fault"]: t for t in trials}
+    assert set(got) == set(EXPECTED), got.keys()
+    for fault, status in EXPECTED.items():
+        assert got[fault]["status"] == status, (fault, got[fault]["status"], got[fault]["reason"])
+        if status != "ok":
+            assert got[fault]["reason"], fault
+    assert "hang" in got["hang"]["reason"]
+    assert after["state"] == "done" and after["per_shape"][0]["best_ms"], after
