@@ -1,0 +1,190 @@
+"""Tuned kernels against PyTorch eager and torch.compile, in one process on one GPU.
+
+    python3 benchmarks/kernels.py --db sqlite:////tmp/kernels.db --budget 32 --json kernels.json
+    python3 benchmarks/kernels.py --only softmax --reuse        # time what the store already holds
+
+For each case: a tuning job (guided strategy, warm starts from the store) unless
+--reuse finds one, then the best verified kernel, torch eager and torch.compile
+(max-autotune) are timed the same way (CUDA events, L2 flushed between
+repetitions, median). Prints case, our time, PyTorch's, speedup, GB/s or
+TFLOP/s and % of the roofline floor (measured copy bandwidth and matrix rate);
+writes the table as JSON. Every reported kernel passed verification at that
+shape and dtype inside its tuning job and is verified again here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import format_shape
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    target: str
+    attrs: dict = field(default_factory=dict, hash=False)
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for dtype in ("float16", "float32"):
+        for shape in ((8192, 8192), (32768, 1024), (4096, 32000)):
+            cases.append(Case("softmax", shape, dtype, ">= 80% of copy bandwidth"))
+        cases.append(Case("softmax", (1, 32000), dtype, ">= 2x torch.softmax"))
+    for dtype in ("float16", "bfloat16"):
+        for shape in ((4096, 4096, 4096), (8192, 8192, 8192), (2048, 11008, 4096)):
+            cases.append(Case("matmul", shape, dtype, ">= 0.9x cuBLAS"))
+        for shape in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 11008)):
+            cases.append(Case("matmul", shape, dtype, ">= 1.2x cuBLAS, >= 85% of copy bandwidth"))
+    cases.append(Case("matmul", (4096, 4096, 4096), "float32", ">= 0.9x cuBLAS fp32 (no TF32)"))
+    targets = {1: "<= 50 us", 16: "<= 55 us", 4096: "<= 1.10 ms"}
+    for batch, target in targets.items():
+        cases.append(Case("fused_mlp", (batch, 4096, 11008, 4096), "float16", target, {"act": "gelu_tanh"}))
+    return cases
+
+
+def tune(store, evaluator, case: Case, budget: int, strategy: str):
+    from kernelmill.agents.loop import JobPlan, run_job
+    from kernelmill.service.jobs import StoreRecorder
+
+    facts = evaluator.facts()
+    job = store.create_job(
+        op=case.op, shapes=[list(case.shape)], dtype=case.dtype, attrs=case.attrs, strategy=strategy,
+        budget_trials=budget, budget_seconds=1800, arch=facts.arch,
+    )  # fmt: skip
+    store.start_job(job.id, "benchmark", facts.name)
+    plan = JobPlan(job.id, case.op, [case.shape], case.dtype, case.attrs, strategy, budget, 1800, batch_size=16)
+    state = run_job(plan, evaluator, StoreRecorder(store, job.id))
+    store.finish_job(job.id, state)
+    return job.id
+
+
+def latest_job(store, case: Case) -> int | None:
+    jobs, _ = store.list_jobs(op=case.op, limit=500)
+    for job in jobs:
+        if job.dtype == case.dtype and [list(case.shape)] == job.shapes and job.state == "done":
+            return job.id
+    return None
+
+
+def measure(case: Case, store, evaluator, job_id: int, reps: int, compiled_torch: bool) -> dict:
+    from kernelmill.kernels.bench import time_it, time_torch
+    from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.variant import BoundVariant, Variant
+    from kernelmill.kernels.verify import verify
+
+    spec = get_op(case.op)
+    key = format_shape(case.shape)
+    row = {"case": f"{case.op} {key} {case.dtype}", "target": case.target, "job": job_id}
+    best = store.best_trial(job_id, key)
+    device, flusher = evaluator.device, evaluator.flusher
+    attrs = spec.resolve_attrs(case.attrs)
+    inputs = spec.make_inputs(case.shape, case.dtype, seed=0)
+    torch_eager = time_torch(device, spec, inputs, attrs, flusher, reps=reps)
+    row["torch_us"] = torch_eager.median_ms * 1e3 if torch_eager else None
+    if compiled_torch and torch_eager is not None:
+        row["torch_compile_us"] = _torch_compile_us(device, spec, inputs, attrs, flusher, reps)
+    ceil = evaluator.ceilings()
+    floor_ms = ceil.floor_ms(spec, case.shape, case.dtype)
+    row["floor_us"] = floor_ms * 1e3
+    if best is None:
+        row["status"] = "no verified kernel"
+        return row
+    variant = Variant.create(case.op, best.family, case.dtype, best.params, case.attrs)
+    bound = BoundVariant(device, variant, CompiledKernel(best.cubin, best.arch, f"trial-{best.id}"), case.shape)
+    check = verify(device, bound, seeds=2, cache=evaluator.references)
+    if not check.ok:
+        row["status"] = f"failed re-verification: {check.reason}"
+        return row
+    timing = time_it(device, bound.run, 5, reps, flusher)
+    ms = timing.median_ms
+    row.update(
+        status="ok", family=best.family, params=best.params, ours_us=ms * 1e3, spread=timing.spread,
+        max_rel_err=check.max_rel_err, gbps=spec.min_bytes(case.shape, case.dtype) / (ms * 1e-3) / 1e9,
+        tflops=spec.flops(case.shape) / (ms * 1e-3) / 1e12, pct_floor=100.0 * floor_ms / ms,
+        speedup=(row["torch_us"] / (ms * 1e3)) if row["torch_us"] else None,
+    )  # fmt: skip
+    return row
+
+
+def _torch_compile_us(device, spec, inputs, attrs, flusher, reps) -> float | None:
+    import torch
+
+    from kernelmill.kernels.bench import time_it, to_torch
+
+    tensors = {name: to_torch(arr) for name, arr in inputs.items()}
+    eager = spec.torch_reference(tensors, attrs)
+    try:
+        compiled = torch.compile(eager, mode="max-autotune")
+        compiled()
+    except Exception as exc:  # noqa: BLE001 - report, don't abort the table
+        logging.warning("torch.compile failed for %s: %s", spec.name, exc)
+        return None
+    return time_it(device, compiled, 5, reps, flusher).median_ms * 1e3
+
+
+def print_table(rows: list[dict], device: str, ceil) -> None:
+    print(f"\n{device}: copy {ceil.copy_gbps:.0f} GB/s, matrix " + ", ".join(
+        f"{k} {v:.0f} TFLOP/s" for k, v in ceil.matrix_tflops.items()))  # fmt: skip
+    head = f"{'case':34} {'ours us':>9} {'torch us':>9} {'compile us':>10} {'speedup':>8} {'GB/s':>7} {'TFLOP/s':>8}"
+    print(head + f" {'% floor':>8}  target")
+    for r in rows:
+        if r.get("status") != "ok":
+            print(f"{r['case']:34} {r.get('status')}")
+            continue
+        comp = f"{r['torch_compile_us']:.1f}" if r.get("torch_compile_us") else "-"
+        speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        print(
+            f"{r['case']:34} {r['ours_us']:9.1f} {r['torch_us'] or 0:9.1f} {comp:>10} {speed:>8} {r['gbps']:7.0f} "
+            f"{r['tflops']:8.1f} {r['pct_floor']:7.0f}%  {r['target']}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--db", default="sqlite:///kernels.db")
+    parser.add_argument("--budget", type=int, default=32, help="trials per tuning job")
+    parser.add_argument("--strategy", default="guided")
+    parser.add_argument("--only", default="", help="comma-separated ops")
+    parser.add_argument("--reuse", action="store_true", help="time the store's latest job per case, no tuning")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from kernelmill.agents.evaluator import LocalEvaluator
+    from kernelmill.service.db.store import Store
+
+    store = Store(args.db)
+    evaluator = LocalEvaluator(0, seeds=2, reps=30)
+    only = {o for o in args.only.split(",") if o}
+    rows = []
+    for case in _cases():
+        if only and case.op not in only:
+            continue
+        start = time.monotonic()
+        job_id = latest_job(store, case) if args.reuse else None
+        if job_id is None:
+            job_id = tune(store, evaluator, case, args.budget, args.strategy)
+        row = measure(case, store, evaluator, job_id, args.reps, not args.no_compile)
+        row["seconds"] = round(time.monotonic() - start, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
+    ceil = evaluator.ceilings()
+    print_table(rows, evaluator.device.info.name, ceil)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": evaluator.device.info.name, "copy_gbps": ceil.copy_gbps,
+                       "matrix_tflops": ceil.matrix_tflops, "rows": rows}, fh, indent=2)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
