@@ -1,0 +1,249 @@
+"""The new-job form: parse, validate exactly as the API does, and say what is wrong next to each field.
+
+Validation is the API's: the request schema (``JobCreate``: arch pattern,
+budget bounds) and then ``validate_submission``. That function stops at its
+first problem, so the form calls it again with each field it complained about
+replaced by a valid value, until it passes: every field's first problem shows.
+
+Writes are guarded like the API's: the token when ``KERNELMILL_API_TOKEN`` is
+set, and always a double-submit CSRF token (a SameSite=Strict cookie that must
+match a hidden field), so another site cannot post the form from a browser.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import secrets
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl
+
+from pydantic import ValidationError
+
+from kernelmill.agents.strategies import STRATEGIES
+from kernelmill.kernels.ops import DTYPES, OPS
+from kernelmill.service.api.schemas import Budget, JobCreate
+from kernelmill.service.db.models import Job
+from kernelmill.service.db.store import Store
+from kernelmill.service.jobs import JobError, validate_submission
+from kernelmill.settings import Settings
+
+CSRF_COOKIE = "kernelmill_csrf"
+GENERAL = "form"  # errors that belong to no one field
+EXAMPLES = {"softmax": "8192x8192", "matmul": "4096x4096x4096", "fused_mlp": "32x4096x16384x4096"}
+
+
+def new_csrf_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def parse_body(body: bytes) -> dict[str, str]:
+    """An application/x-www-form-urlencoded body as a dict (the last value of a repeated name wins)."""
+    return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+
+
+def attr_field(op: str, name: str) -> str:
+    return f"attr.{op}.{name}"
+
+
+@dataclass
+class JobForm:
+    op: str = "softmax"
+    shapes: str = ""
+    dtype: str = "float16"
+    strategy: str = "random"
+    arch: str = "auto"
+    trials: str = str(Budget.model_fields["trials"].default)
+    seconds: str = f"{Budget.model_fields['seconds'].default:g}"
+    attrs: dict[str, str] = field(default_factory=dict)  # "attr.<op>.<name>" -> value, every op's
+    token: str = ""
+    csrf: str = ""
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_pairs(cls, data: Mapping[str, str]) -> JobForm:
+        """From a posted body or the query string (which pre-fills the form, e.g. from /compare)."""
+        form = cls()
+        for name in ("op", "shapes", "dtype", "strategy", "arch", "trials", "seconds", "token", "csrf"):
+            if name in data:
+                setattr(form, name, str(data[name]).strip()[:4000])
+        form.shapes = form.shapes.replace(";", "\n")
+        form.attrs = {k: str(v).strip() for k, v in data.items() if k.startswith("attr.")}
+        return form
+
+    def shape_list(self) -> list[str]:
+        return [line.strip() for line in re.split(r"[\n;]+", self.shapes) if line.strip()]
+
+    def op_attrs(self) -> dict[str, str]:
+        """The attributes given for the chosen op (empty values mean the op's default)."""
+        prefix = f"attr.{self.op}."
+        return {k[len(prefix) :]: v for k, v in self.attrs.items() if k.startswith(prefix) and v}
+
+
+@dataclass
+class Submission:
+    form: JobForm
+    job: Job | None = None
+    status_code: int = 200
+
+
+def choices(settings: Settings) -> dict[str, Any]:
+    """What the form offers: ops with their dims and attributes, dtypes, strategies, limits."""
+    ops = []
+    for spec in OPS.values():
+        ops.append(
+            {
+                "name": spec.name,
+                "dims": " x ".join(spec.dims),
+                "example": EXAMPLES.get(spec.name, "x".join("1024" for _ in spec.dims)),
+                "attributes": [
+                    {"name": a.name, "field": attr_field(spec.name, a.name), "options": list(a.values), "doc": a.doc}
+                    for a in spec.attributes
+                ],
+            }
+        )
+    strategies = [{"name": name, "doc": _first_line(cls)} for name, cls in STRATEGIES.items()]
+    return {
+        "ops": ops,
+        "dtypes": DTYPES,
+        "strategies": strategies,
+        "max_trials": settings.max_budget_trials,
+        "max_seconds": settings.max_budget_seconds,
+        "max_shapes": settings.max_shapes,
+        "needs_token": bool(settings.api_token),
+    }
+
+
+def _first_line(cls: type) -> str:
+    """The first line of a strategy's class docstring, else of its module's."""
+    doc = cls.__doc__ or getattr(sys.modules.get(cls.__module__), "__doc__", None) or ""
+    lines = doc.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def field_of(message: str, op: str) -> str:
+    """Which form field a validation message is about."""
+    m = message.lower()
+    if m.startswith("unknown op"):
+        return "op"
+    if m.startswith("unknown dtype") or (m.startswith("no ") and " family supports " in m):
+        return "dtype"
+    if m.startswith("shapes") or "shape" in m.split(":")[0]:
+        return "shapes"
+    if m.startswith("unknown strategy"):
+        return "strategy"
+    if m.startswith("budget.trials"):
+        return "trials"
+    if m.startswith("budget.seconds"):
+        return "seconds"
+    attr = re.match(r"parameter (\w+)=", message)
+    if attr and op in OPS and any(a.name == attr.group(1) for a in OPS[op].attributes):
+        return attr_field(op, attr.group(1))
+    return GENERAL
+
+
+def _safe_shape(op: str) -> list[str]:
+    spec = OPS.get(op) or next(iter(OPS.values()))
+    return ["x".join("1" for _ in spec.dims)]
+
+
+def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """(errors by field, normalized job fields when there are none)."""
+    errors: dict[str, str] = {}
+    trials = seconds = None
+    try:
+        trials = int(form.trials)
+    except ValueError:
+        errors["trials"] = f"a whole number of trials, 1 to {settings.max_budget_trials}"
+    try:
+        seconds = float(form.seconds)
+    except ValueError:
+        errors["seconds"] = f"a number of seconds, up to {settings.max_budget_seconds:g}"
+
+    shapes = form.shape_list()
+    args: dict[str, Any] = {
+        "op": form.op,
+        "shapes": shapes,
+        "dtype": form.dtype,
+        "strategy": form.strategy,
+        "budget_trials": trials if trials is not None else 1,
+        "budget_seconds": seconds if seconds is not None else 1.0,
+        "attrs": form.op_attrs(),
+    }
+    fields = None
+    for _ in range(12):
+        try:
+            fields = validate_submission(settings, **args)
+            break
+        except JobError as exc:
+            name = field_of(str(exc), args["op"])
+            errors.setdefault(name, str(exc))
+            if name == GENERAL:
+                break
+            if name == "op":  # nothing about the shapes or attributes can be said for an unknown op
+                args.update(op=next(iter(OPS)), attrs={})
+                args["shapes"] = _safe_shape(args["op"])
+            elif name == "dtype":
+                args["dtype"] = DTYPES[0]
+            elif name == "shapes":
+                args["shapes"] = _safe_shape(args["op"])
+            elif name == "strategy":
+                args["strategy"] = next(iter(STRATEGIES))
+            elif name == "trials":
+                args["budget_trials"] = 1
+            elif name == "seconds":
+                args["budget_seconds"] = 1.0
+            else:
+                args["attrs"] = {}
+    try:  # the API's request schema: arch pattern and budget bounds
+        JobCreate(
+            op=form.op,
+            shapes=shapes or ["1"],
+            dtype=form.dtype,
+            arch=form.arch,
+            strategy=form.strategy,
+            attrs=form.op_attrs(),
+            budget={"trials": trials or 1, "seconds": seconds or 1.0},
+        )
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = [str(p) for p in err.get("loc", ())]
+            name = {"arch": "arch", "trials": "trials", "seconds": "seconds"}.get(loc[-1] if loc else "", GENERAL)
+            errors.setdefault(name, f"{err.get('msg')}")
+    if "arch" in errors:
+        errors["arch"] = "'auto' (the worker's GPU) or an arch such as sm_90 or sm_90a"
+
+    return errors, (fields if not errors else None)
+
+
+def submit_job(store: Store, settings: Settings, form: JobForm, csrf_cookie: str | None) -> Submission:
+    """Check the CSRF and API tokens, validate, create the job; errors come back on the form."""
+    if not csrf_cookie or not form.csrf or not hmac.compare_digest(csrf_cookie.encode(), form.csrf.encode()):
+        form.errors = {GENERAL: "This form expired or came from another site: reload the page and submit again."}
+        return Submission(form, status_code=403)
+    errors, fields = validation_errors(settings, form)
+    status_code = 422 if errors else 201
+    if settings.api_token and not hmac.compare_digest(form.token.encode(), settings.api_token.encode()):
+        errors["token"] = (
+            "this server needs its API token for writes (KERNELMILL_API_TOKEN)" if not form.token else "wrong token"
+        )
+        status_code = 401
+    form.token = ""  # never echoed back into the page
+    form.errors = errors
+    if errors or fields is None:
+        return Submission(form, status_code=status_code)
+    return Submission(form, store.create_job(arch=form.arch, **fields), 201)
+
+
+def check_write(settings: Settings, data: Mapping[str, str], csrf_cookie: str | None) -> str | None:
+    """Why a posted button (cancel) may not write, or None."""
+    given = data.get("csrf", "")
+    if not csrf_cookie or not given or not hmac.compare_digest(csrf_cookie.encode(), given.encode()):
+        return "This form expired or came from another site: reload the page and try again."
+    token = data.get("token", "")
+    if settings.api_token and not hmac.compare_digest(token.encode(), settings.api_token.encode()):
+        return "This server needs its API token for writes (KERNELMILL_API_TOKEN)." if not token else "Wrong token."
+    return None

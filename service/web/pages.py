@@ -1,0 +1,179 @@
+"""The dashboard's routes: each validates its input, calls one function of ``views`` or ``forms``, renders.
+
+``install(app)`` adds the pages, the static files and an HTML 404 page for
+browsers; the REST API under /api is untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kernelmill import __version__
+from kernelmill.service.api.deps import get_settings_dep, get_store
+from kernelmill.service.db.models import JOB_STATES
+from kernelmill.service.db.store import Store
+from kernelmill.service.web import filters, forms, views
+from kernelmill.settings import Settings
+
+HERE = Path(__file__).parent
+STATIC_DIR = HERE / "static"
+MAX_ID = 2**63 - 1
+
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+filters.register(templates.env)
+templates.env.globals.update(version=__version__, statuses=views.STATUSES, job_states=JOB_STATES)
+
+router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
+
+
+def render(request: Request, name: str, context: dict[str, Any], status_code: int = 200, nav: str = "") -> Response:
+    """A page, with the CSRF cookie its forms need (set once per browser)."""
+    token = request.cookies.get(forms.CSRF_COOKIE)
+    fresh = not token or len(token) < 32
+    if fresh:
+        token = forms.new_csrf_token()
+    context = {
+        **context,
+        "nav": nav,
+        "csrf": token,
+        "root": request.scope.get("root_path", ""),
+        "needs_token": bool(request.app.state.settings.api_token),
+    }
+    response = templates.TemplateResponse(request, name, context, status_code=status_code)
+    if fresh:
+        response.set_cookie(forms.CSRF_COOKIE, token, httponly=True, samesite="strict", path="/")
+    return response
+
+
+def not_found(request: Request, what: str) -> Response:
+    return render(request, "404.html", {"what": what}, status_code=404)
+
+
+def _page_number(raw: str | None) -> int:
+    return int(raw) if raw and raw.isdigit() and 0 < int(raw) < 10**6 else 1
+
+
+@router.get("/")
+def overview(request: Request, store: Store = Depends(get_store)) -> Response:
+    return render(request, "overview.html", views.overview(store, request.app.state.executor), nav="overview")
+
+
+@router.get("/jobs")
+def jobs(
+    request: Request,
+    store: Store = Depends(get_store),
+    state: str | None = None,
+    op: str | None = None,
+    page: str | None = None,
+) -> Response:
+    state = state if state in JOB_STATES else None
+    context = views.jobs_list(store, state, op or None, _page_number(page))
+    return render(request, "jobs.html", context, nav="jobs")
+
+
+@router.get("/jobs/new")
+def new_job(request: Request, settings: Settings = Depends(get_settings_dep)) -> Response:
+    form = forms.JobForm.from_pairs(request.query_params)
+    return render(request, "job_new.html", {"form": form, **forms.choices(settings)}, nav="new")
+
+
+@router.post("/jobs/new")
+async def submit_job(
+    request: Request, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
+) -> Response:
+    form = forms.JobForm.from_pairs(forms.parse_body(await request.body()))
+    done = forms.submit_job(store, settings, form, request.cookies.get(forms.CSRF_COOKIE))
+    if done.job is not None:
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{done.job.id}", status_code=303)
+    context = {"form": done.form, **forms.choices(settings)}
+    return render(request, "job_new.html", context, status_code=done.status_code, nav="new")
+
+
+def _job_context(request: Request, store: Store, job_id: int) -> dict[str, Any] | None:
+    q = request.query_params
+    sort = q.get("sort", "seq")
+    if sort not in views.TRIAL_SORTS and not sort.startswith("p:"):
+        sort = "seq"
+    order = "desc" if q.get("order") == "desc" else "asc"
+    status = q.get("status") or None
+    if job_id > MAX_ID:
+        return None
+    return views.job_page(store, job_id, sort, order, status, _page_number(q.get("page")))
+
+
+@router.get("/jobs/{job_id:int}")
+def job(request: Request, job_id: int, store: Store = Depends(get_store)) -> Response:
+    context = _job_context(request, store, job_id)
+    if context is None:
+        return not_found(request, f"job {job_id}")
+    return render(request, "job.html", context, nav="jobs")
+
+
+@router.get("/jobs/{job_id:int}/live")
+def job_live(request: Request, job_id: int, store: Store = Depends(get_store)) -> Response:
+    """The live part of the job page, fetched by the page's script when the job moves."""
+    context = _job_context(request, store, job_id)
+    if context is None:
+        return not_found(request, f"job {job_id}")
+    return render(request, "job_live.html", context)
+
+
+@router.post("/jobs/{job_id:int}/cancel")
+async def cancel_job(
+    request: Request, job_id: int, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
+) -> Response:
+    job = store.get_job(job_id) if job_id <= MAX_ID else None
+    if job is None:
+        return not_found(request, f"job {job_id}")
+    refused = forms.check_write(
+        settings, forms.parse_body(await request.body()), request.cookies.get(forms.CSRF_COOKIE)
+    )
+    if refused is None and job.state in views.ACTIVE:
+        store.request_cancel(job_id)
+    if refused is not None:
+        context = _job_context(request, store, job_id) or {}
+        return render(request, "job.html", {**context, "cancel_error": refused}, status_code=403, nav="jobs")
+    return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{job_id}", status_code=303)
+
+
+@router.get("/kernels/{kernel_id:int}")
+def kernel(request: Request, kernel_id: int, store: Store = Depends(get_store)) -> Response:
+    context = views.kernel_page(store, kernel_id) if kernel_id <= MAX_ID else None
+    if context is None:
+        return not_found(request, f"kernel {kernel_id}")
+    return render(request, "kernel.html", context, nav="compare")
+
+
+@router.get("/compare")
+def compare(request: Request, store: Store = Depends(get_store), arch: str | None = None) -> Response:
+    return render(request, "compare.html", views.compare(store, arch or None), nav="compare")
+
+
+def mount_static(app: FastAPI) -> None:
+    """Serve service/web/static at /static."""
+    app.mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static")
+
+
+def install(app: FastAPI) -> None:
+    """Add the dashboard to ``app``: the pages, /static, and an HTML 404 for browsers outside /api."""
+    app.include_router(router)
+    mount_static(app)
+
+    async def html_404(request: Request, exc: StarletteHTTPException) -> Response:
+        wants_html = "text/html" in request.headers.get("accept", "")
+        if exc.status_code == 404 and wants_html and not request.url.path.startswith(("/api", "/static")):
+            return not_found(request, f"page at {request.url.path}")
+        return await http_exception_handler(request, exc)
+
+    app.add_exception_handler(StarletteHTTPException, html_404)
+
+
+__all__ = ["install", "mount_static", "router"]
