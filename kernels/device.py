@@ -9,13 +9,18 @@ CUDA context is now unusable, as after an illegal address).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
+import math
+import struct
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 import numpy as np
+
+from kernelmill.kernels.ops.base import TensorMapArg
 
 log = logging.getLogger(__name__)
 
@@ -96,20 +101,177 @@ class Buffer:
         return int(self.allocation)
 
 
+# -- TMA tensor maps (CUtensorMap by value) -------------------------------------------
+
+#: CUtensorMap: 128 opaque bytes (by value in the kernel's parameters).
+TENSOR_MAP_BYTES = 128
+#: CUtensorMapDataType, CUtensorMapSwizzle (by bytes) and the other enums of cuda.h used here.
+_TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}
+_TMAP_ITEMSIZE = {"float16": 2, "float32": 4, "bfloat16": 2}
+_TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+_TMAP_INTERLEAVE_NONE = 0
+_TMAP_L2_PROMOTION_256B = 3
+_TMAP_OOB_FILL_ZEROS = 0
+#: .nv.info attributes (cuobjdump -elf names them): one parameter's offset and size; the parameter block size.
+_EIATTR_KPARAM_INFO = 0x17
+_EIATTR_CBANK_PARAM_SIZE = 0x19
+_EIFMT_SVAL = 4
+
+#: Per entry: (offset, size) of each parameter by ordinal, and the size of the parameter block.
+ParamLayout = tuple[list[tuple[int, int]], int]
+
+
+def kernel_param_layouts(cubin: bytes) -> dict[str, ParamLayout]:
+    """Parameter offsets of every entry of a cubin, from its ``.nv.info.<entry>`` ELF sections.
+
+    pycuda passes parameters as one packed buffer, which the driver copies to the parameter bank as it is.
+    ptxas aligns a 64-byte aligned parameter (a CUtensorMap) to the bank's absolute address, whose
+    parameter block starts 16-byte aligned (c[0x0][0x210] on sm_90), so such a parameter lands at an
+    offset a natural struct layout does not predict (0x30 for the first one): the buffer must follow ptxas.
+    """
+    try:
+        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        headers = [struct.unpack_from("<I20xQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        names_at = headers[shstrndx][1]
+        layouts: dict[str, ParamLayout] = {}
+        for name_offset, offset, size in headers:
+            name = cubin[names_at + name_offset : cubin.index(b"\0", names_at + name_offset)].decode()
+            if not name.startswith(".nv.info."):
+                continue
+            params: dict[int, tuple[int, int]] = {}
+            total, pos, end = 0, offset, offset + size
+            while pos + 4 <= end:
+                fmt, attr, value = struct.unpack_from("<BBH", cubin, pos)
+                pos += 4
+                if fmt == _EIFMT_SVAL:
+                    if attr == _EIATTR_KPARAM_INFO:
+                        _, ordinal, param_offset, flags = struct.unpack_from("<IHHI", cubin, pos)
+                        params[ordinal] = (param_offset, (flags >> 18) & 0x3FFF)
+                    pos += value
+                elif attr == _EIATTR_CBANK_PARAM_SIZE:
+                    total = value
+            if params:
+                layouts[name.removeprefix(".nv.info.")] = ([params[i] for i in sorted(params)], total)
+        return layouts
+    except (struct.error, ValueError, IndexError, UnicodeDecodeError) as exc:
+        log.warning("could not read the parameter layout of a cubin: %s", exc)
+        return {}
+
+
+def param_format(args: list, layout: ParamLayout | None = None) -> str:
+    """pycuda's struct format of a launch's parameter buffer: P for pointers, i for int32 scalars, and for
+    launches with tensor maps (128s each) the offsets of ``layout`` reproduced with pad bytes (x)."""
+    if not any(isinstance(a, TensorMapArg) for a in args):
+        return "".join("P" if isinstance(a, Buffer) else "i" for a in args)
+    if layout is None or len(layout[0]) != len(args):
+        raise DeviceFault(f"no parameter layout for a launch with tensor maps ({len(args)} arguments)", poisoned=False)
+    parts, at = [], 0
+    for a, (offset, size) in zip(args, layout[0], strict=True):
+        code, want, align = (
+            (f"{TENSOR_MAP_BYTES}s", TENSOR_MAP_BYTES, 1)
+            if isinstance(a, TensorMapArg)
+            else ("P", 8, 8)
+            if isinstance(a, Buffer)
+            else ("i", 4, 4)
+        )
+        # pycuda packs in native mode: an item must already sit at its natural alignment, or pack would pad.
+        if size != want or offset < at or offset % align:
+            raise DeviceFault(f"parameter layout {layout} does not fit the arguments {args}", poisoned=False)
+        parts.append(f"{offset - at}x{code}" if offset > at else code)
+        at = offset + size
+    if layout[1] > at:
+        parts.append(f"{layout[1] - at}x")
+    return "".join(parts)
+
+
+def tensor_map_strides(spec: TensorMapArg) -> list[int]:
+    """Byte strides of dims 1.. of a dense row-major tensor (cuTensorMapEncodeTiled's globalStrides)."""
+    item = _TMAP_ITEMSIZE[spec.dtype]
+    return [math.prod(spec.dims[: i + 1]) * item for i in range(len(spec.dims) - 1)]
+
+
+@cache
+def _libcuda() -> Any:
+    """The driver library pycuda runs on; its C ABI for cuTensorMapEncodeTiled is fixed by cuda.h."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p]
+    fn.argtypes += [ctypes.c_int] * 4
+    lib.cuGetErrorName.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def encode_tensor_map(ptr: int, spec: TensorMapArg) -> bytes:
+    """The 128 bytes of a CUtensorMap over the dense tensor at device address ``ptr`` (zero fill out of bounds)."""
+    try:
+        lib = _libcuda()
+    except (OSError, AttributeError) as exc:
+        raise DeviceFault(f"cannot load the CUDA driver's cuTensorMapEncodeTiled: {exc}", poisoned=False) from None
+    rank = len(spec.dims)
+    if spec.dtype not in _TMAP_DTYPES or spec.swizzle not in _TMAP_SWIZZLE or len(spec.box) != rank:
+        raise DeviceFault(f"unsupported tensor map {spec}", poisoned=False)
+    storage = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 128)
+    addr = -(-ctypes.addressof(storage) // 128) * 128  # cuda.h aligns CUtensorMap to 128 bytes
+    dims = (ctypes.c_uint64 * rank)(*spec.dims)
+    strides = (ctypes.c_uint64 * max(rank - 1, 1))(*tensor_map_strides(spec))
+    box = (ctypes.c_uint32 * rank)(*spec.box)
+    element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+    status = lib.cuTensorMapEncodeTiled(
+        addr,
+        _TMAP_DTYPES[spec.dtype],
+        rank,
+        ptr,
+        dims,
+        strides,
+        box,
+        element_strides,
+        _TMAP_INTERLEAVE_NONE,
+        _TMAP_SWIZZLE[spec.swizzle],
+        _TMAP_L2_PROMOTION_256B,
+        _TMAP_OOB_FILL_ZEROS,
+    )
+    if status != 0:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(status, ctypes.byref(name))
+        why = name.value.decode() if name.value else f"CUresult {status}"
+        raise DeviceFault(f"cuTensorMapEncodeTiled failed ({why}) for {spec} at 0x{ptr:x}", poisoned=False)
+    return ctypes.string_at(addr, TENSOR_MAP_BYTES)
+
+
 class Kernel:
     """One entry function of a loaded module, prepared per argument signature."""
 
-    def __init__(self, device: Device, function: Any, name: str) -> None:
+    def __init__(self, device: Device, function: Any, name: str, module: Module | None = None) -> None:
         self._device = device
         self._function = function
         self.name = name
+        self._module = module
         self._signature: str | None = None
         self._smem_limit = 48 * 1024
+        self._tensor_maps: dict[tuple[int, TensorMapArg], bytes] = {}
 
-    def launch(self, grid, block, smem_bytes: int, args: list[int | Buffer], stream: Any = None) -> None:
-        """Enqueue one launch; ints are int32 scalars, Buffers are pointers."""
+    def _tensor_map(self, spec: TensorMapArg, args: list) -> bytes:
+        """Encoded once per (buffer address, spec): a launch must not pay for the driver call each time."""
+        source = args[spec.of]
+        if not isinstance(source, Buffer):
+            raise DeviceFault(f"tensor map argument {spec} does not point at a buffer argument", poisoned=False)
+        key = (source.ptr, spec)
+        if key not in self._tensor_maps:
+            if len(self._tensor_maps) >= 64:
+                self._tensor_maps.clear()
+            self._tensor_maps[key] = encode_tensor_map(source.ptr, spec)
+        return self._tensor_maps[key]
+
+    def launch(self, grid, block, smem_bytes: int, args: list[int | Buffer | TensorMapArg], stream: Any = None) -> None:
+        """Enqueue one launch; ints are int32 scalars, Buffers are pointers, TensorMapArgs 128-byte maps."""
         cuda = self._device.cuda
-        signature = "".join("P" if isinstance(a, Buffer) else "i" for a in args)
+        with_maps = any(isinstance(a, TensorMapArg) for a in args)
+        layout = self._module.param_layout(self.name) if with_maps and self._module is not None else None
+        signature = param_format(args, layout)
         try:
             if signature != self._signature:
                 self._function.prepare(signature)
@@ -117,7 +279,10 @@ class Kernel:
             if smem_bytes > self._smem_limit:
                 self._function.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes)
                 self._smem_limit = smem_bytes
-            values = [a.ptr if isinstance(a, Buffer) else int(a) for a in args]
+            values = [
+                a.ptr if isinstance(a, Buffer) else self._tensor_map(a, args) if isinstance(a, TensorMapArg) else int(a)
+                for a in args
+            ]
             self._function.prepared_async_call(tuple(grid), tuple(block), stream, *values, shared_size=smem_bytes)
         except cuda.Error as exc:
             where = f"launch of {self.name} grid={tuple(grid)} block={tuple(block)} smem={smem_bytes}"
@@ -125,10 +290,18 @@ class Kernel:
 
 
 class Module:
-    def __init__(self, device: Device, module: Any) -> None:
+    def __init__(self, device: Device, module: Any, cubin: bytes = b"") -> None:
         self._device = device
         self._module = module
+        self._cubin = cubin
+        self._layouts: dict[str, ParamLayout] | None = None
         self._kernels: dict[str, Kernel] = {}
+
+    def param_layout(self, entry: str) -> ParamLayout | None:
+        """The entry's parameter offsets (read from the cubin once, only for launches that need them)."""
+        if self._layouts is None:
+            self._layouts = kernel_param_layouts(self._cubin) if self._cubin else {}
+        return self._layouts.get(entry)
 
     def kernel(self, entry: str) -> Kernel:
         if entry not in self._kernels:
@@ -136,7 +309,7 @@ class Module:
                 fn = self._module.get_function(entry)
             except self._device.cuda.Error as exc:
                 raise _fault(exc, f"no entry {entry!r} in the module") from None
-            self._kernels[entry] = Kernel(self._device, fn, entry)
+            self._kernels[entry] = Kernel(self._device, fn, entry, self)
         return self._kernels[entry]
 
 
@@ -236,7 +409,7 @@ class Device:
         if key is not None and key in self._modules:
             return self._modules[key]
         try:
-            module = Module(self, self.cuda.module_from_buffer(cubin))
+            module = Module(self, self.cuda.module_from_buffer(cubin), cubin)
         except self.cuda.Error as exc:
             raise self._raise(exc, "loading the cubin") from None
         if key is not None:

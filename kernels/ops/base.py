@@ -14,7 +14,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -75,19 +75,44 @@ class Param:
         raise SpecError(f"parameter {self.name}={raw!r} is not allowed; choose one of {allowed}")
 
 
+class TensorMapArg(NamedTuple):
+    """A TMA tensor map (CUtensorMap, 128 bytes by value) over the buffer named by another argument.
+
+    ``of`` is the position, in the same launch's ``args``, of the buffer the map describes: a dense
+    row-major tensor of ``dims`` elements (innermost first) of ``dtype``, read in boxes of ``box``
+    elements with ``swizzle`` bytes of shared-memory swizzle (0, 32, 64 or 128) and zero fill out of
+    bounds. A named tuple, so launches stay JSON-serialisable (as a list starting with "tensor_map").
+    """
+
+    kind: str
+    of: int
+    dims: tuple[int, ...]
+    box: tuple[int, ...]
+    dtype: str
+    swizzle: int = 128
+
+
+def tensor_map_arg(
+    of: int, dims: tuple[int, ...], box: tuple[int, ...], dtype: str, swizzle: int = 128
+) -> TensorMapArg:
+    """A ``TensorMapArg`` (its ``kind`` filled in)."""
+    return TensorMapArg("tensor_map", of, tuple(dims), tuple(box), dtype, swizzle)
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a variant.
 
     ``args`` names buffers (inputs, outputs or workspaces, passed as device
-    pointers) or gives int32 scalars, in the kernel's parameter order.
+    pointers), gives int32 scalars, or is a ``TensorMapArg`` built from one of
+    the buffer arguments, in the kernel's parameter order.
     """
 
     entry: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem_bytes: int = 0
-    args: tuple[str | int, ...] = ()
+    args: tuple[str | int | TensorMapArg, ...] = ()
 
     @property
     def threads(self) -> int:

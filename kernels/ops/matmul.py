@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, SpecError, cdiv, itemsize
+from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, SpecError, cdiv, itemsize, tensor_map_arg
 
 #: Threads per block and outputs per thread of the split-K reduce kernel (KM_REDUCE_THREADS, 4 per thread).
 REDUCE_THREADS = 256
@@ -326,13 +326,115 @@ TENSORCORE = TensorCoreFamily(
 )
 
 
+class WgmmaFamily(Family):
+    """Hopper GEMM: wgmma from a TMA-filled shared ring on mbarriers, a producer warpgroup and 1-2 MMA
+    warpgroups, optionally persistent (common/gemm_wgmma.cuh.j2). sm_90a, float16/bfloat16 only.
+
+    The tiles come from TMA tensor maps that the launcher encodes on the host (``TensorMapArg``), so A's and
+    B's row strides must be multiples of 16 bytes: K and N multiples of 8. Other shapes are rejected by
+    ``check_shape`` (the simt and tensorcore families run them).
+    """
+
+    name = "wgmma"
+    template = "matmul/wgmma.cu.j2"
+    entry = "matmul_wgmma"
+    dtypes = ("float16", "bfloat16")
+    arch_suffix = "a"
+    description = "Hopper wgmma GEMM, TMA ring on mbarriers, warp-specialised (sm_90a; fp16/bf16; K, N % 8 == 0)"
+    params = (
+        Param("BM", (64, 128, 256), "block tile rows (M)"),
+        Param("BN", (64, 128, 192, 256), "block tile columns (N): the wgmma N"),
+        Param("consumers", (1, 2), "MMA warpgroups; each owns BM / consumers rows (64 or 128)"),
+        Param("stages", (3, 4, 5, 6), "depth of the TMA shared-memory ring"),
+        Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
+    )
+    #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
+    BK = 64
+    #: fp32 accumulators one consumer thread may hold (the rest of its 232 registers is addresses and loop state).
+    max_acc_regs = 128
+    #: TMA needs the row strides (K * 2 and N * 2 bytes) to be multiples of this.
+    stride_align_bytes = 16
+
+    def precision(self, dtype):
+        return dtype
+
+    def threads(self, params: Mapping[str, Any]) -> int:
+        return 128 * (params["consumers"] + 1)
+
+    def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        """km_gemm_wgmma_smem_bytes: the ring, a full and an empty mbarrier per stage, 1 KiB alignment slack."""
+        stages = params["stages"]
+        return stages * (params["BM"] + params["BN"]) * self.BK * itemsize(dtype) + 16 * stages + 1024
+
+    def acc_regs(self, params: Mapping[str, Any]) -> int:
+        """fp32 accumulators per consumer thread: (BM / consumers) x BN over 128 threads."""
+        return params["BM"] // params["consumers"] * params["BN"] // 128
+
+    def grid(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
+        M, N, _ = shape  # noqa: N806
+        tiles = cdiv(M, params["BM"]) * cdiv(N, params["BN"])
+        return min(tiles, params["ctas"]) if params["ctas"] else tiles
+
+    def defaults(self, dtype):
+        # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
+        return {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132}
+
+    def check(self, params, dtype):
+        if dtype not in self.dtypes:
+            return f"wgmma runs {' and '.join(self.dtypes)} only, not {dtype}"
+        rows = params["BM"] // params["consumers"]
+        if params["BM"] % params["consumers"] or rows not in (64, 128):
+            return f"BM / consumers = {params['BM']} / {params['consumers']}: each consumer needs 64 or 128 rows"
+        acc = self.acc_regs(params)
+        if acc > self.max_acc_regs:
+            return f"{acc} accumulators per consumer thread > {self.max_acc_regs} (spills)"
+        smem = self.smem_bytes(params, dtype)
+        if smem > MAX_SMEM_BYTES:
+            return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES} (227 KiB)"
+        return None
+
+    def check_shape(self, shape, params, dtype):
+        M, N, K = shape  # noqa: N806
+        size = itemsize(dtype)
+        for dim, value in (("K", K), ("N", N)):
+            if value * size % self.stride_align_bytes:
+                return (
+                    f"{dim}={value}: TMA needs row strides that are multiples of {self.stride_align_bytes} bytes "
+                    f"({dim} a multiple of {self.stride_align_bytes // size}); the tensorcore family runs this shape"
+                )
+        if cdiv(M, params["BM"]) * cdiv(N, params["BN"]) >= 2**31 // 8:
+            return "too many output tiles for the kernel's 32-bit tile index"
+        return None
+
+    def launches(self, shape, params, dtype):
+        M, N, K = shape  # noqa: N806
+        # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
+        a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
+        b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
+        return [
+            Launch(
+                self.entry,
+                (self.grid(shape, params), 1, 1),
+                (self.threads(params), 1, 1),
+                self.smem_bytes(params, dtype),
+                (a_map, b_map, "A", "B", "C", M, N, K),
+            )
+        ]
+
+    def context(self, params, dtype, attrs):
+        return {"smem_bytes": self.smem_bytes(params, dtype)}
+
+
+WGMMA = WgmmaFamily()
+
+
 class Matmul(OpSpec):
     name = "matmul"
     matrix_bound = True
     dims = ("M", "N", "K")
     inputs = ("A", "B")
     outputs = ("C",)
-    families = {f.name: f for f in (SIMT, TENSORCORE)}
+    families = {f.name: f for f in (SIMT, TENSORCORE, WGMMA)}
 
     def tensor_shapes(self, shape):
         M, N, K = shape  # noqa: N806

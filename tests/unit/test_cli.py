@@ -15,7 +15,7 @@ def test_ops_json_lists_every_op_family_and_space():
     listing = json.loads(result.stdout)
     assert {entry["op"] for entry in listing} == set(OPS)
     for entry in listing:
-        assert len(entry["families"]) >= 2
+        assert len(entry["families"]) >= 1
         for fam in entry["families"]:
             assert all(size > 0 for size in fam["space_size"].values())
 

@@ -1,0 +1,197 @@
+"""Model.forward of the kernelmill runtime against PyTorch eager and torch.compile, one process, one GPU.
+
+(a) an MLP stack, 4 blocks of Linear(4096, 11008) -> GELU -> Linear(11008, 4096), batch 1, 16 and 256;
+(b) a BERT-base-sized encoder (12 layers, hidden 768, 12 heads, random weights), sequence 128, batch 1 and 8.
+All in float16. The runtime loads the same weights (a torch state_dict / a save_pretrained directory)
+and runs its registry's kernels (tuned ones where KERNELMILL_SERVER or --server serves them, else the
+template defaults) with CUDA-graph replay. Prints a table and writes JSON.
+
+    python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _sync(torch) -> None:
+    torch.cuda.synchronize()  # device-wide: waits for the runtime's stream as well
+
+
+def time_ms(torch, fn, warmup: int, iters: int, repeats: int) -> dict:
+    """Wall time per call over `iters` back-to-back calls (launch overhead included), median of `repeats`."""
+    for _ in range(warmup):
+        fn()
+    _sync(torch)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(torch)
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples_ms": samples}
+
+
+def rel_err(torch, out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm())
+
+
+def run_case(torch, name, batch, runtime_fn, eager_fn, compiled_fn, args) -> dict:
+    row: dict = {"case": name, "batch": batch}
+    out_rt = runtime_fn()
+    out_eager = eager_fn()
+    _sync(torch)
+    row["rel_err_vs_eager"] = rel_err(torch, out_rt, out_eager)
+    row["runtime"] = time_ms(torch, runtime_fn, args.warmup, args.iters, args.repeats)
+    row["eager"] = time_ms(torch, eager_fn, args.warmup, args.iters, args.repeats)
+    if compiled_fn is not None:
+        start = time.perf_counter()
+        compiled_fn()  # compiles
+        _sync(torch)
+        row["compile_s"] = time.perf_counter() - start
+        row["compiled"] = time_ms(torch, compiled_fn, args.warmup, args.iters, args.repeats)
+    return row
+
+
+def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
+    d, hidden, layers = 4096, 11008, 4
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d))
+        for _ in range(layers)
+    ]
+    ref_cpu = torch.nn.Sequential(*blocks).eval()
+    path = tmp / "mlp.pt"
+    torch.save(ref_cpu.state_dict(), path)
+    model = runtime.load_model(path, device="cuda", dtype="float16", act="gelu", server=args.server)
+    ref = ref_cpu.half().cuda()
+    del ref_cpu
+    compiled = torch.compile(ref) if args.compile else None
+    rows = []
+    for batch in (1, 16, 256):
+        x = torch.randn(batch, d, device="cuda", dtype=torch.float16)
+        xt = runtime.from_torch(x)
+        with torch.no_grad():
+            row = run_case(
+                torch,
+                "mlp 4x(4096-11008-4096)",
+                batch,
+                lambda xt=xt: runtime.to_torch(model.forward(xt)),
+                lambda x=x: ref(x),
+                (lambda x=x: compiled(x)) if compiled is not None else None,
+                args,
+            )
+        row["runtime_run"] = model.last_run
+        rows.append(row)
+    rows[-1]["kernels"] = model.kernel_report()
+    return rows
+
+
+def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    ref_cpu = transformers.BertModel(config, add_pooling_layer=False).eval()
+    path = tmp / "bert-base"
+    ref_cpu.save_pretrained(path)
+    model = runtime.load_model(path, device="cuda", dtype="float16", server=args.server)
+    ref = ref_cpu.half().cuda()
+    del ref_cpu
+    compiled = torch.compile(ref) if args.compile else None
+    rows = []
+    seq = 128
+    for batch in (1, 8):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+        ids_host = ids.cpu().numpy()
+        with torch.no_grad():
+            row = run_case(
+                torch,
+                f"bert-base seq {seq}",
+                batch,
+                lambda ids_host=ids_host: runtime.to_torch(model.forward(ids_host)),
+                lambda ids=ids: ref(input_ids=ids).last_hidden_state,
+                (lambda ids=ids: compiled(input_ids=ids).last_hidden_state) if compiled is not None else None,
+                args,
+            )
+        row["runtime_run"] = model.last_run
+        rows.append(row)
+    rows[-1]["kernels"] = model.kernel_report()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'eager ms':>10}{'compile ms':>12}"
+    header += f"{'vs eager':>10}{'vs compile':>11}{'rel err':>10}  run"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        rt, eager = r["runtime"]["median_ms"], r["eager"]["median_ms"]
+        comp = r.get("compiled", {}).get("median_ms")
+        comp_s = f"{comp:>12.3f}" if comp else f"{'-':>12}"
+        vs_comp = f"{comp / rt:>10.2f}x" if comp else f"{'-':>11}"
+        print(
+            f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{eager:>10.3f}{comp_s}{eager / rt:>9.2f}x{vs_comp}"
+            f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="forward.json", help="JSON results")
+    parser.add_argument("--server", default=None, help="kernelmill service for tuned kernels (else KERNELMILL_SERVER)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
+    parser.add_argument("--only", choices=("mlp", "bert"), default=None)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    import torch
+
+    from kernelmill import runtime
+
+    if not torch.cuda.is_available():
+        print("benchmarks/forward.py needs a CUDA GPU", file=sys.stderr)
+        return 3
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kernelmill-forward-") as tmp:
+        if args.only in (None, "mlp"):
+            rows += mlp_cases(torch, runtime, args, Path(tmp))
+            torch.cuda.empty_cache()
+        if args.only in (None, "bert"):
+            rows += bert_cases(torch, runtime, args, Path(tmp))
+    print_table(rows)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": "float16",
+        "timing": f"wall time per forward, {args.iters} calls after {args.warmup} warm-up, median of {args.repeats}",
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""linear: Y[M x N] = act(X[M x K] @ W[K x N] + b[N]), all row-major (W is the transposed nn.Linear weight).
+
+The matmul op's GEMM cores with the bias and the activation fused into their epilogue (or into the
+split-K reduce): two families, ``simt`` (exact fp32 FMA, any dtype) and ``tensorcore`` (WMMA; float32
+runs as TF32 there). act is an attribute: none, relu, gelu_erf, gelu_tanh, silu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernelmill.kernels.ops.base import OpSpec, Param
+from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS
+from kernelmill.kernels.ops.matmul import CORES, GemmFamily, gemm_launches
+
+#: Where the defaults leave the core's: with a bias, the SIMT default (BK=8) spills (see fused_mlp).
+_DEFAULT_CHANGES = {"simt": {"BK": 16}, "tensorcore": {}}
+
+
+class LinearFamily(GemmFamily):
+    def defaults(self, dtype):
+        return {**self.core.defaults(dtype), **_DEFAULT_CHANGES[self.core.name]}
+
+    def launches(self, shape, params, dtype):
+        M, N, K = shape  # noqa: N806
+        return gemm_launches(self.core.name, self.entry, M, N, K, params, dtype, "X", "W", "Y", bias="b")
+
+
+class LinearTensorCore(LinearFamily):
+    def precision(self, dtype):
+        return "tf32" if dtype == "float32" else dtype
+
+
+SIMT = LinearFamily(CORES["simt"], "simt", "linear/simt.cu.j2", "linear_simt", "CUDA-core GEMM + bias + act")
+TENSORCORE = LinearTensorCore(
+    CORES["tensorcore"],
+    "tensorcore",
+    "linear/tensorcore.cu.j2",
+    "linear_tc",
+    "WMMA tensor-core GEMM + bias + act; float32 runs as TF32",
+)
+
+
+class Linear(OpSpec):
+    name = "linear"
+    matrix_bound = True
+    dims = ("M", "N", "K")
+    inputs = ("X", "W", "b")
+    outputs = ("Y",)
+    attributes = (Param("act", ELEMENTWISE_ACTIVATIONS, "activation after the bias"),)
+    families = {f.name: f for f in (SIMT, TENSORCORE)}
+
+    def tensor_shapes(self, shape):
+        M, N, K = shape  # noqa: N806
+        return {"X": (M, K), "W": (K, N), "b": (N,), "Y": (M, N)}
+
+    def input_scale(self, name, shape):
+        _m, _n, k = shape
+        return {"W": (3.0 / k) ** 0.5 * 2.0, "b": 0.5}.get(name, 1.0)
+
+    def reference(self, inputs, attrs):
+        x, w, b = (inputs[n].astype(np.float64) for n in self.inputs)
+        return {"Y": ACT_FUNCTIONS[attrs.get("act", "none")](x @ w + b)}
+
+    def flops(self, shape):
+        M, N, K = shape  # noqa: N806
+        return 2.0 * M * N * K
+
+    def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
+        import torch
+        import torch.nn.functional as F
+
+        x, w, b = tensors["X"], tensors["W"], tensors["b"]
+        fn = {
+            "none": lambda h: h,
+            "relu": torch.relu,
+            "gelu_erf": lambda h: F.gelu(h),
+            "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+            "silu": F.silu,
+        }[attrs.get("act", "none")]
+        return lambda: fn(torch.addmm(b, x, w))
+
+
+LINEAR = Linear()

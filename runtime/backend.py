@@ -1,0 +1,85 @@
+"""The runtime's GPU: the kernels layer's Device (pycuda, primary context, pooled memory) and one stream.
+
+Every kernel launch and every device-side copy of the runtime goes to ``Backend.stream``, so a forward
+pass is one ordered sequence that a CUDA graph can capture. Allocations come from the Device's memory
+pool (no cudaMalloc per op once the pool is warm); while a graph is being captured, every allocation is
+also kept by the graph (``keep_allocations``), so memory the graph writes is never handed out again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from kernelmill.kernels.device import Buffer, Device, get_device
+
+log = logging.getLogger(__name__)
+
+
+class Backend:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.cuda = device.cuda
+        self.stream = device.cuda.Stream()
+        self._kept: list[Buffer] | None = None
+
+    @property
+    def arch(self) -> str:
+        return self.device.info.arch
+
+    def alloc(self, nbytes: int) -> Buffer:
+        buf = self.device.alloc(nbytes)
+        if self._kept is not None:
+            self._kept.append(buf)
+        return buf
+
+    @contextlib.contextmanager
+    def keep_allocations(self):
+        """Collects every buffer allocated inside the block (the graph being captured owns them)."""
+        previous, self._kept = self._kept, []
+        try:
+            yield self._kept
+        finally:
+            self._kept = previous
+
+    def upload(self, ptr: int, host: Any) -> None:
+        """Host -> device, after the stream's queued work (a synchronous copy; never during a capture)."""
+        self.stream.synchronize()
+        try:
+            self.cuda.memcpy_htod(ptr, host.reshape(-1).view("uint8"))
+        except self.cuda.Error as exc:
+            raise self.device._raise(exc, "copy to device") from None
+
+    def download(self, ptr: int, out: Any) -> None:
+        """Device -> host once the stream's queued work is done."""
+        self.stream.synchronize()
+        try:
+            self.cuda.memcpy_dtoh(out.reshape(-1).view("uint8"), ptr)
+        except self.cuda.Error as exc:
+            raise self.device._raise(exc, "copy from device (a kernel before it may have faulted)") from None
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            self.cuda.memcpy_dtod_async(dst, src, nbytes, self.stream)
+
+    def fill(self, ptr: int, byte: int, nbytes: int) -> None:
+        if nbytes:
+            self.cuda.memset_d8_async(ptr, byte, nbytes, self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    @property
+    def stream_handle(self) -> int:
+        return int(self.stream.handle)
+
+
+_backends: dict[int, Backend] = {}
+
+
+def get_backend(ordinal: int = 0) -> Backend:
+    """The process's Backend for GPU ``ordinal``; GpuUnavailable where there is none."""
+    if ordinal not in _backends:
+        _backends[ordinal] = Backend(get_device(ordinal))
+    return _backends[ordinal]

@@ -1,0 +1,457 @@
+"""Models: a Module tree plus its device, dtype, kernel registry and CUDA graphs; loading from disk.
+
+``load_model(path, device=, dtype=)`` reads
+
+* a HuggingFace BERT checkpoint directory (config.json + model.safetensors, or pytorch_model.bin):
+  ``BertModel``, whose forward gives the last hidden state;
+* a PyTorch state_dict file (torch.load on the CPU) of an MLP: blocks ``nn.Sequential(nn.Linear, act,
+  nn.Linear)`` (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, a flat
+  ``nn.Sequential(Linear, act, Linear, act, ..., Linear)`` becomes Linear layers with the activation in
+  their epilogue. The activation is ``act=`` (or an ``"act"`` entry next to ``"state_dict"`` in the file).
+
+``Model.forward`` on "cuda" runs the first call(s) with plain launches (kernels are resolved, compiled
+and loaded then), then captures a CUDA graph per input signature and replays it; where capture fails it
+logs why once and keeps plain launches. On "cpu" it runs the NumPy float32 ops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernelmill.kernels.ops.base import format_shape
+from kernelmill.runtime import ops
+from kernelmill.runtime.nn import (
+    MLP,
+    Embeddings,
+    LayerNorm,
+    Linear,
+    Module,
+    MultiHeadAttention,
+    Sequential,
+    TransformerEncoderLayer,
+)
+from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor, numpy_dtype
+
+log = logging.getLogger(__name__)
+
+#: Additive value of a masked key, by dtype (HF uses the dtype's most negative finite number).
+MASK_MIN = {"float32": -3.4028234663852886e38, "float16": -65504.0, "bfloat16": -3.3895313892515355e38}
+
+
+def _host(x: Any) -> np.ndarray:
+    if isinstance(x, Tensor):
+        return x.numpy()
+    if type(x).__module__.startswith("torch"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+# -- BERT -------------------------------------------------------------------------------------------------
+
+
+class BertModel(Module):
+    """BERT's encoder (HF BertModel without the pooler): forward(input_ids, attention_mask=None,
+    token_type_ids=None) -> last hidden state (batch, seq, hidden)."""
+
+    def __init__(self, embeddings: Embeddings, layers: list[TransformerEncoderLayer], config: dict[str, Any]) -> None:
+        self.embeddings = embeddings
+        self.layers = list(layers)
+        self.config = dict(config)
+
+    @property
+    def heads(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    def prepare(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> tuple:
+        ids = _host(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be integers of shape (batch, seq), got {ids.dtype} {ids.shape}")
+        vocab = self.embeddings.word.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise IndexError(f"input_ids out of range 0..{vocab - 1}")
+        types = None if token_type_ids is None else _host(token_type_ids).reshape(ids.shape)
+        device, dtype = self.device, self.dtype
+        mask = None
+        if attention_mask is not None:
+            m = _host(attention_mask).reshape(ids.shape).astype(np.float32)
+            mask = ((1.0 - m) * np.float32(MASK_MIN[dtype])).astype(numpy_dtype(dtype))
+        if device == "cpu":
+            ids_t = Tensor.from_numpy(ids.astype(np.int64))
+            types_t = None if types is None else Tensor.from_numpy(types.astype(np.int64))
+            mask_t = None if mask is None else Tensor.from_numpy(mask, "cpu", dtype)
+            return ids_t, types_t, mask_t
+        ids_t = ops.device_ids(ids, dtype)
+        types_t = None if types is None else ops.device_ids(types, dtype)
+        mask_t = None if mask is None else Tensor.from_numpy(mask, "cuda", dtype)
+        return ids_t, types_t, mask_t
+
+    def forward_prepared(self, ids: Tensor, type_ids: Tensor | None, mask: Tensor | None) -> Tensor:
+        x = self.embeddings(ids, type_ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> Tensor:
+        return self.forward_prepared(*self.prepare(input_ids, attention_mask, token_type_ids))
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, np.ndarray], config: dict[str, Any]) -> BertModel:
+        prefix = "bert." if any(k.startswith("bert.") for k in sd) else ""
+
+        def get(name: str) -> np.ndarray:
+            for key in (prefix + name, prefix + name.replace(".weight", ".gamma").replace(".bias", ".beta")):
+                if key in sd:
+                    return np.asarray(sd[key], dtype=np.float32)
+            raise KeyError(f"checkpoint has no {prefix + name}")
+
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported")
+        eps = float(config.get("layer_norm_eps", 1e-12))
+        heads = int(config["num_attention_heads"])
+        act = ops.canonical_act(config.get("hidden_act", "gelu"))
+
+        def ln(name: str) -> LayerNorm:
+            return LayerNorm(get(f"{name}.weight"), get(f"{name}.bias"), eps)
+
+        emb = Embeddings(
+            get("embeddings.word_embeddings.weight"),
+            get("embeddings.position_embeddings.weight"),
+            get("embeddings.token_type_embeddings.weight"),
+            ln("embeddings.LayerNorm"),
+        )
+        layers = []
+        for i in range(int(config["num_hidden_layers"])):
+            p = f"encoder.layer.{i}."
+            attn = MultiHeadAttention.from_torch(
+                *(get(f"{p}attention.self.{n}.{w}") for n in ("query", "key", "value") for w in ("weight", "bias")),
+                get(f"{p}attention.output.dense.weight"),
+                get(f"{p}attention.output.dense.bias"),
+                heads,
+            )
+            up = Linear.from_torch(get(f"{p}intermediate.dense.weight"), get(f"{p}intermediate.dense.bias"))
+            down = Linear.from_torch(get(f"{p}output.dense.weight"), get(f"{p}output.dense.bias"))
+            layers.append(
+                TransformerEncoderLayer(
+                    attn, ln(f"{p}attention.output.LayerNorm"), MLP(up, down, act), ln(f"{p}output.LayerNorm")
+                )
+            )
+        return cls(emb, layers, config)
+
+    @classmethod
+    def random(cls, config: dict[str, Any], seed: int = 0) -> BertModel:
+        """Random weights of BERT's shapes (benchmarks): N(0, 0.02) like HF's init, LayerNorm 1 / 0."""
+        rng = np.random.default_rng(seed)
+        h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+        sd: dict[str, np.ndarray] = {}
+
+        def normal(*shape):
+            return rng.normal(0.0, 0.02, shape).astype(np.float32)
+
+        sd["embeddings.word_embeddings.weight"] = normal(int(config["vocab_size"]), h)
+        sd["embeddings.position_embeddings.weight"] = normal(int(config["max_position_embeddings"]), h)
+        sd["embeddings.token_type_embeddings.weight"] = normal(int(config.get("type_vocab_size", 2)), h)
+        names = [("attention.self.query", h, h), ("attention.self.key", h, h), ("attention.self.value", h, h)]
+        names += [("attention.output.dense", h, h), ("intermediate.dense", inter, h), ("output.dense", h, inter)]
+        lns = ["embeddings.LayerNorm"]
+        for i in range(int(config["num_hidden_layers"])):
+            for name, out_f, in_f in names:
+                sd[f"encoder.layer.{i}.{name}.weight"] = normal(out_f, in_f)
+                sd[f"encoder.layer.{i}.{name}.bias"] = normal(out_f)
+            lns += [f"encoder.layer.{i}.attention.output.LayerNorm", f"encoder.layer.{i}.output.LayerNorm"]
+        for name in lns:
+            sd[f"{name}.weight"] = np.ones(h, np.float32)
+            sd[f"{name}.bias"] = np.zeros(h, np.float32)
+        return cls.from_state_dict(sd, {"layer_norm_eps": 1e-12, "hidden_act": "gelu", **config})
+
+
+# -- MLPs from torch state dicts -----------------------------------------------------------------------
+
+
+def _path_key(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
+    """An MLP stack from a torch state_dict (see the module docstring for the layouts understood)."""
+    act = ops.canonical_act(act)
+    arrays = {k: np.asarray(_host(v), dtype=np.float32) for k, v in sd.items()}
+    linears = sorted(
+        (k[: -len(".weight")] for k, v in arrays.items() if k.endswith(".weight") and v.ndim == 2), key=_path_key
+    )
+    if not linears:
+        raise ValueError("the state_dict has no 2-D '<name>.weight' entries (Linear layers)")
+
+    def make(name: str, layer_act: str) -> Linear:
+        w = arrays[f"{name}.weight"]
+        b = arrays.get(f"{name}.bias", np.zeros(w.shape[0], np.float32))
+        return Linear.from_torch(w, b, layer_act)
+
+    def parent(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else ""
+
+    groups: dict[str, list[str]] = {}
+    for name in linears:
+        groups.setdefault(parent(name), []).append(name)
+    layers: list[Module] = []
+    if len(groups) == 1:  # a flat Sequential(Linear, act, ..., Linear)
+        names = next(iter(groups.values()))
+        if len(names) == 2:
+            layers.append(MLP(make(names[0], "none"), make(names[1], "none"), act))
+        else:
+            layers += [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
+        return Sequential(*layers)
+    for names in groups.values():  # blocks, each Sequential(Linear, act, Linear) or a lone Linear
+        if len(names) == 2:
+            layers.append(MLP(make(names[0], "none"), make(names[1], "none"), act))
+        else:
+            layers += [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
+    return Sequential(*layers)
+
+
+# -- the Model ---------------------------------------------------------------------------------------------
+
+_NO_GRAPH = object()
+
+
+class Model:
+    """A Module on a device with its dtype, kernel registry and (on the GPU) CUDA graphs.
+
+    ``forward(*inputs)`` returns a Tensor on the model's device. ``kernel_report()`` lists the kernels
+    its problems got (tuned / nearest / default)."""
+
+    def __init__(
+        self,
+        module: Module,
+        device: str = "cuda",
+        dtype: str | None = None,
+        *,
+        registry: Any = None,
+        server: str | None = None,
+        graphs: bool = True,
+        warmup: int = 1,
+    ) -> None:
+        device = "cuda" if str(device).startswith("cuda") else str(device)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+        if dtype is None:
+            dtype = "float16" if device == "cuda" else "float32"
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(FLOAT_DTYPES)}")
+        if device == "cpu" and dtype != "float32":
+            log.info("runtime: the CPU path computes in float32 (asked for %s)", dtype)
+            dtype = "float32"
+        self.device, self.dtype = device, dtype
+        self.backend = None
+        if device == "cuda":
+            from kernelmill.runtime.backend import get_backend
+            from kernelmill.runtime.registry import KernelRegistry
+
+            self.backend = get_backend()
+            if registry is None:
+                registry = KernelRegistry(server, backend=self.backend)
+        self.registry = registry
+        self.module = module.to(device, dtype)
+        self.graphs_enabled = graphs and device == "cuda"
+        self.warmup = max(1, int(warmup))
+        self._graphs: dict[tuple, Any] = {}
+        self._calls: dict[tuple, int] = {}
+        self.problems: list[tuple] = []
+        self.last_run = "none"  # "graph", "plain" or "cpu": how the last forward ran
+
+    def __repr__(self) -> str:
+        return f"Model({type(self.module).__name__}, device={self.device}, dtype={self.dtype})"
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Tensor:
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Tensor:
+        prepared = self.module.prepare(*inputs, **kwargs)
+        if self.device == "cpu":
+            with ops.recording() as seen:
+                out = self.module.forward_prepared(*prepared)
+            self._remember(seen)
+            self.last_run = "cpu"
+            return out
+        key = tuple(None if t is None else (t.shape, t.dtype) for t in prepared)
+        graph = self._graphs.get(key)
+        if graph is not None and graph is not _NO_GRAPH:
+            self.last_run = "graph"
+            return graph.replay(prepared)
+        with ops.using_registry(self.registry):
+            self._calls[key] = self._calls.get(key, 0) + 1
+            if graph is None and self.graphs_enabled and self._calls[key] > self.warmup:
+                graph = self._capture(key, prepared)
+                if graph is not _NO_GRAPH:
+                    self.last_run = "graph"
+                    return graph.replay(prepared)
+            with ops.recording() as seen:
+                out = self.module.forward_prepared(*prepared)
+            self._remember(seen)
+            self.last_run = "plain"
+            return out
+
+    def _capture(self, key: tuple, prepared: tuple) -> Any:
+        from kernelmill.runtime.graph import CapturedForward
+
+        shapes = ", ".join("-" if k is None else format_shape(k[0]) for k in key)
+        try:
+            graph = CapturedForward(self.backend, self.module.forward_prepared, prepared)
+        except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
+            log.warning("runtime: CUDA graph capture failed for inputs %s (%s); running plain launches", shapes, exc)
+            self._graphs[key] = _NO_GRAPH
+            return _NO_GRAPH
+        log.info("runtime: captured a CUDA graph of %d nodes for inputs %s", graph.nodes, shapes)
+        self._graphs[key] = graph
+        return graph
+
+    def _remember(self, seen: list) -> None:
+        for problem in seen:
+            if problem not in self.problems:
+                self.problems.append(problem)
+
+    def synchronize(self) -> None:
+        if self.backend is not None:
+            self.backend.synchronize()
+
+    def reset_graphs(self) -> None:
+        for graph in self._graphs.values():
+            if graph is not _NO_GRAPH:
+                graph.close()
+        self._graphs.clear()
+        self._calls.clear()
+
+    def kernel_report(self) -> list[dict[str, Any]]:
+        """One row per problem this model met: op, shape, dtype, attrs, family, params, source
+        (tuned / nearest / default; "numpy" on the CPU), the speedup the service recorded."""
+        rows = []
+        by_key = {}
+        if self.registry is not None:
+            for entry in self.registry.entries():
+                by_key[(entry.op, entry.shape, entry.dtype, json.dumps(entry.attrs, sort_keys=True, default=str))] = (
+                    entry
+                )
+        for op, shape, dtype, attrs in self.problems:
+            key = (op, shape, dtype, json.dumps(_canonical_attrs(op, attrs), sort_keys=True, default=str))
+            entry = by_key.get(key)
+            if entry is not None:
+                rows.append(entry.row())
+            else:
+                rows.append(
+                    {
+                        "op": op,
+                        "shape": format_shape(shape),
+                        "dtype": dtype,
+                        "attrs": attrs,
+                        "family": None,
+                        "params": {},
+                        "source": "numpy" if self.device == "cpu" else "unresolved",
+                        "served_shape": None,
+                        "kernel_id": None,
+                        "speedup": None,
+                        "calls": None,
+                        "note": "",
+                    }
+                )
+        return rows
+
+    def format_kernel_report(self) -> str:
+        """The report as a text table."""
+        rows = self.kernel_report()
+        header = ("op", "shape", "dtype", "source", "family", "speedup", "note")
+        lines = [
+            (
+                r["op"] + "".join(f" {k}={v}" for k, v in sorted((r["attrs"] or {}).items())),
+                r["shape"] + (f" (tuned {r['served_shape']})" if r.get("source") == "nearest" else ""),
+                r["dtype"],
+                r["source"],
+                r["family"] or "-",
+                f"{r['speedup']:.2f}x" if r.get("speedup") else "-",
+                r.get("note") or "",
+            )
+            for r in rows
+        ]
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=False)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        return "\n".join(fmt.format(*row) for row in (header, *lines))
+
+
+def _canonical_attrs(op: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    from kernelmill.kernels.ops import get_op
+
+    return get_op(op).resolve_attrs(attrs)
+
+
+# -- loading -----------------------------------------------------------------------------------------------
+
+
+def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path))
+    except (TypeError, ValueError) as exc:  # e.g. bfloat16 tensors, which NumPy has no name for
+        try:
+            import torch  # noqa: F401
+            from safetensors.torch import load_file as load_torch
+        except ImportError:
+            raise ValueError(f"cannot read {path} with NumPy ({exc}) and torch is not installed") from None
+        return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"reading {path} needs torch (a PyTorch state_dict file)") from None
+    return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def load_module(path: str | Path, act: str | None = None) -> Module:
+    """The Module stored at ``path`` (a HF BERT directory or an MLP state_dict file), on the CPU in float32."""
+    path = Path(path)
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.exists():
+            raise ValueError(f"{path} has no config.json (expected a HuggingFace checkpoint directory)")
+        config = json.loads(config_path.read_text())
+        model_type = config.get("model_type", "bert")
+        if model_type != "bert":
+            raise ValueError(f"model_type {model_type!r} is not supported (bert is)")
+        if (path / "model.safetensors").exists():
+            sd = _load_safetensors(path / "model.safetensors")
+        elif (path / "pytorch_model.bin").exists():
+            sd = {k: _host(v.float()) for k, v in _torch_load(path / "pytorch_model.bin").items()}
+        else:
+            raise ValueError(f"{path} has neither model.safetensors nor pytorch_model.bin")
+        return BertModel.from_state_dict(sd, config)
+    if not path.exists():
+        raise FileNotFoundError(path)
+    loaded = _torch_load(path)
+    if isinstance(loaded, dict) and "state_dict" in loaded:
+        act = act or loaded.get("act")
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict")
+    return mlp_from_state_dict(loaded, act or "relu")
+
+
+def load_model(
+    path: str | Path,
+    device: str = "cuda",
+    dtype: str | None = None,
+    *,
+    act: str | None = None,
+    server: str | None = None,
+    registry: Any = None,
+    graphs: bool = True,
+) -> Model:
+    """Loads a model for ``device`` ("cuda" or "cpu"); dtype defaults to float16 on cuda, float32 on cpu
+    (the CPU always computes in float32). ``act``: an MLP file's activation (default relu)."""
+    return Model(load_module(path, act), device, dtype, registry=registry, server=server, graphs=graphs)

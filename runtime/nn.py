@@ -1,0 +1,219 @@
+"""Layers on the runtime's ops: Linear, MLP (fused), LayerNorm, MultiHeadAttention,
+TransformerEncoderLayer (BERT-style, post-LN), Embeddings, Sequential.
+
+Parameters are runtime Tensors. ``Module.to(device, dtype)`` moves them (integer tensors keep their
+dtype). Weights of linear layers are stored (in_features, out_features); ``from_torch`` constructors
+take torch's (out_features, in_features) arrays and transpose once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from kernelmill.runtime import ops
+from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor
+
+
+def _param(a: Any) -> Tensor:
+    if isinstance(a, Tensor):
+        return a
+    a = np.asarray(a)
+    return Tensor.from_numpy(a.astype(np.float32) if a.dtype.kind == "f" else a)
+
+
+class Module:
+    """A tree of layers; tensors and modules held in attributes (or lists of modules) are its parts."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def named_tensors(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor):
+                yield prefix + name, value
+            elif isinstance(value, Module):
+                yield from value.named_tensors(f"{prefix}{name}.")
+            elif isinstance(value, list | tuple):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield from item.named_tensors(f"{prefix}{name}.{i}.")
+
+    def to(self, device: str | None = None, dtype: str | None = None) -> Module:
+        """Moves every parameter to ``device`` and float parameters to ``dtype`` (in place; returns self)."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, Tensor):
+                want = dtype if dtype and value.dtype in FLOAT_DTYPES else value.dtype
+                setattr(self, name, value.to(device or value.device, want))
+            elif isinstance(value, Module):
+                value.to(device, dtype)
+            elif isinstance(value, list | tuple):
+                for item in value:
+                    if isinstance(item, Module):
+                        item.to(device, dtype)
+        return self
+
+    @property
+    def device(self) -> str:
+        for _, t in self.named_tensors():
+            return t.device
+        return "cpu"
+
+    @property
+    def dtype(self) -> str:
+        for _, t in self.named_tensors():
+            if t.dtype in FLOAT_DTYPES:
+                return t.dtype
+        return "float32"
+
+    def num_parameters(self) -> int:
+        return sum(t.numel for _, t in self.named_tensors())
+
+    def prepare(self, *inputs: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        """Host-side preparation of forward's inputs into device tensors of the right dtype (what a CUDA
+        graph replays with); the default converts every input to the module's device and float dtype."""
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} takes no keyword inputs")
+        device, dtype = self.device, self.dtype
+        return tuple(_as_input(x, device, dtype) for x in inputs)
+
+    def forward_prepared(self, *tensors: Tensor) -> Tensor:
+        """forward on prepare()'s tensors: device work only (no host syncs), so it can be captured."""
+        return self.forward(*tensors)
+
+
+def _as_input(x: Any, device: str, dtype: str) -> Tensor:
+    from kernelmill.runtime.tensor import as_tensor
+
+    t = as_tensor(x)
+    want = dtype if t.dtype in FLOAT_DTYPES else t.dtype
+    return t.to(device, want)
+
+
+class Linear(Module):
+    """y = act(x @ weight + bias); weight (in_features, out_features)."""
+
+    def __init__(self, weight: Any, bias: Any = None, act: str = "none") -> None:
+        self.weight = _param(weight)
+        self.bias = None if bias is None else _param(bias)
+        self.act = ops.canonical_act(act)
+
+    @classmethod
+    def from_torch(cls, weight: Any, bias: Any = None, act: str = "none") -> Linear:
+        """From torch's (out_features, in_features) weight."""
+        return cls(np.ascontiguousarray(np.asarray(weight, dtype=np.float32).T), bias, act)
+
+    @classmethod
+    def random(cls, in_features: int, out_features: int, act: str = "none", seed: int = 0) -> Linear:
+        rng = np.random.default_rng(seed)
+        bound = 1.0 / math.sqrt(in_features)
+        w = rng.uniform(-bound, bound, (in_features, out_features)).astype(np.float32)
+        return cls(w, rng.uniform(-bound, bound, out_features).astype(np.float32), act)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias, self.act)
+
+
+class MLP(Module):
+    """y = act(x @ w1 + b1) @ w2 + b2 as one fused_mlp kernel."""
+
+    def __init__(self, up: Linear, down: Linear, act: str = "gelu_erf") -> None:
+        if up.bias is None or down.bias is None:
+            raise ValueError("MLP needs biases on both projections (fused_mlp adds them)")
+        self.up, self.down = up, down
+        self.act = ops.canonical_act(act)
+
+    @classmethod
+    def random(cls, d_in: int, d_hidden: int, d_out: int, act: str = "gelu_erf", seed: int = 0) -> MLP:
+        return cls(Linear.random(d_in, d_hidden, seed=seed), Linear.random(d_hidden, d_out, seed=seed + 1), act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.fused_mlp(x, self.up.weight, self.up.bias, self.down.weight, self.down.bias, self.act)
+
+
+class LayerNorm(Module):
+    def __init__(self, gamma: Any, beta: Any, eps: float = 1e-12) -> None:
+        self.gamma, self.beta, self.eps = _param(gamma), _param(beta), float(eps)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """LayerNorm(x), or LayerNorm(x + residual) in one kernel."""
+        return ops.layernorm(x, self.gamma, self.beta, self.eps, residual)
+
+
+class Activation(Module):
+    def __init__(self, act: str) -> None:
+        self.act = ops.canonical_act(act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.activation(x, self.act)
+
+
+class Sequential(Module):
+    def __init__(self, *layers: Module) -> None:
+        self.layers = list(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> Module:
+        return self.layers[i]
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class MultiHeadAttention(Module):
+    """Self-attention: one fused q|k|v projection, the attention kernel, the output projection."""
+
+    def __init__(self, qkv: Linear, out: Linear, heads: int) -> None:
+        if qkv.out_features != 3 * out.in_features or out.in_features % heads:
+            raise ValueError(f"qkv {qkv.weight.shape} / out {out.weight.shape} do not fit {heads} heads")
+        self.qkv, self.out, self.heads = qkv, out, int(heads)
+
+    @classmethod
+    def from_torch(cls, wq, bq, wk, bk, wv, bv, wo, bo, heads: int) -> MultiHeadAttention:
+        """From torch-layout (out, in) q, k, v and output projections (BERT's query/key/value/output.dense)."""
+        w = np.concatenate([np.asarray(a, dtype=np.float32) for a in (wq, wk, wv)], axis=0)
+        b = np.concatenate([np.asarray(a, dtype=np.float32) for a in (bq, bk, bv)])
+        return cls(Linear.from_torch(w, b), Linear.from_torch(wo, bo), heads)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x (batch, seq, hidden), additive key mask (batch, seq) or None."""
+        return self.out(ops.attention(self.qkv(x), self.heads, mask))
+
+
+class TransformerEncoderLayer(Module):
+    """BERT's layer (post-LN): x = LN1(x + Attn(x)); x = LN2(x + MLP(x)), the MLP fused (GELU erf by default)."""
+
+    def __init__(self, attn: MultiHeadAttention, ln1: LayerNorm, mlp: MLP, ln2: LayerNorm) -> None:
+        self.attn, self.ln1, self.mlp, self.ln2 = attn, ln1, mlp, ln2
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = self.ln1(self.attn(x, mask), residual=x)
+        return self.ln2(self.mlp(x), residual=x)
+
+
+class Embeddings(Module):
+    """word + position + token type embeddings, then LayerNorm (BERT)."""
+
+    def __init__(self, word: Any, pos: Any, types: Any, ln: LayerNorm) -> None:
+        self.word, self.pos, self.types, self.ln = _param(word), _param(pos), _param(types), ln
+
+    def forward(self, ids: Any, type_ids: Any = None) -> Tensor:
+        return self.ln(ops.embedding(ids, self.word, self.pos, self.types, type_ids))

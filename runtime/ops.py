@@ -1,0 +1,433 @@
+"""The runtime's ops on Tensors: NumPy float32 on the CPU, kernelmill kernels on the GPU.
+
+Every op takes and returns ``Tensor``s on one device. On "cuda" each op runs kernels of a kernelmill op
+(chosen by the KernelRegistry: tuned, nearest or default) on the runtime's stream; nothing falls back
+to PyTorch. On "cpu" it computes in float32 with NumPy (slow but correct: the no-GPU path).
+
+Layout conventions: row-major; a weight W of a linear layer is (in_features, out_features), i.e. the
+transpose of torch's nn.Linear.weight (``nn.Linear.from_torch`` transposes once at load time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from kernelmill.kernels.ops.elementwise import ELEMENTWISE_ACTIVATIONS
+from kernelmill.kernels.ops.embedding import ID_ELEMS, pack_ids
+from kernelmill.kernels.ops.fused_mlp import ACTIVATIONS as FUSED_ACTIVATIONS
+from kernelmill.runtime.tensor import ALIGNMENT, FLOAT_DTYPES, Tensor, numpy_dtype
+
+_registry: contextvars.ContextVar[Any] = contextvars.ContextVar("kernelmill_registry", default=None)
+_recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("kernelmill_recorders", default=())
+_default_registry = None
+
+#: Activation names the ops accept, with their aliases (torch / HuggingFace spellings).
+ACT_ALIASES = {
+    None: "none",
+    "none": "none",
+    "identity": "none",
+    "relu": "relu",
+    "gelu": "gelu_erf",
+    "gelu_erf": "gelu_erf",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+
+def canonical_act(act: str | None) -> str:
+    try:
+        return ACT_ALIASES[act if act is None else str(act).lower()]
+    except KeyError:
+        raise ValueError(f"unknown activation {act!r}; use one of {', '.join(ELEMENTWISE_ACTIVATIONS)}") from None
+
+
+# -- context: registry and problem recording -------------------------------------------------------------
+
+
+def default_registry():
+    """The process's registry for GPU ops (created on first use: local cache, KERNELMILL_SERVER, defaults)."""
+    global _default_registry
+    if _default_registry is None:
+        from kernelmill.runtime.backend import get_backend
+        from kernelmill.runtime.registry import KernelRegistry
+
+        _default_registry = KernelRegistry(backend=get_backend())
+    return _default_registry
+
+
+def current_registry():
+    return _registry.get() or default_registry()
+
+
+@contextlib.contextmanager
+def using_registry(registry) -> Iterator[None]:
+    """GPU ops inside the block take their kernels from ``registry``."""
+    token = _registry.set(registry)
+    try:
+        yield
+    finally:
+        _registry.reset(token)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, tuple[int, ...], str, dict[str, Any]]]]:
+    """Collects the (op, shape, dtype, attrs) problems that ops meet inside the block, on any device
+    (what ``tune_model`` submits). On the CPU the dtype recorded is the tensors' dtype."""
+    seen: list = []
+    token = _recorders.set((*_recorders.get(), seen))
+    try:
+        yield seen
+    finally:
+        _recorders.reset(token)
+
+
+def _note(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any]) -> None:
+    for seen in _recorders.get():
+        problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
+        if problem not in seen:
+            seen.append(problem)
+
+
+def _backend():
+    from kernelmill.runtime.backend import get_backend
+
+    return get_backend()
+
+
+def _on_cuda(*tensors: Tensor | None) -> bool:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on different devices: {', '.join(sorted(devices))}")
+    return devices == {"cuda"}
+
+
+def _float_dtype(*tensors: Tensor | None) -> str:
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES):
+        raise TypeError(f"expected tensors of one float dtype, got {', '.join(sorted(dtypes))}")
+    return dtypes.pop()
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t``, or an aligned copy when its address does not allow 16-byte accesses (e.g. a view)."""
+    return t if t.ptr % ALIGNMENT == 0 else t.clone()
+
+
+def _launch(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    _note(op, shape, dtype, attrs)
+    entry = current_registry().get(op, shape, dtype, attrs)
+    # Inputs that need an aligned copy are kept alive until the launches are queued; the pool then reuses
+    # their memory only for work queued after them on the same stream.
+    aligned = {name: _aligned(t) for name, t in tensors.items()}
+    entry.run(_backend(), {name: t.ptr for name, t in aligned.items()})
+
+
+def _f32(t: Tensor) -> np.ndarray:
+    return np.asarray(t.numpy(), dtype=np.float32)
+
+
+def _cpu(a: np.ndarray) -> Tensor:
+    return Tensor.from_numpy(np.ascontiguousarray(a, dtype=np.float32), "cpu", "float32")
+
+
+_ZEROS: dict[tuple, Tensor] = {}
+
+
+def _zeros(shape: tuple[int, ...], dtype: str) -> Tensor:
+    """A cached all-zero cuda tensor (never written: biases of plain activations, masks of no mask)."""
+    key = (shape, dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = Tensor.from_numpy(np.zeros(shape, dtype=numpy_dtype(dtype)), "cuda", dtype)
+    return _ZEROS[key]
+
+
+# -- CPU math ---------------------------------------------------------------------------------------------
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf to ~1.5e-7 absolute (Abramowitz & Stegun 7.1.26), vectorized; NumPy has none."""
+    x64 = np.asarray(x, dtype=np.float64)
+    s = np.sign(x64)
+    a = np.abs(x64)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return s * (1.0 - poly * np.exp(-a * a))
+
+
+def _act_np(x: np.ndarray, act: str) -> np.ndarray:
+    if act == "none":
+        return x
+    if act == "relu":
+        return np.maximum(x, 0.0)
+    if act == "gelu_erf":
+        return (0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(np.float32)
+    if act == "gelu_tanh":
+        return (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))).astype(np.float32)
+    if act == "silu":
+        return x / (1.0 + np.exp(-x))
+    raise ValueError(f"unknown activation {act!r}")  # pragma: no cover - canonical_act checked it
+
+
+def _softmax_np(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+# -- ops --------------------------------------------------------------------------------------------------
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a (..., K) @ b (K, N) -> (..., N)."""
+    k, n = b.shape
+    if a.shape[-1] != k:
+        raise ValueError(f"matmul: {a.shape} @ {b.shape}")
+    m = a.numel // k if k else 0
+    if not _on_cuda(a, b):
+        _note("matmul", (m, n, k), a.dtype, {})
+        return _cpu(_f32(a) @ _f32(b))
+    dtype = _float_dtype(a, b)
+    out = Tensor.empty((*a.shape[:-1], n), dtype, "cuda")
+    _launch("matmul", (m, n, k), dtype, {}, {"A": a, "B": b, "C": out})
+    return out
+
+
+def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
+    """act(x + b) with b broadcast over the last dim."""
+    act = canonical_act(act)
+    cols = x.shape[-1]
+    rows = x.numel // cols if cols else 0
+    if b.shape != (cols,):
+        raise ValueError(f"bias_act: bias {b.shape} for input {x.shape}")
+    if not _on_cuda(x, b):
+        _note("bias_act", (rows, cols), x.dtype, {"act": act})
+        return _cpu(_act_np(_f32(x) + _f32(b), act))
+    dtype = _float_dtype(x, b)
+    out = Tensor.empty(x.shape, dtype, "cuda")
+    _launch("bias_act", (rows, cols), dtype, {"act": act}, {"X": x, "b": b, "Y": out})
+    return out
+
+
+def activation(x: Tensor, act: str) -> Tensor:
+    """act(x) elementwise (on the GPU: the bias_act kernel with a zero bias)."""
+    act = canonical_act(act)
+    if not x.is_cuda:
+        return bias_act(x, _cpu(np.zeros(x.shape[-1], np.float32)), act)
+    return bias_act(x, _zeros((x.shape[-1],), x.dtype), act)
+
+
+def relu(x: Tensor) -> Tensor:
+    return activation(x, "relu")
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    return activation(x, "gelu_tanh" if approximate == "tanh" else "gelu_erf")
+
+
+def silu(x: Tensor) -> Tensor:
+    return activation(x, "silu")
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> Tensor:
+    """act(x @ w + b): x (..., K), w (K, N), b (N,) or None."""
+    act = canonical_act(act)
+    k, n = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input {x.shape} for weight {w.shape} (in_features, out_features)")
+    if b is None:
+        y = matmul(x, w)
+        return y if act == "none" else activation(y, act)
+    m = x.numel // k if k else 0
+    if not _on_cuda(x, w, b):
+        _note("linear", (m, n, k), x.dtype, {"act": act})
+        return _cpu(_act_np(_f32(x) @ _f32(w) + _f32(b), act))
+    dtype = _float_dtype(x, w, b)
+    out = Tensor.empty((*x.shape[:-1], n), dtype, "cuda")
+    _launch("linear", (m, n, k), dtype, {"act": act}, {"X": x, "W": w, "b": b, "Y": out})
+    return out
+
+
+def add(x: Tensor, y: Tensor) -> Tensor:
+    """x + y (same shapes: residual connections)."""
+    if x.shape != y.shape:
+        raise ValueError(f"add: shapes {x.shape} and {y.shape} differ")
+    if not _on_cuda(x, y):
+        _note("add", (x.numel,), x.dtype, {})
+        return _cpu(_f32(x) + _f32(y))
+    dtype = _float_dtype(x, y)
+    out = Tensor.empty(x.shape, dtype, "cuda")
+    _launch("add", (x.numel,), dtype, {}, {"X": x, "R": y, "Y": out})
+    return out
+
+
+def softmax(x: Tensor) -> Tensor:
+    """softmax over the last dim."""
+    cols = x.shape[-1]
+    rows = x.numel // cols if cols else 0
+    if not x.is_cuda:
+        _note("softmax", (rows, cols), x.dtype, {})
+        return _cpu(_softmax_np(_f32(x)))
+    dtype = _float_dtype(x)
+    out = Tensor.empty(x.shape, dtype, "cuda")
+    _launch("softmax", (rows, cols), dtype, {}, {"x": x, "y": out})
+    return out
+
+
+def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residual: Tensor | None = None) -> Tensor:
+    """LayerNorm over the last dim of x (of x + residual when given: the fused post-LN residual block)."""
+    cols = x.shape[-1]
+    rows = x.numel // cols if cols else 0
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"layernorm: residual {residual.shape} for input {x.shape}")
+    op = "layernorm" if residual is None else "add_layernorm"
+    attrs = {"eps": float(eps)}
+    if not _on_cuda(x, gamma, beta, residual):
+        _note(op, (rows, cols), x.dtype, attrs)
+        h = _f32(x) if residual is None else _f32(x) + _f32(residual)
+        mean = h.mean(axis=-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(axis=-1, keepdims=True)
+        return _cpu((h - mean) / np.sqrt(var + eps) * _f32(gamma) + _f32(beta))
+    dtype = _float_dtype(x, gamma, beta, residual)
+    out = Tensor.empty(x.shape, dtype, "cuda")
+    tensors = {"X": x, "gamma": gamma, "beta": beta, "Y": out}
+    if residual is not None:
+        tensors["R"] = residual
+    _launch(op, (rows, cols), dtype, attrs, tensors)
+    return out
+
+
+def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: str = "gelu_erf") -> Tensor:
+    """act(x @ w1 + b1) @ w2 + b2 in one fused_mlp kernel (two linear kernels for acts it lacks)."""
+    act = canonical_act(act)
+    d_in, d_hidden = w1.shape
+    d_out = w2.shape[1]
+    if x.shape[-1] != d_in or w2.shape[0] != d_hidden:
+        raise ValueError(f"fused_mlp: input {x.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    if act not in FUSED_ACTIVATIONS:
+        return linear(linear(x, w1, b1, act), w2, b2)
+    batch = x.numel // d_in if d_in else 0
+    if not _on_cuda(x, w1, b1, w2, b2):
+        _note("fused_mlp", (batch, d_in, d_hidden, d_out), x.dtype, {"act": act})
+        h = _act_np(_f32(x) @ _f32(w1) + _f32(b1), act)
+        return _cpu(h @ _f32(w2) + _f32(b2))
+    dtype = _float_dtype(x, w1, b1, w2, b2)
+    out = Tensor.empty((*x.shape[:-1], d_out), dtype, "cuda")
+    tensors = {"X": x, "W1": w1, "b1": b1, "W2": w2, "b2": b2, "Y": out}
+    _launch("fused_mlp", (batch, d_in, d_hidden, d_out), dtype, {"act": act}, tensors)
+    return out
+
+
+def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any = None) -> Tensor:
+    """word[ids] + pos[0..seq-1] + types[type_ids] for ids (batch, seq) -> (batch, seq, hidden).
+
+    ids / type_ids: integer arrays (or tensors) of shape (batch, seq); on the GPU also the packed tensors
+    ``device_ids`` makes (batch, seq, 3), which is what a captured forward passes."""
+    packed = isinstance(ids, Tensor) and ids.is_cuda and ids.ndim == 3 and ids.shape[-1] == ID_ELEMS
+    ids_np = None if isinstance(ids, Tensor) else np.asarray(ids)
+    batch, seq = (ids.shape[:2] if packed else ids.shape) if ids_np is None else ids_np.shape
+    vocab, hidden = word.shape
+    type_vocab = types.shape[0]
+    if seq > pos.shape[0]:
+        raise ValueError(f"embedding: sequence of {seq} > {pos.shape[0]} position embeddings")
+    shape = (batch, seq, hidden, vocab, type_vocab)
+    if not _on_cuda(word, pos, types):
+        _note("embedding", shape, word.dtype, {})
+        idx = ids_np if ids_np is not None else ids.numpy()
+        tidx = np.zeros_like(idx) if type_ids is None else _host_ints(type_ids)
+        for name, values, n in (("ids", idx, vocab), ("type_ids", tidx, type_vocab)):
+            if values.size and (values.min() < 0 or values.max() >= n):
+                raise IndexError(f"embedding: {name} out of range 0..{n - 1}")
+        return _cpu(_f32(word)[idx] + _f32(pos)[:seq][None] + _f32(types)[tidx])
+    dtype = _float_dtype(word, pos, types)
+    ids_t = device_ids(ids if ids_np is None else ids_np, dtype)
+    if type_ids is None:
+        key = ("type_ids", batch, seq, dtype)
+        if key not in _ZEROS:
+            _ZEROS[key] = device_ids(np.zeros((batch, seq), np.int64), dtype)
+        tids_t = _ZEROS[key]
+    else:
+        tids_t = device_ids(type_ids, dtype)
+    out = Tensor.empty((batch, seq, hidden), dtype, "cuda")
+    tensors = {"ids": ids_t, "type_ids": tids_t, "word": word, "pos": pos, "types": types, "Y": out}
+    _launch("embedding", shape, dtype, {}, tensors)
+    return out
+
+
+def _host_ints(x: Any) -> np.ndarray:
+    return x.numpy() if isinstance(x, Tensor) else np.asarray(x)
+
+
+def device_ids(ids: Any, dtype: str) -> Tensor:
+    """Token ids (batch, seq) as the packed cuda tensor (batch, seq, 3) of ``dtype`` that the embedding
+    kernel reads (kernels.ops.embedding.pack_ids); packed cuda tensors pass through."""
+    if isinstance(ids, Tensor):
+        if ids.is_cuda and ids.dtype == dtype and ids.ndim == 3 and ids.shape[-1] == ID_ELEMS:
+            return ids
+        ids = ids.numpy()
+    return Tensor.from_numpy(pack_ids(np.asarray(ids), dtype), "cuda", dtype)
+
+
+def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
+    """Multi-head self-attention on packed q|k|v (batch, seq, 3*hidden) with an additive key mask
+    (batch, seq) or None -> (batch, seq, hidden), heads side by side (one fused kernel on the GPU)."""
+    batch, seq, width = qkv.shape
+    if width % (3 * heads):
+        raise ValueError(f"attention: width {width} is not 3 * heads({heads}) * head_dim")
+    head_dim = width // (3 * heads)
+    if mask is not None and mask.shape != (batch, seq):
+        raise ValueError(f"attention: mask {mask.shape}, expected {(batch, seq)}")
+    shape = (batch, heads, seq, head_dim)
+    if not _on_cuda(qkv, mask):
+        _note("attention", shape, qkv.dtype, {})
+        m = np.zeros((batch, seq), np.float32) if mask is None else _f32(mask)
+        x = _f32(qkv).reshape(batch, seq, 3, heads, head_dim).transpose(2, 0, 3, 1, 4)
+        scores = x[0] @ x[1].transpose(0, 1, 3, 2) / np.float32(math.sqrt(head_dim)) + m[:, None, None, :]
+        out = _softmax_np(scores) @ x[2]
+        return _cpu(out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim))
+    dtype = _float_dtype(qkv, mask)
+    mask = _zeros((batch, seq), dtype) if mask is None else mask
+    out = Tensor.empty((batch, seq, heads * head_dim), dtype, "cuda")
+    _launch("attention", shape, dtype, {}, {"qkv": qkv, "mask": mask, "out": out})
+    return out
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, seq, head_dim) tensors (CPU). On the GPU
+    the runtime runs attention on packed q|k|v: use ``attention(qkv, heads, mask)``."""
+    if _on_cuda(q, k, v, mask):
+        raise NotImplementedError(
+            "on the GPU the runtime's attention kernel reads packed q|k|v (batch, seq, 3*hidden): use attention()"
+        )
+    d = q.shape[-1]
+    scores = _f32(q) @ np.swapaxes(_f32(k), -1, -2) / np.float32(math.sqrt(d))
+    if mask is not None:
+        scores = scores + _f32(mask)
+    return _cpu(_softmax_np(scores) @ _f32(v))
+
+
+__all__ = [
+    "activation",
+    "add",
+    "attention",
+    "bias_act",
+    "embedding",
+    "fused_mlp",
+    "gelu",
+    "layernorm",
+    "linear",
+    "matmul",
+    "recording",
+    "relu",
+    "scaled_dot_product_attention",
+    "silu",
+    "softmax",
+    "using_registry",
+]

@@ -1,0 +1,525 @@
+"""KernelRegistry: which kernel runs each (op, shape, dtype, arch, attrs) problem of the runtime.
+
+Resolution, once per problem (then kept in memory):
+
+1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
+   (source and cubin), so a machine that once reached the service works offline;
+2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``;
+   short timeouts; an unreachable service is logged once and not asked again). A kernel tuned for a
+   *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
+   are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments);
+3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
+   problem), compiled with nvcc on first use (the compile cache keeps the cubin).
+
+Each problem is logged once with the source it got; ``report()`` lists them all (source ``tuned``,
+``nearest`` or ``default``, the speedup the service recorded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernelmill.kernels.compile import Compiler, normalize_arch
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape, itemsize
+from kernelmill.kernels.ops.matmul import CORES, GemmFamily
+from kernelmill.kernels.render import render
+from kernelmill.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+TUNED, NEAREST, DEFAULT = "tuned", "nearest", "default"
+#: Streaming multiprocessors assumed when sizing default GEMM tiles without a device (an H100 SXM's).
+DEFAULT_SM_COUNT = 132
+
+
+def attrs_key(attrs: Mapping[str, Any]) -> str:
+    return json.dumps({k: attrs[k] for k in sorted(attrs)}, sort_keys=True, default=str)
+
+
+def _same_attrs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return {k: str(v) for k, v in a.items()} == {k: str(v) for k, v in b.items()}
+
+
+@dataclass
+class KernelEntry:
+    """The kernel chosen for one problem, and (once bound) its loaded entries and workspace."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    attrs: dict[str, Any]
+    arch: str
+    family: str
+    params: dict[str, Any]
+    source: str  # tuned | nearest | default
+    cubin: bytes
+    cubin_key: str
+    launches: list[Launch]
+    workspace: dict[str, int]
+    served_shape: tuple[int, ...] | None = None
+    kernel_id: int | None = None
+    speedup: float | None = None
+    median_ms: float | None = None
+    note: str = ""
+    calls: int = 0
+    _bound: list[tuple[Any, Launch]] | None = field(default=None, repr=False)
+    _ws: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def bind(self, backend) -> None:
+        """Loads the cubin on the backend's device and allocates the workspaces (once)."""
+        if self._bound is not None:
+            return
+        module = backend.device.load(self.cubin, self.cubin_key)
+        self._ws = {name: backend.alloc(nbytes) for name, nbytes in self.workspace.items()}
+        self._bound = [(module.kernel(launch.entry), launch) for launch in self.launches]
+
+    def run(self, backend, pointers: Mapping[str, int]) -> None:
+        """Enqueues the launches on the backend's stream; ``pointers`` maps the op's tensor names to addresses."""
+        from kernelmill.kernels.device import Buffer
+
+        self.bind(backend)
+        buffers = {name: Buffer(ptr, 0) for name, ptr in pointers.items()}
+        buffers.update(self._ws)
+        for kernel, launch in self._bound:
+            args = [buffers[a] if isinstance(a, str) else a for a in launch.args]
+            kernel.launch(launch.grid, launch.block, launch.smem_bytes, args, backend.stream)
+        self.calls += 1
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "shape": format_shape(self.shape),
+            "dtype": self.dtype,
+            "attrs": dict(self.attrs),
+            "family": self.family,
+            "params": dict(self.params),
+            "source": self.source,
+            "served_shape": format_shape(self.served_shape) if self.served_shape else None,
+            "kernel_id": self.kernel_id,
+            "speedup": self.speedup,
+            "calls": self.calls,
+            "note": self.note,
+        }
+
+
+class KernelRegistry:
+    """Kernels for the runtime's problems: local cache, then the service, then compiled defaults.
+
+    ``backend`` (a runtime Backend) binds kernels to a GPU; without one (no GPU here) the registry still
+    resolves and compiles, which is what tests and ``tune_model`` on a CPU machine need. ``client`` may
+    be any httpx.Client-like object (tests pass FastAPI's TestClient)."""
+
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        arch: str | None = None,
+        backend: Any = None,
+        cache_dir: Path | str | None = None,
+        timeout_s: float = 2.0,
+        compiler: Compiler | None = None,
+        client: Any = None,
+        allow_tf32: bool = False,
+        use_service: bool = True,
+        use_local_cache: bool = True,
+    ) -> None:
+        self.server = (server if server is not None else os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
+        self.backend = backend
+        if arch is None:
+            arch = backend.arch if backend is not None else None
+        self.arch = normalize_arch(arch) if arch else None
+        root = Path(cache_dir) if cache_dir else Path(get_settings().cache_dir)
+        self.served_dir = root / "served"
+        self.compiler = compiler or Compiler(cache_dir=root if cache_dir else None)
+        self.timeout_s = timeout_s
+        self.allow_tf32 = allow_tf32
+        self.use_service = use_service
+        self.use_local_cache = use_local_cache
+        self._client = client
+        self._offline_reason: str | None = None
+        self._entries: dict[tuple, KernelEntry] = {}
+        self._lock = threading.RLock()
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def target_arch(self) -> str:
+        if self.arch is None:
+            from kernelmill.kernels.arch import default_arch
+
+            self.arch = normalize_arch(default_arch())
+        return self.arch
+
+    def get(self, op: str, shape: tuple[int, ...], dtype: str, attrs: Mapping[str, Any] | None = None) -> KernelEntry:
+        """The kernel for this problem (resolved on first use, then cached)."""
+        spec = get_op(op)
+        attrs = spec.resolve_attrs(attrs or {})
+        shape = tuple(int(v) for v in shape)
+        key = (op, shape, dtype, self.target_arch, attrs_key(attrs))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._resolve(spec, shape, dtype, attrs)
+                self._entries[key] = entry
+                self._log(entry)
+            return entry
+
+    def report(self) -> list[dict[str, Any]]:
+        """One row per problem met: op, shape, family, params, source, speedup, calls."""
+        with self._lock:
+            return [e.row() for e in self._entries.values()]
+
+    def entries(self) -> list[KernelEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    # -- resolution --------------------------------------------------------------------
+
+    def _resolve(self, spec, shape, dtype, attrs) -> KernelEntry:
+        notes: list[str] = []
+        cached = self._from_local(spec, shape, dtype, attrs, notes) if self.use_local_cache else None
+        if cached is not None and cached.source == TUNED:
+            return cached
+        served = self._from_service(spec, shape, dtype, attrs, notes)
+        if served is not None:
+            return served
+        if cached is not None:
+            return cached
+        entry = self._default(spec, shape, dtype, attrs)
+        entry.note = "; ".join(notes)
+        return entry
+
+    def _log(self, entry: KernelEntry) -> None:
+        what = f"{entry.op} {format_shape(entry.shape)} {entry.dtype}"
+        if entry.attrs:
+            what += " " + " ".join(f"{k}={v}" for k, v in sorted(entry.attrs.items()))
+        knobs = " ".join(f"{k}={v}" for k, v in entry.params.items())
+        if entry.source == DEFAULT:
+            why = f" ({entry.note})" if entry.note else ""
+            log.info("runtime: %s: default %s %s%s", what, entry.family, knobs, why)
+        else:
+            speed = f", {entry.speedup:.2f}x over PyTorch" if entry.speedup else ""
+            near = f" tuned at {format_shape(entry.served_shape)}" if entry.source == NEAREST else ""
+            log.info(
+                "runtime: %s: %s kernel #%s%s (%s %s%s)",
+                what,
+                entry.source,
+                entry.kernel_id,
+                near,
+                entry.family,
+                knobs,
+                speed,
+            )
+
+    def _family_ok(self, fam: Family, dtype: str) -> str | None:
+        """Why this family's precision is not acceptable for ``dtype`` (TF32 for float32), or None."""
+        precision = fam.precision(dtype)
+        if precision != dtype and not (self.allow_tf32 and precision == "tf32"):
+            return f"family {fam.name} computes {dtype} as {precision} (allow_tf32=False)"
+        return None
+
+    def _build(
+        self,
+        spec,
+        shape,
+        dtype,
+        attrs,
+        family: str,
+        params: Mapping[str, Any],
+        source: str,
+        cubin: bytes,
+        cubin_key: str,
+        arch: str | None = None,
+        **extra: Any,
+    ) -> KernelEntry:
+        fam = spec.family(family)
+        return KernelEntry(
+            op=spec.name,
+            shape=shape,
+            dtype=dtype,
+            attrs=dict(attrs),
+            arch=arch or self.target_arch,
+            family=family,
+            params=dict(params),
+            source=source,
+            cubin=cubin,
+            cubin_key=cubin_key,
+            launches=fam.launches(shape, params, dtype),
+            workspace=fam.workspace(shape, params, dtype),
+            **extra,
+        )
+
+    def _usable(self, spec, shape, dtype, attrs, family: str, params: Mapping[str, Any], served_attrs) -> str | None:
+        """Why a served (family, params) cannot run this problem here, or None."""
+        try:
+            fam = spec.family(family)
+            resolved = fam.resolve(params, dtype)
+        except SpecError as exc:
+            return f"served kernel is not valid in this version: {exc}"
+        if resolved != dict(params):
+            return "served parameters differ from this version's family"
+        if not _same_attrs(spec.resolve_attrs(served_attrs or {}), attrs):
+            return f"served kernel has attrs {served_attrs}, this problem needs {attrs}"
+        reason = self._family_ok(fam, dtype) or fam.check_shape(shape, params, dtype)
+        return reason
+
+    # local cache of served kernels -----------------------------------------------------
+
+    def _local_paths(self, op: str, shape, dtype: str, attrs) -> tuple[Path, Path]:
+        digest = hashlib.sha256(attrs_key(attrs).encode()).hexdigest()[:12]
+        stem = f"{format_shape(shape)}-{dtype}-{self.target_arch}-{digest}"
+        folder = self.served_dir / op
+        return folder / f"{stem}.json", folder / f"{stem}.cubin"
+
+    def _from_local(self, spec, shape, dtype, attrs, notes) -> KernelEntry | None:
+        meta_path, cubin_path = self._local_paths(spec.name, shape, dtype, attrs)
+        try:
+            meta = json.loads(meta_path.read_text())
+            cubin = cubin_path.read_bytes()
+        except (OSError, ValueError):
+            return None
+        reason = self._usable(spec, shape, dtype, attrs, meta["family"], meta["params"], meta.get("attrs"))
+        if reason:
+            notes.append(f"local cache entry unusable: {reason}")
+            return None
+        return self._build(
+            spec,
+            shape,
+            dtype,
+            attrs,
+            meta["family"],
+            meta["params"],
+            meta["source"],
+            cubin,
+            f"served-{hashlib.sha256(cubin).hexdigest()}",
+            arch=meta.get("arch"),
+            served_shape=tuple(meta["served_shape"]),
+            kernel_id=meta.get("kernel_id"),
+            speedup=meta.get("speedup"),
+            median_ms=meta.get("median_ms"),
+            note="from the local cache",
+        )
+
+    def _store_local(self, entry: KernelEntry, served_attrs) -> None:
+        meta_path, cubin_path = self._local_paths(entry.op, entry.shape, entry.dtype, entry.attrs)
+        meta = {
+            "family": entry.family,
+            "params": entry.params,
+            "source": entry.source,
+            "served_shape": list(entry.served_shape or entry.shape),
+            "arch": entry.arch,
+            "attrs": served_attrs,
+            "kernel_id": entry.kernel_id,
+            "speedup": entry.speedup,
+            "median_ms": entry.median_ms,
+            "server": self.server,
+        }
+        try:
+            meta_path.parent.mkdir(parents=True, exist_ok=True)
+            for path, data in ((cubin_path, entry.cubin), (meta_path, json.dumps(meta).encode())):
+                tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache must not fail the forward pass
+            log.warning("runtime: could not write the kernel cache at %s: %s", self.served_dir, exc)
+
+    # the service ----------------------------------------------------------------------
+
+    def _http(self):
+        if self._client is None:
+            import httpx
+
+            timeout = httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 1.0))
+            self._client = httpx.Client(base_url=self.server, timeout=timeout)
+        return self._client
+
+    def _get(self, path: str, **params) -> Any:
+        """GET on the service: the response, or None (logged) when it cannot be reached."""
+        import httpx
+
+        try:
+            return self._http().get(path, params=params)
+        except httpx.HTTPError as exc:
+            self._offline_reason = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "runtime: kernel service %s unreachable (%s); using the local cache and default kernels",
+                self.server,
+                self._offline_reason,
+            )
+            return None
+
+    def _from_service(self, spec, shape, dtype, attrs, notes) -> KernelEntry | None:
+        if not self.use_service or not (self.server or self._client is not None):
+            return None
+        if self._offline_reason:
+            notes.append("service unreachable")
+            return None
+        query = {"op": spec.name, "shape": format_shape(shape), "dtype": dtype}
+        if "act" in attrs:
+            query["act"] = str(attrs["act"])
+        # Families built for the arch-specific target (sm_90a: wgmma) are served under that arch name.
+        arches = [self.target_arch] + ([self.target_arch + "a"] if self.target_arch[-1].isdigit() else [])
+        answers = []
+        for arch in arches:
+            resp = self._get("/api/kernels/best", **query, arch=arch)
+            if resp is None:
+                notes.append("service unreachable")
+                return None
+            if resp.status_code == 200:
+                answers.append(resp.json())
+            elif resp.status_code != 404:
+                notes.append(f"service answered {resp.status_code}")
+                log.warning("runtime: %s %s: service answered %s: %s", spec.name, shape, resp.status_code, resp.text)
+        if not answers:
+            notes.append("no tuned kernel on the service")
+            return None
+        # Exact shapes first, then the faster kernel.
+        answers.sort(key=lambda k: (not k.get("exact"), k.get("median_ms") or math.inf))
+        for served in answers:
+            entry = self._use_served(spec, shape, dtype, attrs, served, notes)
+            if entry is not None:
+                return entry
+        return None
+
+    def _use_served(self, spec, shape, dtype, attrs, served: dict[str, Any], notes: list[str]) -> KernelEntry | None:
+        exact = bool(served.get("exact"))
+        reason = self._usable(spec, shape, dtype, attrs, served["family"], served["params"], served.get("attrs"))
+        if reason:
+            where = "" if exact else f" (tuned at {format_shape(served['shape'])})"
+            notes.append(f"served kernel #{served['id']}{where} not used: {reason}")
+            return None
+        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin")
+        if cubin_resp is None or cubin_resp.status_code != 200:
+            notes.append(f"cubin of kernel #{served['id']} not fetched")
+            return None
+        cubin = cubin_resp.content
+        entry = self._build(
+            spec,
+            shape,
+            dtype,
+            attrs,
+            served["family"],
+            served["params"],
+            TUNED if exact else NEAREST,
+            cubin,
+            f"served-{hashlib.sha256(cubin).hexdigest()}",
+            arch=served.get("arch") or self.target_arch,
+            served_shape=tuple(served["shape"]),
+            kernel_id=served["id"],
+            speedup=served.get("speedup"),
+            median_ms=served.get("median_ms"),
+        )
+        if exact:
+            served_entries = [launch["entry"] for launch in served.get("launches", [])]
+            if served_entries and served_entries != [launch.entry for launch in entry.launches]:
+                notes.append(f"served kernel #{served['id']} launches differ from this version's family")
+                return None
+        if self.use_local_cache:
+            self._store_local(entry, served.get("attrs"))
+        return entry
+
+    # defaults ---------------------------------------------------------------------------
+
+    def default_choice(self, spec, shape, dtype, attrs) -> tuple[Family, dict[str, Any]]:
+        """The family and parameters a problem gets without a tuned kernel."""
+        families = [f for f in spec.families.values() if dtype in f.dtypes and not f.arch_suffix]
+        # 16-bit types run on tensor cores where an op has a family for them (the CUDA-core "simt" families
+        # go last); float32 stays exact (no TF32); otherwise declaration order, the first that fits the shape.
+        if itemsize(dtype) == 2:
+            families.sort(key=lambda f: f.name == "simt")
+        reasons = []
+        for fam in families:
+            why = self._family_ok(fam, dtype)
+            if why:
+                reasons.append(why)
+                continue
+            params = default_params(spec, fam, shape, dtype, self._sm_count())
+            why = fam.check_shape(shape, params, dtype)
+            if why is None:
+                return fam, params
+            reasons.append(f"{fam.name}: {why}")
+        raise SpecError(f"no {spec.name} family can run {format_shape(shape)} {dtype}: {'; '.join(reasons)}")
+
+    def _sm_count(self) -> int:
+        if self.backend is not None:
+            return self.backend.device.info.sm_count
+        return DEFAULT_SM_COUNT
+
+    def _default(self, spec, shape, dtype, attrs) -> KernelEntry:
+        fam, params = self.default_choice(spec, shape, dtype, attrs)
+        arch = self.target_arch + fam.arch_suffix
+        compiled = self.compiler.compile(render(fam, params, dtype, attrs), arch)
+        return self._build(spec, shape, dtype, attrs, fam.name, params, DEFAULT, compiled.cubin, compiled.key, arch)
+
+
+# -- default parameters -----------------------------------------------------------------------
+
+#: Block tiles tried for a default GEMM (largest first), with the warp / thread tiles that go with them.
+_TC_TILES = [
+    {"BM": 128, "BN": 128, "WM": 64, "WN": 32},
+    {"BM": 64, "BN": 128, "WM": 32, "WN": 32},
+    {"BM": 64, "BN": 64, "WM": 32, "WN": 32},
+    {"BM": 32, "BN": 64, "WM": 16, "WN": 32},
+]
+_SIMT_TILES = [
+    {"BM": 128, "BN": 128, "TM": 8, "TN": 8},
+    {"BM": 64, "BN": 128, "TM": 8, "TN": 4},
+    {"BM": 64, "BN": 64, "TM": 4, "TN": 4},
+    {"BM": 32, "BN": 64, "TM": 4, "TN": 2},
+]
+#: Relative throughput of a block tile (bigger tiles reuse more of what they load).
+_TILE_EFFICIENCY = {16384: 1.0, 8192: 0.85, 4096: 0.7, 2048: 0.5}
+
+
+def _gemms(spec, fam: Family, shape) -> tuple[str, list[tuple[int, int]]] | None:
+    """(core, [(M, N) of each GEMM]) for families built on the matmul GEMM cores, else None."""
+    if isinstance(fam, GemmFamily):
+        return fam.core.name, [(shape[0], shape[1])]
+    if spec.name == "fused_mlp" and fam.name == "epilogue":
+        batch, _d_in, d_hidden, d_out = shape
+        return "", [(batch, d_hidden), (batch, d_out)]
+    return None
+
+
+def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> dict[str, Any]:
+    """The family's defaults; for GEMM families the block tile with the best estimated time for this
+    shape (waves of blocks over the SMs times the work of a tile, discounted by the tile's efficiency),
+    so a small M or N does not leave most of the GPU idle."""
+    params = dict(fam.defaults(dtype))
+    gemms = _gemms(spec, fam, shape)
+    if gemms is None:
+        return params
+    core_name, sizes = gemms
+    core_name = core_name or params.get("core", "")
+    core = CORES.get(core_name)
+    if core is None:
+        return params
+    tiles = _TC_TILES if core_name == "tensorcore" else _SIMT_TILES
+    best, best_cost = params, math.inf
+    for tile in tiles:
+        candidate = {**params, **tile}
+        if fam.check(candidate, dtype) is not None:
+            continue
+        area = tile["BM"] * tile["BN"]
+        cost = 0.0
+        for m, n in sizes:
+            # Tiles per SM (the busiest one) times the time of a tile; blocks sharing an SM share its rate.
+            blocks = math.ceil(m / tile["BM"]) * math.ceil(n / tile["BN"])
+            cost += math.ceil(blocks / sm_count) * area / _TILE_EFFICIENCY.get(area, 0.4)
+        if cost < best_cost:
+            best, best_cost = candidate, cost
+    return best

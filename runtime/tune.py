@@ -1,0 +1,86 @@
+"""tune_model: submit tuning jobs to a kernelmill service for the problems a model meets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kernelmill.runtime import ops
+
+log = logging.getLogger(__name__)
+
+#: Shapes per job (the service's default KERNELMILL_MAX_SHAPES).
+MAX_SHAPES_PER_JOB = 32
+
+
+def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...], str, dict]]:
+    """The (op, shape, dtype, attrs) problems one forward of ``model`` on these inputs meets."""
+    from kernelmill.runtime.models import Model
+
+    module = model.module if isinstance(model, Model) else model
+    registry = model.registry if isinstance(model, Model) else None
+    with ops.recording() as seen:
+        if registry is not None:
+            with ops.using_registry(registry):
+                module.forward(*inputs, **kwargs)
+        else:
+            module.forward(*inputs, **kwargs)
+    return list(seen)
+
+
+def tune_model(
+    model: Any,
+    sample_input: Any,
+    server: str | None = None,
+    *,
+    dtype: str | None = None,
+    strategy: str = "evolutionary",
+    trials: int = 64,
+    seconds: float = 1800.0,
+    arch: str = "auto",
+    client: Any = None,
+    **forward_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Runs one forward on ``sample_input`` (a tuple for several inputs) to collect the model's problems,
+    then POSTs one /api/jobs per (op, dtype, attrs) with its shapes. ``dtype`` overrides the problems'
+    dtype (e.g. tune float16 kernels from a float32 CPU run). Returns the created jobs."""
+    import httpx
+
+    from kernelmill.settings import get_settings
+
+    inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    problems = model_problems(model, *inputs, **forward_kwargs)
+    groups: dict[tuple, list[list[int]]] = {}
+    attrs_of: dict[tuple, dict] = {}
+    for op, shape, problem_dtype, attrs in problems:
+        key = (op, dtype or problem_dtype, tuple(sorted((k, str(v)) for k, v in attrs.items())))
+        attrs_of[key] = {k: str(v) for k, v in attrs.items()}
+        if list(shape) not in groups.setdefault(key, []):
+            groups[key].append(list(shape))
+    base = (server or os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
+    if client is None:
+        if not base:
+            raise ValueError("tune_model needs a server (argument or KERNELMILL_SERVER)")
+        client = httpx.Client(base_url=base, timeout=30.0)
+    token = get_settings().api_token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    jobs = []
+    for (op, job_dtype, _), shapes in groups.items():
+        for start in range(0, len(shapes), MAX_SHAPES_PER_JOB):
+            body = {
+                "op": op,
+                "shapes": shapes[start : start + MAX_SHAPES_PER_JOB],
+                "dtype": job_dtype,
+                "arch": arch,
+                "strategy": strategy,
+                "attrs": attrs_of[(op, job_dtype, _)],
+                "budget": {"trials": trials, "seconds": seconds},
+            }
+            resp = client.post("/api/jobs", json=body, headers=headers)
+            if resp.status_code >= 400:
+                raise ValueError(f"the service refused the {op} job ({resp.status_code}): {resp.text}")
+            job = resp.json()
+            log.info("runtime: submitted job %s: %s %s x%d shapes", job.get("id"), op, job_dtype, len(body["shapes"]))
+            jobs.append(job)
+    return jobs

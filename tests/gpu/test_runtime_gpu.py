@@ -1,0 +1,255 @@
+"""The tensor runtime on the GPU (marker gpu): BERT against transformers in float32 and float16,
+zero-copy exchange with PyTorch, CUDA graph replay against plain launches, and the registry taking a
+tuned kernel from a running service."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kernelmill import runtime
+from kernelmill.runtime import Tensor, from_torch, ops, to_torch
+from kernelmill.runtime.registry import TUNED, KernelRegistry
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from kernelmill.runtime.backend import get_backend
+
+    return get_backend()
+
+
+@pytest.fixture
+def registry(backend, tmp_path):
+    return KernelRegistry(backend=backend, use_service=False, cache_dir=tmp_path / "kernels")
+
+
+# -- BERT -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("bert-gpu")
+    config = transformers.BertConfig(
+        vocab_size=307,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=264,  # not a multiple of the tiles
+        max_position_embeddings=80,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("float16", 1e-2), ("bfloat16", 3e-2)])
+def test_bert_matches_transformers(bert, registry, dtype, tol):
+    path, ref_model = bert
+    model = runtime.load_model(path, device="cuda", dtype=dtype, registry=registry)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 307, size=(3, 37))
+    mask = np.ones((3, 37), dtype=np.int64)
+    mask[2, 25:] = 0
+    types = rng.integers(0, 2, size=(3, 37))
+    with torch.no_grad():
+        ref = ref_model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            token_type_ids=torch.from_numpy(types),
+        ).last_hidden_state.numpy()
+    for call in range(3):  # plain launches, then graph capture + replays
+        out = model.forward(ids, attention_mask=mask, token_type_ids=types)
+        assert out.device == "cuda" and out.dtype == dtype and out.shape == (3, 37, 128)
+        assert rel_err(out.numpy().astype(np.float32)[mask.astype(bool)], ref[mask.astype(bool)]) < tol, call
+    report = model.kernel_report()
+    assert {r["op"] for r in report} == {"embedding", "layernorm", "linear", "attention", "add_layernorm", "fused_mlp"}
+    assert all(r["source"] == "default" for r in report)
+    print(model.format_kernel_report())
+
+
+def test_bert_graph_replay_equals_plain_launches(bert, registry):
+    pytest.importorskip("cuda.bindings")
+    path, _ = bert
+    plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
+    graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry)
+    rng = np.random.default_rng(2)
+    batches = [rng.integers(0, 307, size=(2, 64)) for _ in range(4)]
+    for i, ids in enumerate(batches):
+        want = plain.forward(ids).numpy()
+        got = graphed.forward(ids)
+        assert graphed.last_run == ("plain" if i == 0 else "graph")
+        np.testing.assert_array_equal(got.numpy(), want)  # the same kernels: bit-identical
+    # Another shape gets its own graph; the first one still replays.
+    other = rng.integers(0, 307, size=(1, 17))
+    np.testing.assert_array_equal(graphed.forward(other).numpy(), plain.forward(other).numpy())
+    np.testing.assert_array_equal(graphed.forward(batches[0]).numpy(), plain.forward(batches[0]).numpy())
+    assert graphed.last_run == "graph"
+
+
+def test_mlp_graph_replay_with_atomics_is_close(tmp_path, registry):
+    pytest.importorskip("cuda.bindings")
+    torch.manual_seed(3)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(256, 700), torch.nn.GELU(), torch.nn.Linear(700, 256)) for _ in range(2)
+    ]
+    ref = torch.nn.Sequential(*blocks).eval()
+    path = tmp_path / "mlp.pt"
+    torch.save(ref.state_dict(), path)
+    model = runtime.load_model(path, device="cuda", dtype="float32", act="gelu", registry=registry)
+    for batch in (3, 3, 3, 40, 40):  # small_batch (atomics) and epilogue families
+        x = np.random.default_rng(batch).standard_normal((batch, 256)).astype(np.float32)
+        with torch.no_grad():
+            want = ref(torch.from_numpy(x)).numpy()
+        assert rel_err(model.forward(x).numpy(), want) < 1e-4
+    assert model.last_run == "graph"
+
+
+# -- zero-copy exchange ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_dlpack_round_trip_without_copies(backend, dtype):
+    t = Tensor.from_numpy(np.arange(24, dtype=np.float32).reshape(4, 6), "cuda", dtype)
+    tt = to_torch(t)
+    assert tt.is_cuda and tt.data_ptr() == t.ptr and str(tt.dtype) == f"torch.{dtype}"
+    back = from_torch(tt)
+    assert back.ptr == t.ptr and back.shape == (4, 6)
+    tt.mul_(2)  # torch writes (legacy default stream), the runtime reads the same memory
+    assert float(back.numpy().astype(np.float32)[3, 5]) == 46.0
+    del t, back
+    torch.cuda.synchronize()
+    assert float(tt[3, 5]) == 46.0  # the capsule kept the runtime's buffer alive
+
+
+def test_cuda_array_interface_and_runtime_ops_on_torch_memory(backend, registry):
+    a = torch.randn(33, 65, device="cuda")
+    b = torch.randn(33, 65, device="cuda")
+    ta, tb = from_torch(a), from_torch(b)
+    assert ta.ptr == a.data_ptr()
+    cai = ta.__cuda_array_interface__
+    assert cai["data"][0] == a.data_ptr() and cai["shape"] == (33, 65) and cai["typestr"] == "<f4"
+    assert torch.as_tensor(ta, device="cuda").data_ptr() == a.data_ptr()
+    with ops.using_registry(registry):
+        out = to_torch(ops.add(ta, tb))
+    torch.testing.assert_close(out, a + b)
+
+
+def test_unaligned_views_are_copied_before_a_kernel(backend, registry):
+    base = torch.randn(1001, device="cuda", dtype=torch.float16)
+    x, y = from_torch(base[1:]), from_torch(base[:-1].clone())
+    assert x.ptr % 16
+    with ops.using_registry(registry):
+        out = to_torch(ops.add(x, y))
+    torch.testing.assert_close(out, base[1:] + base[:-1])
+
+
+# -- the registry and a running service --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def running_service(tmp_path):
+    import uvicorn
+
+    from kernelmill.service.app import create_app
+    from kernelmill.settings import Settings
+
+    url = f"sqlite:///{tmp_path}/served.db"
+    settings = Settings(database_url=url, executor="fake", fake_workers=0)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "service did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", url
+    server.should_exit = True
+    thread.join(10)
+
+
+def _publish(db_url, op, shape, dtype, attrs, family, params, arch):
+    from kernelmill.agents.loop import served_fields
+    from kernelmill.kernels.variant import Variant
+    from kernelmill.service.db.store import Store
+
+    compiled = Variant.create(op, family, dtype, params, attrs).compile(arch=arch)
+    store = Store(db_url)
+    try:
+        key = "x".join(str(v) for v in shape)
+        job = store.create_job(
+            op=op,
+            shapes=[list(shape)],
+            dtype=dtype,
+            attrs=attrs,
+            arch=arch,
+            strategy="random",
+            budget_trials=1,
+            budget_seconds=1.0,
+            state="done",
+        )
+        row = {
+            "family": family,
+            "params": params,
+            "params_key": json.dumps(params, sort_keys=True),
+            "status": "ok",
+            "arch": arch,
+            "median_ms": 0.01,
+            "max_rel_err": 1e-3,
+            "cubin": compiled.cubin,
+        }
+        (trial,) = store.record_trials(job.id, key, [row])
+        fields = served_fields(op, tuple(shape), dtype, attrs)(family, params)
+        fields.update(cubin=compiled.cubin, baseline_ms=0.02)
+        return store.publish(job, trial, fields).id
+    finally:
+        store.close()
+
+
+def test_registry_uses_a_tuned_kernel_from_a_running_service(backend, running_service, tmp_path):
+    server, db_url = running_service
+    params = {"BM": 64, "BN": 64, "BK": 32, "WM": 32, "WN": 32, "stages": 2, "split_k": 2}
+    attrs = {"act": "gelu_erf"}
+    kernel_id = _publish(db_url, "linear", (200, 300, 160), "float16", attrs, "tensorcore", params, backend.arch)
+    reg = KernelRegistry(server, backend=backend, cache_dir=tmp_path / "client-cache")
+    x = torch.randn(200, 160, device="cuda", dtype=torch.float16)
+    w = torch.randn(160, 300, device="cuda", dtype=torch.float16) / 12
+    b = torch.randn(300, device="cuda", dtype=torch.float16)
+    with ops.using_registry(reg):
+        y = to_torch(ops.linear(from_torch(x), from_torch(w), from_torch(b), "gelu_erf"))
+        y_near = to_torch(ops.linear(from_torch(x[:190]), from_torch(w), from_torch(b), "gelu_erf"))
+    want = torch.nn.functional.gelu(x.float() @ w.float() + b.float())
+    assert rel_err(y.float().cpu(), want.cpu()) < 1e-2
+    assert rel_err(y_near.float().cpu(), want[:190].cpu()) < 1e-2
+    rows = {r["shape"]: r for r in reg.report()}
+    assert rows["200x300x160"]["source"] == TUNED and rows["200x300x160"]["kernel_id"] == kernel_id
+    assert rows["200x300x160"]["params"] == params and rows["200x300x160"]["speedup"] == pytest.approx(2.0)
+    assert rows["190x300x160"]["source"] == "nearest"

@@ -1,0 +1,102 @@
+"""The wgmma matmul family on a Hopper GPU (marker gpu): odd shapes verified, rejected shapes reported as
+unsupported, and the big shapes timed next to PyTorch (cuBLAS).
+
+One command: pytest -q -s tests/gpu/test_wgmma_gpu.py
+(-s shows the TFLOP/s table; KERNELMILL_WGMMA_MIN_RATIO=0.9 also fails the run below that share of PyTorch.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kernelmill.kernels.bench import time_torch
+from kernelmill.kernels.compile import Compiler
+from kernelmill.kernels.evaluate import UNSUPPORTED, evaluate
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.variant import Variant
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16")
+#: M anything; K and N multiples of 8 (TMA row strides): one row, ragged tiles, K tails and K < 64, a K of one
+#: 8-element chunk, many tiles per persistent block, and the big square case.
+SHAPES = [(1, 8, 8), (255, 136, 104), (300, 200, 512), (129, 264, 72), (64, 64, 8), (2048, 2048, 136)]
+BIG = (4096, 4096, 4096)
+#: The defaults and points that take the other code paths: one consumer (no setmaxnreg), two m64 rows per
+#: consumer, BN of 64 and 192, a block per tile and persistent grids, shallow and deep rings.
+POINTS = [
+    {},
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0},
+    {"BM": 256, "BN": 128, "consumers": 2, "stages": 3, "ctas": 128},
+    {"BM": 64, "BN": 192, "consumers": 1, "stages": 5, "ctas": 0},
+    {"BM": 128, "BN": 64, "consumers": 1, "stages": 6, "ctas": 132},
+    {"BM": 128, "BN": 192, "consumers": 2, "stages": 3, "ctas": 132},
+]
+#: Shapes where the family is timed against PyTorch, with the points worth comparing there.
+TIMED = {
+    (4096, 4096, 4096): [{}, {"ctas": 128}],
+    (8192, 8192, 8192): [{}, {"ctas": 128}],
+    (2048, 11008, 4096): [{}, {"BN": 128, "stages": 6}, {"BM": 256, "BN": 128}],
+}
+
+
+@pytest.fixture(scope="module")
+def device():
+    from kernelmill.kernels.device import get_device
+
+    dev = get_device()
+    if not dev.info.arch.startswith("sm_90"):
+        pytest.skip(f"wgmma needs a Hopper GPU (sm_90a); this is {dev.info.name} ({dev.info.arch})")
+    return dev
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    return Compiler(cache_dir=tmp_path_factory.mktemp("wgmma-cubins"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("point", range(len(POINTS)))
+def test_verifies_on_odd_shapes(device, compiler, dtype, point):
+    variant = Variant.create("matmul", "wgmma", dtype, POINTS[point])
+    shapes = SHAPES + ([BIG] if point == 0 else [])
+    for shape in shapes:
+        ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+        assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shapes_tma_cannot_address_are_unsupported(device, compiler, dtype):
+    variant = Variant.create("matmul", "wgmma", dtype)
+    for shape in [(1, 1, 1), (255, 129, 100), (300, 200, 513)]:
+        ev = evaluate(variant, shape, device, compiler, seeds=1, timed=False)
+        assert ev.status == UNSUPPORTED and "multiple of 8" in ev.reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_throughput_next_to_pytorch(device, compiler, dtype, capsys):
+    op = get_op("matmul")
+    min_ratio = float(os.environ.get("KERNELMILL_WGMMA_MIN_RATIO", "0"))
+    lines, best = [], {}
+    for shape, points in TIMED.items():
+        torch_timing = time_torch(device, op, op.make_inputs(shape, dtype, seed=1), {}, None, warmup=5, reps=30)
+        torch_tflops = op.flops(shape) / (torch_timing.median_ms * 1e-3) / 1e12 if torch_timing else float("nan")
+        for overrides in points:
+            variant = Variant.create("matmul", "wgmma", dtype, overrides)
+            ev = evaluate(variant, shape, device, compiler, seeds=1, timed=True, warmup=5, reps=30)
+            assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+            tflops = op.flops(shape) / (ev.timing.median_ms * 1e-3) / 1e12
+            if torch_timing is not None:
+                best[shape] = max(best.get(shape, 0.0), tflops / torch_tflops)
+            regs = ev.compiled.resources["matmul_wgmma"].registers
+            lines.append(
+                f"{dtype:9} {'x'.join(map(str, shape)):16} {str(overrides or 'defaults'):44} "
+                f"{ev.timing.median_ms:8.3f} ms {tflops:7.1f} TFLOP/s  torch {torch_tflops:7.1f}  "
+                f"ratio {tflops / torch_tflops:5.3f}  regs {regs}"
+            )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    for shape, ratio in best.items():
+        assert ratio >= min_ratio, f"{dtype} {shape}: best wgmma point at {ratio:.3f} of PyTorch < {min_ratio}"

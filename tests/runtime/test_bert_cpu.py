@@ -1,0 +1,156 @@
+"""The runtime's no-GPU path: a HuggingFace BERT checkpoint and a torch MLP state_dict, loaded with
+runtime.load_model(device="cpu"), match PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kernelmill import runtime  # noqa: E402
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def small_bert(tmp_path, **overrides):
+    fields = dict(
+        vocab_size=211,
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=160,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        hidden_act="gelu",
+    )
+    config = transformers.BertConfig(**{**fields, **overrides})
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    # Non-trivial LayerNorm and bias values (HF initializes them to 1 / 0).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert")
+    model = small_bert(path)
+    return path, model
+
+
+def test_bert_last_hidden_state_matches_transformers(bert_dir):
+    path, ref_model = bert_dir
+    assert (path / "model.safetensors").exists()
+    model = runtime.load_model(path, device="cpu")
+    assert model.device == "cpu" and model.dtype == "float32"
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 211, size=(3, 17))
+    mask = np.ones((3, 17), dtype=np.int64)
+    mask[1, 11:] = 0  # padding in one sequence
+    types = rng.integers(0, 2, size=(3, 17))
+    out = model.forward(ids, attention_mask=mask, token_type_ids=types)
+    assert isinstance(out, runtime.Tensor) and out.shape == (3, 17, 96) and out.dtype == "float32"
+    with torch.no_grad():
+        ref = ref_model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            token_type_ids=torch.from_numpy(types),
+        ).last_hidden_state.numpy()
+    assert rel_err(out.numpy(), ref) < 1e-4
+    # Padded positions are computed too (HF computes them); compare the unpadded ones exactly as well.
+    assert rel_err(out.numpy()[1, :11], ref[1, :11]) < 1e-4
+
+
+def test_bert_without_mask_and_types(bert_dir):
+    path, ref_model = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    ids = np.random.default_rng(2).integers(0, 211, size=(2, 33))
+    out = model(ids)
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    assert rel_err(out.numpy(), ref) < 1e-4
+
+
+def test_bert_report_lists_every_op_on_numpy(bert_dir):
+    path, _ = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    model.forward(np.zeros((1, 5), dtype=np.int64))
+    rows = model.kernel_report()
+    ops = {r["op"] for r in rows}
+    assert ops == {"embedding", "layernorm", "linear", "attention", "add_layernorm", "fused_mlp"}
+    assert all(r["source"] == "numpy" for r in rows)
+    mlp = next(r for r in rows if r["op"] == "fused_mlp")
+    assert mlp["shape"] == "5x96x160x96" and mlp["attrs"] == {"act": "gelu_erf"}
+    assert "fused_mlp act=gelu_erf" in model.format_kernel_report()
+
+
+def test_bert_out_of_range_ids_are_an_error(bert_dir):
+    path, _ = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    with pytest.raises(IndexError, match="out of range"):
+        model.forward(np.array([[1, 2, 211]]))
+
+
+def test_gelu_tanh_bert(tmp_path):
+    ref_model = small_bert(tmp_path, hidden_act="gelu_new")
+    model = runtime.load_model(tmp_path, device="cpu")
+    ids = np.random.default_rng(3).integers(0, 211, size=(2, 9))
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    assert rel_err(model.forward(ids).numpy(), ref) < 1e-4
+
+
+def _mlp_blocks(d, hidden, layers, act):
+    act_layer = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU}[act]
+    torch.manual_seed(4)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(d, hidden), act_layer(), torch.nn.Linear(hidden, d)) for _ in range(layers)
+    ]
+    return torch.nn.Sequential(*blocks).eval()
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_mlp_state_dict_blocks_match_torch(tmp_path, act):
+    ref = _mlp_blocks(24, 56, 3, act)
+    path = tmp_path / "mlp.pt"
+    torch.save(ref.state_dict(), path)
+    model = runtime.load_model(path, device="cpu", act=act)
+    assert [type(layer).__name__ for layer in model.module.layers] == ["MLP", "MLP", "MLP"]
+    x = np.random.default_rng(5).standard_normal((7, 24)).astype(np.float32)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(x)).numpy()
+    assert rel_err(model.forward(x).numpy(), want) < 1e-5
+    assert {r["op"] for r in model.kernel_report()} == {"fused_mlp"}
+
+
+def test_mlp_flat_sequential_and_act_in_the_file(tmp_path):
+    torch.manual_seed(6)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(10, 20), torch.nn.GELU(), torch.nn.Linear(20, 30), torch.nn.GELU(), torch.nn.Linear(30, 5)
+    ).eval()
+    path = tmp_path / "flat.pt"
+    torch.save({"state_dict": ref.state_dict(), "act": "gelu"}, path)
+    model = runtime.load_model(path, device="cpu")
+    assert [layer.act for layer in model.module.layers] == ["gelu_erf", "gelu_erf", "none"]
+    x = np.random.default_rng(7).standard_normal((4, 10)).astype(np.float32)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(x)).numpy()
+    assert rel_err(model(x).numpy(), want) < 1e-5
+
+
+def test_random_bert_runs_on_cpu():
+    config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config.update({"intermediate_size": 64, "max_position_embeddings": 16})
+    model = runtime.Model(runtime.BertModel.random(config), device="cpu")
+    out = model.forward(np.arange(10).reshape(2, 5))
+    assert out.shape == (2, 5, 32) and np.isfinite(out.numpy()).all()

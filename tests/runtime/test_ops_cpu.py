@@ -1,0 +1,140 @@
+"""Every CPU op of the runtime against PyTorch (float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from kernelmill.runtime import Tensor, ops  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def t(*shape, scale=1.0):
+    return Tensor.from_numpy((RNG.standard_normal(shape) * scale).astype(np.float32))
+
+
+def th(x: Tensor):
+    return torch.from_numpy(np.array(x.numpy()))
+
+
+def close(out: Tensor, ref, tol=1e-5):
+    assert out.device == "cpu" and out.dtype == "float32"
+    ref = ref.detach().numpy() if hasattr(ref, "detach") else np.asarray(ref)
+    assert out.shape == tuple(ref.shape)
+    err = np.linalg.norm(out.numpy().astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err < tol, err
+
+
+def test_matmul():
+    a, b = t(3, 5, 17), t(17, 9)
+    close(ops.matmul(a, b), th(a) @ th(b))
+    with pytest.raises(ValueError):
+        ops.matmul(a, t(16, 9))
+
+
+@pytest.mark.parametrize("act", ["none", "relu", "gelu_erf", "gelu_tanh", "silu"])
+def test_linear_with_each_activation(act):
+    x, w, b = t(4, 6, 33), t(33, 20), t(20)
+    ref = th(x) @ th(w) + th(b)
+    fn = {
+        "none": lambda h: h,
+        "relu": torch.relu,
+        "gelu_erf": F.gelu,
+        "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+        "silu": F.silu,
+    }[act]
+    close(ops.linear(x, w, b, act), fn(ref))
+    close(ops.linear(x, w, None, act), fn(th(x) @ th(w)))
+
+
+def test_activations_and_bias_act():
+    x, b = t(7, 31, scale=3.0), t(31)
+    close(ops.relu(x), torch.relu(th(x)))
+    close(ops.gelu(x), F.gelu(th(x)))
+    close(ops.gelu(x, approximate="tanh"), F.gelu(th(x), approximate="tanh"))
+    close(ops.silu(x), F.silu(th(x)))
+    close(ops.bias_act(x, b, "gelu"), F.gelu(th(x) + th(b)))
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.activation(x, "tanhshrink")
+
+
+def test_erf_is_accurate():
+    x = np.linspace(-6, 6, 10001)
+    assert np.max(np.abs(ops.erf(x) - torch.erf(torch.from_numpy(x)).numpy())) < 2e-7
+
+
+def test_softmax_add():
+    x, y = t(5, 3, 40, scale=4.0), t(5, 3, 40)
+    close(ops.softmax(x), torch.softmax(th(x), dim=-1))
+    close(ops.add(x, y), th(x) + th(y))
+    with pytest.raises(ValueError):
+        ops.add(x, t(5, 3, 39))
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_layernorm_and_residual(eps):
+    x, r, g, b = t(6, 4, 48, scale=2.0), t(6, 4, 48), t(48), t(48)
+    close(ops.layernorm(x, g, b, eps), F.layer_norm(th(x), (48,), th(g), th(b), eps))
+    close(ops.layernorm(x, g, b, eps, residual=r), F.layer_norm(th(x) + th(r), (48,), th(g), th(b), eps))
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu_erf", "gelu_tanh", "silu"])
+def test_fused_mlp(act):
+    x, w1, b1, w2, b2 = t(5, 24), t(24, 40, scale=0.3), t(40), t(40, 12, scale=0.3), t(12)
+    fn = {"relu": torch.relu, "gelu_erf": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "silu": F.silu}
+    ref = fn[act](th(x) @ th(w1) + th(b1)) @ th(w2) + th(b2)
+    close(ops.fused_mlp(x, w1, b1, w2, b2, act), ref)
+
+
+def test_embedding():
+    word, pos, types = t(50, 16), t(12, 16), t(3, 16)
+    ids = RNG.integers(0, 50, size=(2, 9))
+    tids = RNG.integers(0, 3, size=(2, 9))
+    ref = th(word)[torch.from_numpy(ids)] + th(pos)[:9] + th(types)[torch.from_numpy(tids)]
+    close(ops.embedding(ids, word, pos, types, tids), ref)
+    close(
+        ops.embedding(Tensor.from_numpy(ids), word, pos, types),
+        th(word)[torch.from_numpy(ids)] + th(pos)[:9] + th(types)[0],
+    )
+    with pytest.raises(ValueError, match="position"):
+        ops.embedding(RNG.integers(0, 50, size=(1, 13)), word, pos, types)
+    with pytest.raises(IndexError):
+        ops.embedding(np.array([[0, 50]]), word, pos, types)
+
+
+def test_attention_matches_torch_sdpa():
+    batch, seq, heads, head_dim = 3, 11, 4, 8
+    qkv = t(batch, seq, 3 * heads * head_dim)
+    mask_np = np.zeros((batch, seq), np.float32)
+    mask_np[1, 7:] = -1e9
+    mask = Tensor.from_numpy(mask_np)
+    x = th(qkv).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    for m in (None, mask):
+        am = None if m is None else th(m)[:, None, None, :]
+        ref = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=am).transpose(1, 2).reshape(batch, seq, -1)
+        close(ops.attention(qkv, heads, m), ref)
+    q, k, v = (Tensor.from_numpy(np.ascontiguousarray(x[i].numpy())) for i in range(3))
+    ref = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=th(mask)[:, None, None, :])
+    close(ops.scaled_dot_product_attention(q, k, v, Tensor.from_numpy(mask_np[:, None, None, :])), ref)
+    with pytest.raises(ValueError, match="3 \\* heads"):
+        ops.attention(qkv, 5)
+
+
+def test_recording_collects_problems_once():
+    x, w, b = t(4, 8), t(8, 6), t(6)
+    with ops.recording() as seen:
+        ops.linear(x, w, b, "relu")
+        ops.linear(x, w, b, "relu")
+        ops.softmax(x)
+    assert seen == [("linear", (4, 6, 8), "float32", {"act": "relu"}), ("softmax", (4, 8), "float32", {})]
+
+
+def test_mixed_devices_are_refused():
+    x = t(2, 3)
+    fake_cuda = Tensor((3, 3), "float32", "cuda", buffer=object())
+    with pytest.raises(ValueError, match="different devices"):
+        ops.matmul(x, fake_cuda)

@@ -1,0 +1,210 @@
+"""KernelRegistry without a GPU: the service (real app, fake GPU executor), nearest shapes, the local
+cache, offline behaviour, compiled defaults; tune_model submitting jobs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from kernelmill import runtime
+from kernelmill.kernels.ops.matmul import TensorCoreCore
+from kernelmill.runtime.registry import DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
+from kernelmill.service.app import create_app
+from kernelmill.settings import Settings
+
+
+def _wait_done(client, job_id, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/api/jobs/{job_id}").json()
+        if job["state"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} not done")
+
+
+@pytest.fixture
+def service(tmp_path):
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/svc.db", executor="fake", fake_workers=1)
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def _tune(client, op, shape, dtype, attrs=None, trials=6):
+    body = {"op": op, "shapes": [shape], "dtype": dtype, "strategy": "random", "attrs": attrs or {}}
+    body["budget"] = {"trials": trials, "seconds": 60}
+    job = client.post("/api/jobs", json=body)
+    assert job.status_code == 201, job.text
+    assert _wait_done(client, job.json()["id"])["state"] == "done"
+
+
+def test_tuned_then_nearest_from_the_service_and_the_local_cache(service, tmp_path, caplog):
+    _tune(service, "linear", [64, 96, 32], "float16", {"act": "gelu_erf"})
+    reg = KernelRegistry(client=service, arch="sm_90", cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.registry"):
+        exact = reg.get("linear", (64, 96, 32), "float16", {"act": "gelu_erf"})
+    assert exact.source == TUNED and exact.cubin == b"fake-cubin" and exact.kernel_id
+    assert [launch.entry for launch in exact.launches][0].startswith("linear_")
+    assert "tuned kernel #" in caplog.text
+    near = reg.get("linear", (60, 96, 40), "float16", {"act": "gelu_erf"})
+    assert near.source == NEAREST and near.served_shape == (64, 96, 32)
+    # The launches are rebuilt for the actual shape (M, N, K are the last int arguments).
+    assert near.launches[0].args[-3:] == (60, 96, 40)
+    rows = {r["shape"]: r for r in reg.report()}
+    assert rows["60x96x40"]["source"] == "nearest" and rows["60x96x40"]["served_shape"] == "64x96x32"
+
+    # A second registry, offline, finds both in the local cache.
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path / "cache", use_service=False)
+    again = offline.get("linear", (64, 96, 32), "float16", {"act": "gelu_erf"})
+    assert again.source == TUNED and again.cubin == b"fake-cubin" and again.note == "from the local cache"
+
+
+def test_other_attrs_are_not_served(service, tmp_path):
+    _tune(service, "linear", [64, 96, 32], "float16", {"act": "relu"})
+    reg = KernelRegistry(client=service, arch="sm_90", cache_dir=tmp_path / "c", compiler=_NoCompile())
+    with pytest.raises(_Compiled):
+        reg.get("linear", (64, 96, 32), "float16", {"act": "silu"})
+
+
+class _Compiled(Exception):
+    pass
+
+
+class _NoCompile:
+    """A compiler that says it was asked (the registry fell through to a default)."""
+
+    def compile(self, source, arch):
+        raise _Compiled(arch)
+
+
+def _mock_service(kernel: dict, calls: list):
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(str(request.url))
+        if request.url.path == "/api/kernels/best":
+            if request.url.params.get("arch") != kernel["arch"]:
+                return httpx.Response(404, json={"detail": "none"})
+            return httpx.Response(200, json=kernel)
+        if request.url.path == f"/api/kernels/{kernel['id']}/cubin":
+            return httpx.Response(200, content=b"served-cubin")
+        return httpx.Response(404, json={"detail": "?"})
+
+    return httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+
+
+def _fused_kernel(**over):
+    kernel = {
+        "id": 7,
+        "op": "fused_mlp",
+        "shape": [4, 64, 128, 64],
+        "dtype": "float16",
+        "arch": "sm_90",
+        "attrs": {"act": "gelu_erf"},
+        "family": "small_batch",
+        "params": {"core": "mma", "max_batch": 16, "hidden_per_block": 64, "threads": 256, "vec": 8, "unroll": 2},
+        "launches": [],
+        "workspace": {},
+        "median_ms": 0.01,
+        "speedup": 1.7,
+        "exact": False,
+    }
+    kernel.update(over)
+    return kernel
+
+
+def test_nearest_kernel_used_only_when_its_family_accepts_the_shape(tmp_path):
+    calls: list = []
+    client = _mock_service(_fused_kernel(), calls)
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    ok = reg.get("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    assert ok.source == NEAREST and ok.speedup == 1.7 and ok.cubin == b"served-cubin"
+    assert ok.launches[1].args[-5:-1] == (8, 64, 128, 64)  # rebuilt for batch 8
+    # batch 40 > max_batch 16 of the served small_batch variant: not used, the default is compiled instead.
+    with pytest.raises(_Compiled):
+        reg.get("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+
+def test_served_arch_specific_kernels_and_tf32_policy(tmp_path):
+    calls: list = []
+    kernel = _fused_kernel(op="matmul", shape=[64, 64, 64], attrs={}, family="tensorcore", dtype="float32", exact=True)
+    kernel["params"] = {**TensorCoreCore().defaults("float32")}
+    kernel["arch"] = "sm_90a"
+    reg = KernelRegistry(client=_mock_service(kernel, calls), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    with pytest.raises(_Compiled):  # found under sm_90a, but TF32 for float32 is refused by default
+        reg.get("matmul", (64, 64, 64), "float32")
+    assert any("arch=sm_90a" in c for c in calls)
+    lenient = KernelRegistry(
+        client=_mock_service(kernel, calls), arch="sm_90", cache_dir=tmp_path / "b", allow_tf32=True
+    )
+    entry = lenient.get("matmul", (64, 64, 64), "float32")
+    assert entry.source == TUNED and entry.arch == "sm_90a"
+
+
+def test_unreachable_service_is_logged_once_and_skipped(tmp_path, caplog):
+    reg = KernelRegistry("http://127.0.0.1:9", arch="sm_90", cache_dir=tmp_path, timeout_s=0.5, compiler=_NoCompile())
+    with caplog.at_level(logging.WARNING), pytest.raises(_Compiled):
+        reg.get("add", (100,), "float16")
+    with pytest.raises(_Compiled):
+        reg.get("add", (200,), "float16")
+    assert caplog.text.count("unreachable") == 1
+
+
+def test_default_tiles_follow_the_problem_size():
+    from kernelmill.kernels.ops import OPS
+
+    fam = OPS["linear"].family("tensorcore")
+    big = default_params(OPS["linear"], fam, (8192, 8192, 4096), "float16")
+    assert (big["BM"], big["BN"]) == (128, 128)
+    small = default_params(OPS["linear"], fam, (128, 768, 768), "float16")
+    assert small["BM"] * small["BN"] < 128 * 128 and fam.check(small, "float16") is None
+    epi = OPS["fused_mlp"].family("epilogue")
+    p = default_params(OPS["fused_mlp"], epi, (256, 4096, 11008, 4096), "float16")
+    assert epi.check(p, "float16") is None
+    simt = OPS["matmul"].family("simt")
+    assert simt.check(default_params(OPS["matmul"], simt, (100, 100, 100), "float32"), "float32") is None
+
+
+def test_default_family_choice_by_dtype_and_shape(tmp_path):
+    reg = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
+    from kernelmill.kernels.ops import OPS
+
+    fam, _ = reg.default_choice(OPS["matmul"], (64, 64, 64), "float16", {})
+    assert fam.name == "tensorcore"
+    fam, _ = reg.default_choice(OPS["matmul"], (64, 64, 64), "float32", {})
+    assert fam.name == "simt"  # exact float32, no TF32
+    fam, params = reg.default_choice(OPS["fused_mlp"], (4, 64, 128, 64), "float16", {"act": "relu"})
+    assert fam.name == "small_batch"
+    fam, _ = reg.default_choice(OPS["fused_mlp"], (300, 64, 128, 64), "float16", {"act": "relu"})
+    assert fam.name == "epilogue"
+
+
+@pytest.mark.nvcc
+def test_default_kernels_are_compiled_on_first_use(tmp_path, caplog):
+    reg = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.registry"):
+        entry = reg.get("add", (1000,), "float16")
+        again = reg.get("add", (1000,), "float16")
+    assert entry is again and entry.source == DEFAULT and entry.cubin and entry.launches[0].entry == "add"
+    assert caplog.text.count("add 1000 float16: default") == 1
+    assert (tmp_path / "cubin").exists()  # the compile cache under the registry's folder
+
+
+def test_tune_model_submits_one_job_per_op_and_attrs(service):
+    config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config.update({"intermediate_size": 64, "max_position_embeddings": 16})
+    model = runtime.Model(runtime.BertModel.random(config), device="cpu")
+    ids = np.arange(10).reshape(2, 5)
+    jobs = runtime.tune_model(model, ids, client=service, dtype="float16", trials=4, seconds=30)
+    by_op = {j["op"]: j for j in jobs}
+    assert set(by_op) == {"embedding", "layernorm", "linear", "attention", "add_layernorm", "fused_mlp"}
+    assert by_op["linear"]["shapes"] == [[10, 96, 32], [10, 32, 32]] and by_op["linear"]["dtype"] == "float16"
+    assert by_op["fused_mlp"]["attrs"] == {"act": "gelu_erf"}
+    assert by_op["attention"]["shapes"] == [[2, 2, 5, 16]]
+    assert json.loads(json.dumps(by_op["layernorm"]["attrs"])) == {"eps": 1e-12}
+    for job in jobs:
+        assert _wait_done(service, job["id"])["state"] == "done"

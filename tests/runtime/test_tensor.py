@@ -1,0 +1,100 @@
+"""Tensor basics and zero-copy exchange with PyTorch (CPU tensors; the GPU test does cuda ones)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from kernelmill.runtime import Tensor, dlpack, from_numpy, from_torch, to_torch
+from kernelmill.runtime.tensor import as_tensor, numpy_dtype
+
+
+def test_from_numpy_shares_and_converts():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = from_numpy(a)
+    assert t.shape == (3, 4) and t.dtype == "float32" and t.device == "cpu" and t.strides == (4, 1)
+    assert t.numpy() is a and t.ptr == a.ctypes.data
+    h = from_numpy(a, dtype="float16")
+    assert h.dtype == "float16" and h.numpy().dtype == np.float16 and h.nbytes == 24
+    b = from_numpy(a, dtype="bfloat16")
+    assert b.numpy().dtype == numpy_dtype("bfloat16")
+    assert from_numpy(np.zeros(3)).dtype == "float32"  # float64 comes in as float32
+    assert from_numpy(np.arange(3)).dtype == "int64"
+
+
+def test_reshape_rows_clone_copy():
+    t = from_numpy(np.arange(24, dtype=np.float32))
+    v = t.reshape(2, -1, 3)
+    assert v.shape == (2, 4, 3) and v.ptr == t.ptr
+    r = v.rows(1, 2)
+    assert r.shape == (1, 4, 3) and r.numpy()[0, 0, 0] == 12
+    c = t.clone()
+    assert c.ptr != t.ptr and np.array_equal(c.numpy(), t.numpy())
+    c.copy_(from_numpy(np.ones(24, np.float32)))
+    assert c.numpy().sum() == 24
+    with pytest.raises(ValueError):
+        t.reshape(5, 5)
+
+
+def test_cpu_tensor_has_no_cuda_array_interface():
+    assert not hasattr(from_numpy(np.zeros(2, np.float32)), "__cuda_array_interface__")
+
+
+def test_bad_device_and_dtype():
+    with pytest.raises(ValueError):
+        Tensor.empty((2,), "float32", "tpu")
+    with pytest.raises(TypeError):
+        from_numpy(np.zeros(2, dtype=np.complex64))
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int32", "int64"])
+def test_to_torch_is_zero_copy_and_keeps_the_tensor_alive(dtype):
+    values = np.arange(10).reshape(2, 5)
+    t = from_numpy(values, dtype=dtype)
+    ptr = t.ptr
+    before = dlpack.live_capsules()
+    tt = to_torch(t)
+    assert tt.data_ptr() == ptr and tuple(tt.shape) == (2, 5) and str(tt.dtype) == f"torch.{dtype}"
+    del t
+    gc.collect()
+    assert tt.float().sum().item() == 45.0  # memory still valid: the capsule holds the runtime tensor
+    tt[0, 0] = 7
+    assert dlpack.live_capsules() == before + 1
+    del tt
+    gc.collect()
+    assert dlpack.live_capsules() == before
+
+
+def test_unconsumed_capsule_releases_its_tensor():
+    before = dlpack.live_capsules()
+    cap = from_numpy(np.zeros(3, np.float32)).__dlpack__()
+    assert dlpack.live_capsules() == before + 1
+    del cap
+    gc.collect()
+    assert dlpack.live_capsules() == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64"])
+def test_from_torch_is_zero_copy_and_round_trips(dtype):
+    tt = torch.arange(6, dtype=getattr(torch, dtype)).reshape(2, 3)
+    t = from_torch(tt)
+    assert t.ptr == tt.data_ptr() and t.shape == (2, 3) and t.dtype == dtype
+    assert np.array_equal(t.numpy().astype(np.float64), np.arange(6).reshape(2, 3))
+    back = to_torch(t)
+    assert back.data_ptr() == tt.data_ptr()
+    tt[1, 2] = 40
+    assert float(t.numpy()[1, 2]) == 40.0
+    with pytest.raises(ValueError, match="contiguous"):
+        from_torch(tt.t())
+
+
+def test_as_tensor_accepts_torch_lists_and_tensors():
+    assert as_tensor([[1.0, 2.0]]).shape == (1, 2)
+    assert as_tensor(torch.ones(3)).dtype == "float32"
+    x = from_numpy(np.ones(2, np.float32))
+    assert as_tensor(x) is x

@@ -1,0 +1,365 @@
+"""The wgmma (Hopper, sm_90a) matmul family: space, constraints, launch geometry, tensor-map arguments and the
+parameter-buffer layout they need. No GPU; the test marked nvcc compiles one variant."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from kernelmill.kernels.device import Buffer, DeviceFault, kernel_param_layouts, param_format, tensor_map_strides
+from kernelmill.kernels.ops.base import SpecError, TensorMapArg, cdiv
+from kernelmill.kernels.ops.matmul import MATMUL, WGMMA
+from kernelmill.kernels.render import render
+
+DTYPES = ("float16", "bfloat16")
+#: Shapes TMA can address (K, N multiples of 8; M anything) and ones it cannot.
+SHAPES = [(1, 8, 8), (255, 136, 104), (300, 200, 512), (4096, 4096, 4096), (2048, 11008, 4096), (8192, 8192, 8192)]
+REJECTED = [(1, 1, 1), (255, 129, 100), (300, 200, 513), (64, 4100, 4096)]
+
+
+def test_registered_for_sm_90a_half_types_only():
+    assert MATMUL.family("wgmma") is WGMMA
+    assert WGMMA.arch_suffix == "a" and WGMMA.template == "matmul/wgmma.cu.j2"
+    assert WGMMA.dtypes == DTYPES
+    assert [WGMMA.precision(d) for d in DTYPES] == list(DTYPES)
+    with pytest.raises(SpecError, match="does not support float32"):
+        WGMMA.resolve({}, "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_space_is_valid_and_moderate(dtype):
+    space = list(WGMMA.space(dtype))
+    assert 50 <= len(space) <= 300
+    assert WGMMA.defaults(dtype) in space
+    for params in space:
+        assert WGMMA.check(params, dtype) is None
+        rows = params["BM"] // params["consumers"]
+        assert rows in (64, 128)
+        assert WGMMA.acc_regs(params) <= 128
+        assert WGMMA.threads(params) in (256, 384)
+        assert WGMMA.smem_bytes(params, dtype) <= 227 * 1024
+
+
+def test_defaults():
+    for dtype in DTYPES:
+        params = WGMMA.defaults(dtype)
+        assert params == {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132}
+        assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
+        assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
+        # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
+        assert WGMMA.smem_bytes(params, dtype) == 4 * (128 + 256) * 64 * 2 + 4 * 16 + 1024
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ({"BM": 64, "consumers": 2}, "64 or 128 rows"),  # 32 rows per consumer
+        ({"BM": 256, "consumers": 1, "BN": 64}, "64 or 128 rows"),  # 256 rows per consumer
+        ({"BM": 128, "consumers": 1, "BN": 256}, "accumulators"),  # 128 x 256 in one warpgroup
+        ({"BM": 256, "BN": 256}, "accumulators"),
+        ({"stages": 5}, "shared memory"),  # 5 x 48 KiB
+    ],
+)
+def test_check_rejects(override, reason):
+    params = {**WGMMA.defaults("float16"), **override}
+    message = WGMMA.check(params, "float16")
+    assert message is not None and reason in message
+    with pytest.raises(SpecError, match="invalid parameters"):
+        WGMMA.resolve(override, "float16")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_check_shape_needs_16_byte_row_strides(dtype):
+    params = WGMMA.defaults(dtype)
+    for shape in SHAPES:
+        assert WGMMA.check_shape(shape, params, dtype) is None, shape
+    for shape in REJECTED:
+        message = WGMMA.check_shape(shape, params, dtype)
+        assert message is not None and "multiple of 8" in message and "tensorcore" in message
+
+
+def _points(dtype):
+    space = list(WGMMA.space(dtype))
+    return [WGMMA.defaults(dtype), *space[::7]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_launch_geometry(dtype, shape):
+    M, N, K = shape  # noqa: N806
+    for params in _points(dtype):
+        (launch,) = WGMMA.launches(shape, params, dtype)
+        tiles = cdiv(M, params["BM"]) * cdiv(N, params["BN"])
+        grid = launch.grid[0]
+        assert launch.grid[1:] == (1, 1)
+        # Every tile is owned by exactly one block (block b: tiles b, b + grid, ...), and no block is idle.
+        assert 1 <= grid <= tiles
+        assert grid == (min(tiles, params["ctas"]) if params["ctas"] else tiles)
+        assert launch.block == (WGMMA.threads(params), 1, 1)
+        assert launch.smem_bytes == WGMMA.smem_bytes(params, dtype)
+        a_map, b_map, *rest = launch.args
+        assert rest == ["A", "B", "C", M, N, K]
+        # The maps describe the buffers at positions 2 and 3: A (M x K) and B (K x N), innermost dim first.
+        assert isinstance(a_map, TensorMapArg) and isinstance(b_map, TensorMapArg)
+        assert launch.args[a_map.of] == "A" and launch.args[b_map.of] == "B"
+        assert a_map.dims == (K, M) and a_map.box == (64, params["BM"])
+        assert b_map.dims == (N, K) and b_map.box == (64, 64)
+        assert a_map.dtype == b_map.dtype == dtype and a_map.swizzle == b_map.swizzle == 128
+        assert a_map.kind == b_map.kind == "tensor_map"
+        assert WGMMA.workspace(shape, params, dtype) == {}
+
+
+def test_launch_args_are_json_serialisable():
+    """The service stores served launches as JSON (agents.loop.served_fields)."""
+    (launch,) = WGMMA.launches((300, 200, 512), WGMMA.defaults("float16"), "float16")
+    decoded = json.loads(json.dumps(list(launch.args)))
+    assert decoded[0] == ["tensor_map", 2, [512, 300], [64, 128], "float16", 128]
+    assert decoded[2:] == ["A", "B", "C", 300, 200, 512]
+
+
+def _tile_order(tile: int, tiles_m: int, tiles_n: int, group_m: int = 8) -> tuple[int, int]:
+    """km_wgmma_tile of the template, line for line."""
+    per_group = group_m * tiles_n
+    group = tile // per_group
+    first_m = group * group_m
+    rows = min(tiles_m - first_m, group_m)
+    in_group = tile - group * per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+@pytest.mark.parametrize(("tiles_m", "tiles_n"), [(1, 1), (3, 5), (8, 16), (9, 7), (17, 43), (64, 32)])
+def test_tile_order_is_a_bijection(tiles_m, tiles_n):
+    seen = {_tile_order(t, tiles_m, tiles_n) for t in range(tiles_m * tiles_n)}
+    assert seen == {(m, n) for m in range(tiles_m) for n in range(tiles_n)}
+
+
+# -- templates (rendered only) --------------------------------------------------------------------
+
+_KERNEL_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(([^\n]*)\)\n(\w+)\(([^)]*)\)')
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rendered_kernel_matches_launch(dtype):
+    for params in _points(dtype):
+        source = render(WGMMA, params, dtype)
+        ((bounds, entry, arglist),) = _KERNEL_RE.findall(source)
+        names = [a.split()[-1] for a in arglist.split(",")]
+        assert entry == "matmul_wgmma"
+        assert names == ["tma_a", "tma_b", "A", "B", "C", "M", "N", "K"]
+        assert "const __grid_constant__ KmTensorMap tma_a" in arglist
+        assert bounds == f"{WGMMA.threads(params)}, 1"
+        assert f"== {WGMMA.smem_bytes(params, dtype)}, " in source  # static_assert against the C++ size
+        kind = "f16" if dtype == "float16" else "bf16"
+        assert f"wgmma.mma_async.sync.aligned.m64n{params['BN']}k16.f32.{kind}.{kind}" in source
+        # B is N-major in shared memory (row-major K x N): imm-trans-b = 1, A K-major: imm-trans-a = 0.
+        assert "p, 1, 1, 0, 1;" in source
+        assert len(WGMMA.launches((17, 32, 64), params, dtype)[0].args) == len(names)
+
+
+# -- the parameter buffer of launches with tensor maps ------------------------------------------------
+
+#: What ptxas 13.0 gives matmul_wgmma (cuobjdump -elf, EIATTR_KPARAM_INFO): the parameter block starts at
+#: c[0x0][0x210], so the first 64-byte aligned map lands at offset 0x30.
+PTXAS_LAYOUT = ([(48, 128), (176, 128), (304, 8), (312, 8), (320, 8), (328, 4), (332, 4), (336, 4)], 340)
+
+
+def _device_args(launch):
+    return [Buffer(None, 1) if isinstance(a, str) else a for a in launch.args]
+
+
+def test_param_format_follows_the_ptxas_layout():
+    (launch,) = WGMMA.launches((300, 200, 512), WGMMA.defaults("float16"), "float16")
+    assert param_format(_device_args(launch), PTXAS_LAYOUT) == "48x128s128sPPPiii"
+
+
+def test_param_format_of_plain_launches_is_unchanged():
+    assert param_format([Buffer(None, 1), Buffer(None, 1), Buffer(None, 1), 3, 4, 5]) == "PPPiii"
+    assert param_format([Buffer(None, 1), 7], PTXAS_LAYOUT) == "Pi"  # no map: the layout is not consulted
+
+
+def test_param_format_refuses_what_it_cannot_lay_out():
+    (launch,) = WGMMA.launches((300, 200, 512), WGMMA.defaults("float16"), "float16")
+    args = _device_args(launch)
+    with pytest.raises(DeviceFault, match="no parameter layout"):
+        param_format(args, None)
+    with pytest.raises(DeviceFault, match="does not fit"):
+        param_format(args, ([(0, 128), (128, 128), (256, 8), (264, 8), (272, 8), (280, 4), (284, 8), (292, 4)], 296))
+    with pytest.raises(DeviceFault, match="no parameter layout"):
+        param_format(args[:-1], PTXAS_LAYOUT)
+
+
+def test_tensor_map_strides_are_row_bytes():
+    (launch,) = WGMMA.launches((300, 200, 512), WGMMA.defaults("bfloat16"), "bfloat16")
+    a_map, b_map = launch.args[:2]
+    assert tensor_map_strides(a_map) == [512 * 2]  # a row of A: K halves
+    assert tensor_map_strides(b_map) == [200 * 2]  # a row of B: N halves
+
+
+def test_kernel_param_layouts_tolerates_garbage():
+    assert kernel_param_layouts(b"not an elf file") == {}
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_layout_needs_the_padding(tmp_path, dtype):
+    """The real cubin: ptxas places the maps at 0x30 and 0xb0, which param_format reproduces."""
+    from kernelmill.kernels.compile import Compiler
+
+    params = WGMMA.defaults(dtype)
+    compiled = Compiler(cache_dir=tmp_path).compile(render(WGMMA, params, dtype), "sm_90a")
+    resources = compiled.resources["matmul_wgmma"]
+    assert not compiled.spills and resources.registers * WGMMA.threads(params) <= 65536
+    assert "C751" not in compiled.log  # no "wgmma serialized" warnings
+    layout = kernel_param_layouts(compiled.cubin)["matmul_wgmma"]
+    assert layout == PTXAS_LAYOUT
+    (launch,) = WGMMA.launches((4096, 4096, 4096), params, dtype)
+    assert param_format(_device_args(launch), layout) == "48x128s128sPPPiii"
+
+
+# -- a model of the kernel's shared-memory address math ----------------------------------------------
+# The kernel's offsets re-typed in NumPy, run under the documented hardware semantics: TMA writes a 2-D box
+# with SWIZZLE_128B (address bits 4-6 XOR bits 7-9, zero fill out of bounds); wgmma reads A K-major and B
+# N-major through descriptors (CUTLASS's canonical SW128 layouts: K-major ((8,m),(8 el,2)):((128 B,SBO),
+# (2 B,16 B)); MN-major ((64 el,n),(8,k)):((2 B,LBO),(128 B,SBO))); the accumulators follow CUTLASS's
+# CLayout_64xN. Keep in step with templates/common/gemm_wgmma.cuh.j2: a wrong stride, LBO/SBO or k step
+# here or there shows as a mismatch.
+
+
+def _swizzle(addr):
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _tma_load(smem, tensor, box, c0, c1, dst):
+    rows, inner = tensor.shape
+    r, e = np.meshgrid(np.arange(box[1]), np.arange(box[0]), indexing="ij")
+    y, x = c1 + r, c0 + e
+    inside = (x < inner) & (y < rows)
+    values = np.where(inside, tensor[np.minimum(y, rows - 1), np.minimum(x, inner - 1)], 0.0)
+    smem[_swizzle(dst + r * box[0] * 2 + e * 2) // 2] = values
+
+
+def _desc(addr, lead, stride):
+    return ((addr & 0x3FFFF) >> 4) | ((lead >> 4) << 16) | ((stride >> 4) << 32) | (1 << 62)
+
+
+def _wgmma(smem, acc, desc_a, desc_b, n, accumulate):
+    start_a, stride_a = (desc_a & 0x3FFF) << 4, ((desc_a >> 32) & 0x3FFF) << 4
+    start_b, lead_b, stride_b = (desc_b & 0x3FFF) << 4, ((desc_b >> 16) & 0x3FFF) << 4, ((desc_b >> 32) & 0x3FFF) << 4
+    m, k = np.meshgrid(np.arange(64), np.arange(16), indexing="ij")
+    a = smem[_swizzle(start_a + (m % 8) * 128 + (m // 8) * stride_a + k * 2) // 2]
+    k, c = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
+    b = smem[_swizzle(start_b + (c % 64) * 2 + (c // 64) * lead_b + (k % 8) * 128 + (k // 8) * stride_b) // 2]
+    return a @ b + (acc if accumulate else 0.0)
+
+
+def _fragment(t, i):
+    """CUTLASS CLayout_64xN: thread t, register i -> (row, column) of the 64 x N accumulator tile."""
+    return t // 4 % 8 + 16 * (t // 32) + 8 * (i // 2 % 2), 2 * (t % 4) + i % 2 + 8 * (i // 4)
+
+
+def _model_matmul(M, N, K, BM, BN, consumers, stages, ctas):  # noqa: N803
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(-3, 4, (M, K)).astype(float), rng.integers(-3, 4, (K, N)).astype(float)
+    c = np.full((M, N), np.nan)
+    wg_m, row = BM // consumers, 128
+    a_bytes, b_block, b_bytes = BM * row, 64 * row, BN // 64 * 64 * row
+    a_smem = 0x400  # where ptxas puts dynamic shared memory on sm_90 (1 KiB reserved): already 1024-aligned
+    b_smem = a_smem + stages * a_bytes
+    smem = np.full((b_smem + stages * b_bytes) // 2, np.nan)  # NaN: a read of anything TMA did not write shows
+    tiles_m, tiles_n = cdiv(M, BM), cdiv(N, BN)
+    grid = min(tiles_m * tiles_n, ctas) if ctas else tiles_m * tiles_n
+    t = np.arange(128)[:, None]
+    for block in range(grid):
+        stage = 0
+        for tile in range(block, tiles_m * tiles_n, grid):
+            tm, tn = _tile_order(tile, tiles_m, tiles_n)
+            m0, n0 = tm * BM, tn * BN
+            acc = {(w, ms): np.full((64, BN), np.nan) for w in range(consumers) for ms in range(wg_m // 64)}
+            for kt in range(cdiv(K, 64)):
+                _tma_load(smem, a, (64, BM), kt * 64, m0, a_smem + stage * a_bytes)
+                for j in range(BN // 64):
+                    _tma_load(smem, b, (64, 64), n0 + 64 * j, kt * 64, b_smem + stage * b_bytes + j * b_block)
+                for w, ms in acc:
+                    desc_a0, desc_b0 = _desc(a_smem + w * wg_m * row, 16, 1024), _desc(b_smem, b_block, 1024)
+                    for kk in range(4):
+                        desc_b = desc_b0 + ((stage * b_bytes + kk * 16 * row) >> 4)
+                        desc_a = desc_a0 + ((stage * a_bytes + ms * 64 * row + kk * 32) >> 4)
+                        acc[w, ms] = _wgmma(smem, acc[w, ms], desc_a, desc_b, BN, kt > 0 or kk > 0)
+                stage = (stage + 1) % stages
+            for (w, ms), tile_acc in acc.items():
+                regs = tile_acc[_fragment(t, np.arange(BN // 2)[None, :])]  # [thread][register]
+                warp, lane = t // 32, t % 32
+                r0 = m0 + w * wg_m + ms * 64 + warp * 16 + lane // 4
+                for j in range(BN // 8):
+                    n = n0 + 8 * j + 2 * (lane % 4)
+                    for rows, v0, v1 in (
+                        (r0, regs[:, [4 * j]], regs[:, [4 * j + 1]]),
+                        (r0 + 8, regs[:, [4 * j + 2]], regs[:, [4 * j + 3]]),
+                    ):
+                        ok = rows < M
+                        c[rows[ok & (n < N)], n[ok & (n < N)]] = v0[ok & (n < N)]
+                        c[rows[ok & (n + 1 < N)], n[ok & (n + 1 < N)] + 1] = v1[ok & (n + 1 < N)]
+    return c, a @ b
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (130, 200, 136, 128, 192, 2, 3, 2),  # ragged M, N and K; two tiles per persistent block
+        (300, 136, 72, 256, 128, 2, 3, 0),  # two m64 rows per consumer
+        (70, 72, 8, 64, 64, 1, 4, 3),  # K below one 64-deep stage
+        (129, 264, 200, 128, 256, 2, 4, 1),  # one block, four tiles: the ring wraps across tiles
+        (1, 8, 8, 128, 256, 2, 4, 132),  # boxes almost entirely out of bounds
+    ],
+)
+def test_model_of_the_address_math_reproduces_a_times_b(case):
+    c, reference = _model_matmul(*case)
+    assert np.array_equal(c, reference)
+
+
+def test_kernel_launch_packs_maps_where_ptxas_put_them(monkeypatch):
+    """Kernel.launch with a stand-in for pycuda's function: the signature, the values and one encoding per map."""
+    import types
+
+    from kernelmill.kernels import device as device_module
+
+    encoded = []
+
+    def fake_encode(ptr, spec):
+        encoded.append((ptr, spec))
+        return bytes([len(encoded)]) * 128
+
+    class FakeFunction:
+        def prepare(self, signature):
+            self.signature = signature
+
+        def set_attribute(self, attribute, value):
+            self.smem = value
+
+        def prepared_async_call(self, grid, block, stream, *values, shared_size):
+            self.call = (grid, block, values, shared_size)
+
+    class FakeModule:
+        def param_layout(self, entry):
+            assert entry == "matmul_wgmma"
+            return PTXAS_LAYOUT
+
+    cuda = types.SimpleNamespace(
+        Error=RuntimeError, function_attribute=types.SimpleNamespace(MAX_DYNAMIC_SHARED_SIZE_BYTES=8)
+    )
+    monkeypatch.setattr(device_module, "encode_tensor_map", fake_encode)
+    fn = FakeFunction()
+    kernel = device_module.Kernel(types.SimpleNamespace(cuda=cuda), fn, "matmul_wgmma", FakeModule())
+    (launch,) = WGMMA.launches((300, 200, 512), WGMMA.defaults("float16"), "float16")
+    buffers = {"A": Buffer(0x1000, 0), "B": Buffer(0x2000, 0), "C": Buffer(0x3000, 0)}
+    args = [buffers[a] if isinstance(a, str) else a for a in launch.args]
+    for _ in range(2):
+        kernel.launch(launch.grid, launch.block, launch.smem_bytes, args)
+    assert fn.signature == "48x128s128sPPPiii" and fn.smem == launch.smem_bytes
+    grid, block, values, shared = fn.call
+    assert values == (b"\x01" * 128, b"\x02" * 128, 0x1000, 0x2000, 0x3000, 300, 200, 512)
+    assert [ptr for ptr, _ in encoded] == [0x1000, 0x2000]  # encoded once, reused by the second launch
+    assert grid == launch.grid and block == launch.block and shared == launch.smem_bytes
