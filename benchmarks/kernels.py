@@ -154,8 +154,11 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32, help="trials per tuning job")
     parser.add_argument("--strategy", default="guided")
     parser.add_argument("--only", default="", help="comma-separated ops")
+    parser.add_argument(
+        "--cases", default="", help="comma-separated substrings of case names, e.g. '8192x8192 float16'"
+    )
     parser.add_argument("--reuse", action="store_true", help="time the store's latest job per case, no tuning")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--no-compile", default="", help="comma-separated ops for which torch.compile is skipped")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -168,13 +171,14 @@ def main() -> None:
     only = {o for o in args.only.split(",") if o}
     rows = []
     for case in _cases():
-        if only and case.op not in only:
+        name = f"{case.op} {format_shape(case.shape)} {case.dtype}"
+        if (only and case.op not in only) or (args.cases and not any(c in name for c in args.cases.split(","))):
             continue
         start = time.monotonic()
         job_id = latest_job(store, case) if args.reuse else None
         if job_id is None:
             job_id = tune(store, evaluator, case, args.budget, args.strategy)
-        row = measure(case, store, evaluator, job_id, args.reps, not args.no_compile)
+        row = measure(case, store, evaluator, job_id, args.reps, case.op not in args.no_compile.split(","))
         row["seconds"] = round(time.monotonic() - start, 1)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
