@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, SpecError, cdiv, itemsize, tensor_map_arg
+from kernelmill.kernels.ops.gemv import GEMV
 
 #: Threads per block and outputs per thread of the split-K reduce kernel (KM_REDUCE_THREADS, 4 per thread).
 REDUCE_THREADS = 256
@@ -434,7 +435,7 @@ class Matmul(OpSpec):
     dims = ("M", "N", "K")
     inputs = ("A", "B")
     outputs = ("C",)
-    families = {f.name: f for f in (SIMT, TENSORCORE, WGMMA)}
+    families = {f.name: f for f in (SIMT, TENSORCORE, WGMMA, GEMV)}
 
     def tensor_shapes(self, shape):
         M, N, K = shape  # noqa: N806

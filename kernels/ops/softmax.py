@@ -1,4 +1,11 @@
-"""softmax over the last dim of a rows x cols matrix."""
+"""softmax over the last dim of a rows x cols matrix.
+
+Families (templates/softmax/): ``warp_row`` (a warp per row), ``block_row`` (a block per row),
+``cluster_row`` (a row shared by the blocks of a thread-block cluster, one launch) and ``split_row`` (a row
+split across several blocks in two launches). All share templates/softmax/row.cuh.j2; block_row and
+cluster_row also share their template, and copy a row (chunk) that needs a second pass to shared memory
+when it fits.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,20 @@ _FAST_EXP = Param("fast_exp", (False, True), "__expf instead of expf")
 
 #: Registers a thread may spend on one pass of the row (floats), so a pass never spills.
 _MAX_FLOATS_PER_THREAD = 64
+#: Floats of a pass per thread that the defaults hold (a 16-byte vector times this over its width): rows up to
+#: 32 * lanes elements stay in registers, read once.
+_DEFAULT_FLOATS_PER_THREAD = 32
+#: Registers per thread besides the pass's floats, for the __launch_bounds__ occupancy promise (fitted to
+#: ptxas 13.0 over the parameter space: the largest overhead seen, rounded up). Left without a promise,
+#: ptxas takes twice the registers it needs (e.g. 128 for a 32-float pass that fits 64 without spilling).
+_OVERHEAD_REGS = 32
+#: Registers of one SM, and the most threads and blocks it holds.
+_SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
+#: Dynamic shared memory a block_row / cluster_row launch may use for its row copy: at most half an SM's 227 KiB,
+#: so two blocks still fit on an SM; longer rows (chunks) read their second pass from L2 instead.
+SMEM_CACHE_LIMIT = 227 * 1024 // 2
+#: Most blocks a 1-D grid holds.
+MAX_GRID_X = 2**31 - 1
 
 
 def _check_vec_unroll(params: Mapping[str, Any], dtype: str) -> str | None:
@@ -25,6 +46,35 @@ def _check_vec_unroll(params: Mapping[str, Any], dtype: str) -> str | None:
     return None
 
 
+def _vector_defaults(dtype: str) -> dict[str, Any]:
+    vec = 16 // itemsize(dtype)
+    return {"vec": vec, "unroll": _DEFAULT_FLOATS_PER_THREAD // vec, "fast_exp": dtype != "float32"}
+
+
+def estimated_regs(params: Mapping[str, Any]) -> int:
+    """Registers a thread needs without spilling: the pass's floats and the overhead, in steps of 8."""
+    return cdiv(params["vec"] * params["unroll"] + _OVERHEAD_REGS, 8) * 8
+
+
+def min_blocks(threads: int, params: Mapping[str, Any]) -> int:
+    """Blocks per SM to promise in __launch_bounds__: as many as the estimated registers allow (at most the
+    SM's thread and block limits), so ptxas does not take registers that would cost occupancy for nothing."""
+    by_regs = _SM_REGS // (threads * estimated_regs(params))
+    return max(1, min(_SM_THREADS // threads, _SM_BLOCKS, by_regs))
+
+
+def _check_registers(threads: int, params: Mapping[str, Any]) -> str | None:
+    regs = estimated_regs(params)
+    if threads * regs > _SM_REGS:
+        return f"{threads} threads x ~{regs} registers exceed an SM's {_SM_REGS} (it would spill)"
+    return None
+
+
+def pass_elems(lanes: int, params: Mapping[str, Any]) -> int:
+    """Elements of one pass of `lanes` threads: rows up to this long stay in registers."""
+    return lanes * params["vec"] * params["unroll"]
+
+
 class WarpRow(Family):
     name = "warp_row"
     template = "softmax/warp_row.cu.j2"
@@ -32,15 +82,24 @@ class WarpRow(Family):
     params = (_VEC, _UNROLL, Param("rows_per_block", (1, 2, 4, 8, 16), "warps (rows) per block"), _FAST_EXP)
 
     def defaults(self, dtype: str) -> dict[str, Any]:
-        return {"vec": 16 // itemsize(dtype), "unroll": 4, "rows_per_block": 4, "fast_exp": False}
+        d = _vector_defaults(dtype)
+        return {"vec": d["vec"], "unroll": d["unroll"], "rows_per_block": 4, "fast_exp": d["fast_exp"]}
 
     def check(self, params, dtype):
         return _check_vec_unroll(params, dtype)
+
+    def context(self, params, dtype, attrs):
+        return {"min_blocks": min_blocks(32 * params["rows_per_block"], params)}
 
     def launches(self, shape, params, dtype):
         rows, cols = shape
         rpb = params["rows_per_block"]
         return [Launch("softmax_warp_row", (cdiv(rows, rpb), 1, 1), (32 * rpb, 1, 1), 0, ("x", "y", rows, cols))]
+
+    def check_shape(self, shape, params, dtype):
+        if cdiv(shape[0], params["rows_per_block"]) > MAX_GRID_X:
+            return "more row blocks than a grid's x dimension holds"
+        return None
 
 
 class BlockRow(Family):
@@ -48,20 +107,123 @@ class BlockRow(Family):
     template = "softmax/block_row.cu.j2"
     description = "one block per row with block-wide reductions; best for long rows"
     params = (_VEC, _UNROLL, Param("threads", (64, 128, 256, 512, 1024), "threads per block (per row)"), _FAST_EXP)
+    #: Blocks sharing a row (cluster_row's knob; one here).
+    cluster_size = 1
+    entry = "softmax_block_row"
 
     def defaults(self, dtype: str) -> dict[str, Any]:
-        return {"vec": 16 // itemsize(dtype), "unroll": 2, "threads": 256, "fast_exp": False}
+        d = _vector_defaults(dtype)
+        return {"vec": d["vec"], "unroll": d["unroll"], "threads": 256, "fast_exp": d["fast_exp"]}
 
     def check(self, params, dtype):
-        return _check_vec_unroll(params, dtype)
+        return _check_vec_unroll(params, dtype) or _check_registers(params["threads"], params)
+
+    def cluster(self, params: Mapping[str, Any]) -> int:
+        return self.cluster_size
+
+    def context(self, params, dtype, attrs):
+        return {
+            "min_blocks": min_blocks(params["threads"], params),
+            "cluster": self.cluster(params),
+            "entry": self.entry,
+        }
+
+    def chunk(self, cols: int, params: Mapping[str, Any]) -> int:
+        """Elements of a row per block: the row, or with a cluster its share rounded up to a multiple of vec."""
+        cluster = self.cluster(params)
+        return cols if cluster == 1 else cdiv(cdiv(cols, cluster), params["vec"]) * params["vec"]
+
+    def cache_bytes(self, shape, params, dtype) -> int:
+        """Dynamic shared memory for a copy of the block's chunk: given when the chunk takes a second pass and
+        the copy fits the limit, else 0 (the kernel reads its size to decide)."""
+        chunk = self.chunk(shape[1], params)
+        if chunk <= pass_elems(params["threads"], params):
+            return 0
+        nbytes = cdiv(chunk, 8) * 8 * itemsize(dtype)
+        return nbytes if nbytes <= SMEM_CACHE_LIMIT else 0
 
     def launches(self, shape, params, dtype):
         rows, cols = shape
-        return [Launch("softmax_block_row", (rows, 1, 1), (params["threads"], 1, 1), 0, ("x", "y", rows, cols))]
+        grid = (rows * self.cluster(params), 1, 1)
+        smem = self.cache_bytes(shape, params, dtype)
+        return [Launch(self.entry, grid, (params["threads"], 1, 1), smem, ("x", "y", rows, cols))]
 
     def check_shape(self, shape, params, dtype):
-        if shape[0] > 2**31 - 1:
-            return "more rows than a grid's x dimension holds"
+        rows, cols = shape
+        if rows * self.cluster(params) > MAX_GRID_X:
+            return "more blocks than a grid's x dimension holds"
+        if cols + self.cluster(params) * params["vec"] > 2**31 - 1:
+            return "chunk offsets would overflow 32 bits"
+        return None
+
+
+class ClusterRow(BlockRow):
+    name = "cluster_row"
+    description = "a row shared by a thread-block cluster, (max, sum) exchanged in distributed shared memory"
+    params = (
+        _VEC,
+        _UNROLL,
+        Param("threads", (64, 128, 256, 512, 1024), "threads per block"),
+        Param("cluster", (2, 4, 8), "blocks of a thread-block cluster sharing each row"),
+        _FAST_EXP,
+    )
+    entry = "softmax_cluster_row"
+
+    def defaults(self, dtype: str) -> dict[str, Any]:
+        d = _vector_defaults(dtype)
+        return {"vec": d["vec"], "unroll": d["unroll"], "threads": 256, "cluster": 4, "fast_exp": d["fast_exp"]}
+
+    def cluster(self, params: Mapping[str, Any]) -> int:
+        return params["cluster"]
+
+
+class SplitRow(Family):
+    name = "split_row"
+    template = "softmax/split_row.cu.j2"
+    description = "a row split across blocks_per_row blocks: (max, sum) per chunk, then combine and normalise"
+    params = (
+        Param("blocks_per_row", (2, 4, 8, 16, 32, 64, 128), "blocks sharing one row"),
+        Param("threads", (64, 128, 256, 512), "threads per block"),
+        _VEC,
+        _UNROLL,
+        _FAST_EXP,
+    )
+
+    def defaults(self, dtype: str) -> dict[str, Any]:
+        vec = 16 // itemsize(dtype)
+        # 8 elements per thread: a 1x32000 row in 32 blocks of 128 threads is one pass per block.
+        return {"blocks_per_row": 32, "threads": 128, "vec": vec, "unroll": 8 // vec, "fast_exp": dtype != "float32"}
+
+    def check(self, params, dtype):
+        return _check_vec_unroll(params, dtype) or _check_registers(params["threads"], params)
+
+    def context(self, params, dtype, attrs):
+        return {"min_blocks": min_blocks(params["threads"], params)}
+
+    @staticmethod
+    def chunk(cols: int, params: Mapping[str, Any]) -> int:
+        """Elements of a row per block (a multiple of vec; the last blocks of a short row may get none)."""
+        return cdiv(cdiv(cols, params["blocks_per_row"]), params["vec"]) * params["vec"]
+
+    def launches(self, shape, params, dtype):
+        rows, cols = shape
+        grid = (rows * params["blocks_per_row"], 1, 1)
+        block = (params["threads"], 1, 1)
+        return [
+            Launch("softmax_split_stats", grid, block, 0, ("x", "ws", rows, cols)),
+            Launch("softmax_split_norm", grid, block, 0, ("x", "y", "ws", rows, cols)),
+        ]
+
+    def workspace(self, shape, params, dtype):
+        rows, _ = shape
+        return {"ws": rows * params["blocks_per_row"] * 8}  # (max, sum) float pairs
+
+    def check_shape(self, shape, params, dtype):
+        rows, cols = shape
+        if rows * params["blocks_per_row"] > MAX_GRID_X:
+            return "rows * blocks_per_row exceeds a grid's x dimension"
+        if cols + params["blocks_per_row"] * params["vec"] > 2**31 - 1:
+            return "chunk offsets would overflow 32 bits"
         return None
 
 
@@ -70,7 +232,7 @@ class Softmax(OpSpec):
     dims = ("rows", "cols")
     inputs = ("x",)
     outputs = ("y",)
-    families = {f.name: f for f in (WarpRow(), BlockRow())}
+    families = {f.name: f for f in (WarpRow(), BlockRow(), ClusterRow(), SplitRow())}
 
     def tensor_shapes(self, shape):
         return {"x": shape, "y": shape}

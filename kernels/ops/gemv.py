@@ -1,0 +1,152 @@
+"""The ``gemv`` matmul family: C = A @ B for small M (at most ``max_m`` rows), bandwidth-bound on B.
+
+One launch, no workspace (templates/matmul/gemv.cu.j2 says how): a block streams a strip of
+``block_cols`` columns of B over a slice of K; the ``k_splits`` blocks of a strip form a thread-block
+cluster and add their fp32 partial sums through distributed shared memory, so nothing needs zeroing
+and no second kernel reduces split-K partials. Inside a block the warps split K further and meet in
+shared memory.
+
+Two engines: ``mma=False`` multiplies on CUDA cores (exact fp32 FMA, every dtype); ``mma=True`` (16-bit
+types) stages each 16 x block_cols tile of B in the warp's shared memory, transposes it with
+ldmatrix.trans and multiplies on tensor cores (mma.m16n8k16, fp32 accumulators) with A^T as the
+8-column operand, which keeps the FMA pipe out of the way for M up to 32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kernelmill.kernels.ops.base import Family, Launch, Param, cdiv, itemsize
+
+#: Static shared memory a block may declare.
+MAX_STATIC_SMEM_BYTES = 48 * 1024
+#: Element offsets inside A, B and C are 32-bit in the kernel.
+MAX_MATRIX_ELEMS = 2**31
+#: Registers of one SM and the most threads and blocks it holds.
+_SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
+#: Registers beyond the accumulators and the loads in flight (addresses, bounds, loop state), fitted to
+#: ptxas 13.0 over the space so that the __launch_bounds__ promise does not make it spill.
+_OVERHEAD_REGS = {False: 40, True: 40}
+#: Most registers a thread's accumulators and loads in flight may take.
+_MAX_DATA_REGS = 96
+#: Most values of A one step of the FMA engine uses (max_m rows x unroll): ptxas hoists their loads, and more
+#: of them spilled (e.g. max_m=32, unroll=8 in fp32).
+_MAX_A_VALUES = 64
+
+
+class GemvFamily(Family):
+    name = "gemv"
+    template = "matmul/gemv.cu.j2"
+    entry = "matmul_gemv"
+    description = "skinny matmul (M <= max_m): B streamed once, split-K over a thread-block cluster; one launch"
+    params = (
+        Param("max_m", (1, 2, 4, 8, 16, 32), "most rows of A (and C) a variant serves"),
+        Param("mma", (False, True), "tensor cores (mma.m16n8k16, 16-bit types) instead of fp32 FMA"),
+        Param("vec", (1, 2, 4, 8), "columns per thread of the FMA engine, one vector load (mma: 16 bytes)"),
+        Param("block_cols", (32, 64, 128, 256), "columns of B (and C) per block"),
+        Param("threads", (64, 128, 256, 512), "threads per block; its warps split the block's K slice"),
+        Param("k_splits", (1, 2, 4, 8), "blocks (a cluster) sharing a column strip, one K slice each"),
+        Param("unroll", (1, 2, 4, 8), "rows of B per thread (FMA) or 16-row tiles per warp (mma) in flight"),
+    )
+
+    def precision(self, dtype):
+        return dtype  # fp32 stays fp32 (FMA engine only); 16-bit inputs accumulate in fp32 either way
+
+    # -- geometry ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def padded_m(params: Mapping[str, Any]) -> int:
+        """Rows of C a block accumulates: max_m, or whole m8 tiles for the mma engine."""
+        return cdiv(params["max_m"], 8) * 8 if params["mma"] else params["max_m"]
+
+    def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        """Static shared memory: the union of the mma staging tiles and the reduction buffer, plus the
+        cluster's partial sums when k_splits > 1 (the kernel static_asserts the union's size)."""
+        return self.union_smem_bytes(params, dtype) + self.part_bytes(params)
+
+    def union_smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        warps = params["threads"] // 32
+        rs = params["block_cols"] + 4
+        red = warps * self.padded_m(params) * rs * 4
+        stage = warps * 16 * (params["block_cols"] + 8) * 2 if params["mma"] else 0
+        return max(red, stage)
+
+    def part_bytes(self, params: Mapping[str, Any]) -> int:
+        return self.padded_m(params) * (params["block_cols"] + 4) * 4 if params["k_splits"] > 1 else 0
+
+    def data_regs(self, params: Mapping[str, Any], dtype: str) -> int:
+        """Registers of the accumulators and of the loads in flight per thread."""
+        u = params["unroll"]
+        if params["mma"]:
+            mt, nt = cdiv(params["max_m"], 8), params["block_cols"] // 16
+            return mt * nt * 4 + u * nt * 4 + u * mt * 2
+        vec = params["vec"]
+        return params["max_m"] * vec + cdiv(u * vec * itemsize(dtype), 4) + u
+
+    def estimated_regs(self, params: Mapping[str, Any], dtype: str) -> int:
+        return cdiv(self.data_regs(params, dtype) + _OVERHEAD_REGS[params["mma"]], 8) * 8
+
+    def min_blocks(self, params: Mapping[str, Any], dtype: str) -> int:
+        threads = params["threads"]
+        by_regs = _SM_REGS // (threads * self.estimated_regs(params, dtype))
+        return max(1, min(_SM_THREADS // threads, _SM_BLOCKS, by_regs))
+
+    # -- Family interface -------------------------------------------------------------------------
+
+    def defaults(self, dtype):
+        if itemsize(dtype) == 2:
+            # 8 warps of 64-column tiles, 2 tiles in flight (8 x 16 bytes a lane); M up to 16; clusters of 4.
+            return {"max_m": 16, "mma": True, "vec": 8, "block_cols": 64, "threads": 256, "k_splits": 4, "unroll": 2}
+        return {"max_m": 16, "mma": False, "vec": 4, "block_cols": 32, "threads": 256, "k_splits": 4, "unroll": 4}
+
+    def check(self, params, dtype):
+        size = itemsize(dtype)
+        vec, bn = params["vec"], params["block_cols"]
+        if params["mma"]:
+            if size != 2:
+                return f"the mma engine takes 16-bit types, not {dtype}"
+            if vec * size != 16:
+                return f"the mma engine loads 16 bytes (vec={16 // size})"
+            if params["max_m"] < 8:
+                return "the mma engine pads M to 8 rows: use max_m >= 8"
+        else:
+            if vec * size > 16:
+                return f"vec={vec} x {size} bytes exceeds a 16-byte access"
+            lanes = bn // vec
+            if not 4 <= lanes <= 32:
+                return f"block_cols / vec = {lanes} lanes along N; use 4..32 (rows of 4 to 32 vectors per warp)"
+            if params["max_m"] * params["unroll"] > _MAX_A_VALUES:
+                return f"max_m * unroll = {params['max_m'] * params['unroll']} values of A per step > {_MAX_A_VALUES}"
+        data = self.data_regs(params, dtype)
+        if data > _MAX_DATA_REGS:
+            return f"~{data} registers of accumulators and loads in flight per thread > {_MAX_DATA_REGS} (spills)"
+        regs = self.estimated_regs(params, dtype)
+        if params["threads"] * regs > _SM_REGS:
+            return f"{params['threads']} threads x ~{regs} registers exceed an SM's {_SM_REGS}"
+        smem = self.smem_bytes(params, dtype)
+        if smem > MAX_STATIC_SMEM_BYTES:
+            return f"{smem} bytes of static shared memory > {MAX_STATIC_SMEM_BYTES}"
+        return None
+
+    def check_shape(self, shape, params, dtype):
+        M, N, K = shape  # noqa: N806
+        if params["max_m"] < M:
+            return f"M={M} > max_m={params['max_m']} (gemv serves skinny products; simt/tensorcore run this)"
+        for name, elems in (("A", M * K), ("B", K * N), ("C", M * N)):
+            if elems >= MAX_MATRIX_ELEMS:
+                return f"{name} has {elems} elements; the kernel indexes with 32-bit offsets (< 2**31)"
+        if N + params["block_cols"] >= MAX_MATRIX_ELEMS:
+            return f"N={N}: the column offsets of the last strip would overflow 32 bits"
+        return None
+
+    def launches(self, shape, params, dtype):
+        M, N, K = shape  # noqa: N806
+        grid = (cdiv(N, params["block_cols"]), params["k_splits"], 1)
+        return [Launch(self.entry, grid, (params["threads"], 1, 1), 0, ("A", "B", "C", M, N, K))]
+
+    def context(self, params, dtype, attrs):
+        return {"union_smem_bytes": self.union_smem_bytes(params, dtype), "min_blocks": self.min_blocks(params, dtype)}
+
+
+GEMV = GemvFamily()
