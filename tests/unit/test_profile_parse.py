@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - a verbatim ncu CSV header
 from kernelmill.kernels.profile import METRICS, parse_ncu_csv
 
 CSV = """==PROF== Connected to process 1234 (/usr/bin/python3)
