@@ -449,13 +449,18 @@ class Device:
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
-        # The context stays current: buffers, modules and events still referenced elsewhere (runtime tensors,
-        # a test's objects) are freed after this runs, and pycuda aborts the process if their context is gone.
+        # pycuda aborts at exit if a context is still pushed, so pop it; first drop what we hold and collect
+        # garbage so that buffers, modules and events are freed while their context is still current.
         try:
+            import gc
+
+            self._modules.clear()
+            gc.collect()
             if not self.poisoned:
                 self._pool.free_held()
+            self._ctx.pop()
         except Exception as exc:  # noqa: BLE001 - best effort at exit
-            log.debug("freeing the memory pool at exit: %s", exc)
+            log.debug("closing the device context: %s", exc)
         self._ctx = None
 
 

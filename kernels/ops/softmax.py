@@ -232,7 +232,9 @@ class Softmax(OpSpec):
     dims = ("rows", "cols")
     inputs = ("x",)
     outputs = ("y",)
-    families = {f.name: f for f in (WarpRow(), BlockRow(), ClusterRow(), SplitRow())}
+    # cluster_row is held back from the search: on an H200 (2026-11-22) its fp32 default faulted with a
+    # misaligned address at 3x17; it stays testable as CLUSTER_ROW until that is found.
+    families = {f.name: f for f in (WarpRow(), BlockRow(), SplitRow())}
 
     def tensor_shapes(self, shape):
         return {"x": shape, "y": shape}
@@ -257,3 +259,4 @@ class Softmax(OpSpec):
 
 
 SOFTMAX = Softmax()
+CLUSTER_ROW = ClusterRow()

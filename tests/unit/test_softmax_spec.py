@@ -1,7 +1,14 @@
 import numpy as np
 import pytest
 
-from kernelmill.kernels.ops.softmax import SMEM_CACHE_LIMIT, SOFTMAX, estimated_regs, min_blocks, pass_elems
+from kernelmill.kernels.ops.softmax import (
+    CLUSTER_ROW,
+    SMEM_CACHE_LIMIT,
+    SOFTMAX,
+    estimated_regs,
+    min_blocks,
+    pass_elems,
+)
 from kernelmill.kernels.render import render
 
 
@@ -18,7 +25,7 @@ def test_min_bytes_is_one_read_one_write():
 
 
 def test_families():
-    assert list(SOFTMAX.families) == ["warp_row", "block_row", "cluster_row", "split_row"]
+    assert list(SOFTMAX.families) == ["warp_row", "block_row", "split_row"]
 
 
 def test_launch_geometry_covers_rows():
@@ -38,7 +45,7 @@ def test_defaults_keep_rows_up_to_32_per_thread_in_registers():
         fast = dtype != "float32"
         warp = SOFTMAX.family("warp_row").defaults(dtype)
         block = SOFTMAX.family("block_row").defaults(dtype)
-        cluster = SOFTMAX.family("cluster_row").defaults(dtype)
+        cluster = CLUSTER_ROW.defaults(dtype)
         assert warp == {"vec": vec, "unroll": 32 // vec, "rows_per_block": 4, "fast_exp": fast}
         assert block == {"vec": vec, "unroll": 32 // vec, "threads": 256, "fast_exp": fast}
         assert cluster == {"vec": vec, "unroll": 32 // vec, "threads": 256, "cluster": 4, "fast_exp": fast}
@@ -78,7 +85,7 @@ def test_shared_memory_copy_only_when_it_helps_and_fits(dtype):
 
 
 def test_cluster_row_shares_each_row():
-    fam = SOFTMAX.family("cluster_row")
+    fam = CLUSTER_ROW
     assert fam.template == SOFTMAX.family("block_row").template
     params = fam.defaults("float16")
     (launch,) = fam.launches((4096, 32000), params, "float16")
