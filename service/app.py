@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kernelmill import __version__
+from kernelmill.service import web
 from kernelmill.service.api import jobs, kernels, system
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import Executor, make_executor
@@ -42,12 +43,7 @@ def create_app(
     app = FastAPI(title="kernelmill", version=__version__, lifespan=lifespan)
     app.state.settings = settings
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse({"detail": f"request body over {settings.max_body_bytes} bytes"}, status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(request: Request, exc: RequestValidationError):
@@ -60,7 +56,45 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(kernels.router)
     app.include_router(system.router)
+    web.install(app)  # dashboard pages at /, static files, an HTML 404 for browsers
     return app
+
+
+class BodyLimit:
+    """413 for a request body over ``limit`` bytes: by its Content-Length before reading it, and counted as it
+    streams in when there is none (chunked), so that no route ever reads more than ``limit`` bytes."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit():  # the server holds the body to its declared length
+            if int(length) > self.limit:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            more = message.get("more_body", False)
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        body = {"detail": f"request body over {self.limit} bytes"}
+        await JSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
 
 
 def jsonable(errors):

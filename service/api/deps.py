@@ -13,15 +13,16 @@ from kernelmill.settings import Settings
 _bearer = HTTPBearer(auto_error=False)
 
 
-def get_store(request: Request) -> Store:
+# Async: plain attribute reads, so FastAPI runs them on the event loop instead of a worker thread each.
+async def get_store(request: Request) -> Store:
     return request.app.state.store
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def require_writer(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+async def require_writer(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
     """Writes need the bearer token when KERNELMILL_API_TOKEN is set."""
     token = request.app.state.settings.api_token
     if not token:

@@ -7,7 +7,17 @@ from typing import Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, status
 
 from kernelmill.service.api.deps import get_settings_dep, get_store, require_writer
-from kernelmill.service.api.schemas import Budget, JobCreate, JobOut, Page, ShapeProgress, TrialOut
+from kernelmill.service.api.schemas import (
+    Budget,
+    JobCreate,
+    JobId,
+    JobOut,
+    Offset,
+    Page,
+    ShapeProgress,
+    TrialOut,
+    problems,
+)
 from kernelmill.service.db.models import Job, utcnow
 from kernelmill.service.db.store import Store
 from kernelmill.service.jobs import JobError, validate_submission
@@ -54,7 +64,12 @@ def _job_or_404(store: Store, job_id: int) -> Job:
     return job
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Depends(require_writer)])
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    dependencies=[Depends(require_writer)],
+    responses=problems(400, 401, 413, 422),
+)
 def create_job(
     body: JobCreate, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
 ) -> JobOut:
@@ -74,40 +89,40 @@ def create_job(
     return job_out(store, store.create_job(arch=body.arch, **fields))
 
 
-@router.get("")
+@router.get("", responses=problems(422))
 def list_jobs(
     store: Store = Depends(get_store),
     state: Literal["queued", "running", "done", "failed", "cancelled"] | None = None,
     op: str | None = None,
     limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0),
+    offset: Offset = 0,
 ) -> Page[JobOut]:
     jobs, total = store.list_jobs(state, op, limit, offset)
     return Page[JobOut](items=[job_out(store, j) for j in jobs], total=total, limit=limit, offset=offset)
 
 
-@router.get("/{job_id}")
-def get_job(job_id: int, store: Store = Depends(get_store)) -> JobOut:
+@router.get("/{job_id}", responses=problems(404, 422))
+def get_job(job_id: JobId, store: Store = Depends(get_store)) -> JobOut:
     return job_out(store, _job_or_404(store, job_id))
 
 
-@router.post("/{job_id}/cancel", dependencies=[Depends(require_writer)])
-def cancel_job(job_id: int, store: Store = Depends(get_store)) -> JobOut:
+@router.post("/{job_id}/cancel", dependencies=[Depends(require_writer)], responses=problems(401, 404, 409, 413, 422))
+def cancel_job(job_id: JobId, store: Store = Depends(get_store)) -> JobOut:
     job = _job_or_404(store, job_id)
     if job.state in ("done", "failed", "cancelled"):
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id} is already {job.state}")
     return job_out(store, store.request_cancel(job_id))
 
 
-@router.get("/{job_id}/trials")
+@router.get("/{job_id}/trials", responses=problems(404, 422))
 def list_trials(
-    job_id: int,
+    job_id: JobId,
     store: Store = Depends(get_store),
     sort: Literal["seq", "median_ms", "status", "family"] = "seq",
     order: Literal["asc", "desc"] = "asc",
     status_filter: str | None = Query(None, alias="status"),
     limit: int = Query(100, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: Offset = 0,
 ) -> Page[TrialOut]:
     _job_or_404(store, job_id)
     trials, total = store.list_trials(job_id, sort, order == "desc", status_filter, limit, offset)

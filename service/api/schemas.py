@@ -2,10 +2,48 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Generic, TypeVar
+from datetime import UTC, datetime
+from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Path, Query
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
+
+# Ids and offsets past the databases' 64-bit integers cannot name a row: 422, not a driver overflow (500).
+MAX_INT = 2**63 - 1
+JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="a job's id")]
+KernelId = Annotated[int, Path(ge=1, le=MAX_INT, description="a served kernel's id")]
+Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="rows to skip")]
+
+
+def _with_utc_offset(when: datetime) -> datetime:
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+# The store keeps naive UTC datetimes; on the wire a date-time carries its offset (RFC 3339 "...Z"),
+# as the OpenAPI format "date-time" requires. Python-side values stay naive.
+UtcDatetime = Annotated[datetime, PlainSerializer(_with_utc_offset, return_type=datetime, when_used="json")]
+
+
+class Problem(BaseModel):
+    """Every error response: a sentence saying what is wrong (and, for malformed requests, each problem)."""
+
+    detail: str
+    errors: list[dict[str, Any]] | None = Field(None, description="422 on malformed requests: where and what")
+
+
+_PROBLEMS = {
+    400: "the body could not be read as JSON (e.g. not UTF-8)",
+    401: "a write without the bearer token this server requires (KERNELMILL_API_TOKEN)",
+    404: "no such id, or no tuned kernel for the problem",
+    409: "the job is already finished",
+    413: "request body over KERNELMILL_MAX_BODY_BYTES",
+    422: "the request is malformed or names something unknown; `detail` says what",
+}
+
+
+def problems(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route's error status codes, all with the Problem body."""
+    return {code: {"model": Problem, "description": _PROBLEMS[code]} for code in codes}
 
 
 class Budget(BaseModel):
@@ -48,9 +86,9 @@ class JobOut(BaseModel):
     error: str | None
     worker: str | None
     device_name: str | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
     trials_done: int = 0
     trials_failed: int = 0
     per_shape: list[ShapeProgress] = []
@@ -86,7 +124,7 @@ class TrialOut(BaseModel):
     verify: dict[str, Any] | None
     profile: dict[str, Any] | None
     note: str | None
-    created_at: datetime
+    created_at: UtcDatetime
 
 
 class KernelSummary(BaseModel):
@@ -105,7 +143,7 @@ class KernelSummary(BaseModel):
     device_name: str | None
     job_id: int | None
     trial_id: int | None
-    updated_at: datetime
+    updated_at: UtcDatetime
 
 
 class KernelOut(KernelSummary):

@@ -100,6 +100,9 @@ class Store:
         # Publishing reads the served kernel then replaces it: serialized here (SQLite ignores FOR UPDATE)
         # and by a row lock across processes (PostgreSQL), so a slower trial never overwrites a faster one.
         self._publish_lock = threading.Lock()
+        # Bumped by every publish through this store: caches of served kernels (the API's best-kernel
+        # lookups) drop what they hold when it changes.
+        self.served_version = 0
 
     def session(self) -> Session:
         return self._session()
@@ -251,6 +254,11 @@ class Store:
             opts = [undefer(Trial.cubin)] if with_cubin else []
             return s.get(Trial, trial_id, options=opts)
 
+    def trial_profile(self, trial_id: int) -> dict[str, Any] | None:
+        """A trial's profile alone (what a served kernel shows of its trial), without loading the row."""
+        with self.session() as s:
+            return s.scalar(select(Trial.profile).where(Trial.id == trial_id))
+
     def best_trial(self, job_id: int, shape: str) -> Trial | None:
         """The fastest verified trial of a job's shape, cubin loaded."""
         query = (
@@ -324,6 +332,8 @@ class Store:
                 return self._publish(job, trial, fields)
             except IntegrityError:  # another process published the same problem first: compare with it
                 return self._publish(job, trial, fields)
+            finally:
+                self.served_version += 1
 
     def _publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
         key = attrs_key(job.attrs)
@@ -379,25 +389,34 @@ class Store:
     def best_kernel(
         self, op: str, shape: Sequence[int], dtype: str, arch: str | None, attrs: dict[str, Any] | None = None
     ) -> tuple[Kernel, bool] | None:
-        """The kernel for exactly this shape, else the nearest tuned shape (log distance), with ``exact``."""
-        query = select(Kernel).where(Kernel.op == op, Kernel.dtype == dtype, Kernel.attrs_key == attrs_key(attrs))
-        if arch:
-            query = query.where(Kernel.arch == arch)
-        with self.session() as s:
-            candidates = list(s.scalars(query).all())
-        if not candidates:
-            return None
+        """The kernel for exactly this shape, else the nearest tuned shape (log distance), with ``exact``.
+
+        The exact shape is one indexed lookup; only when it misses are the candidates' shapes (not their
+        rows) read to find the nearest, whose row alone is then loaded.
+        """
         want = [max(int(v), 1) for v in shape]
+        problem = [Kernel.op == op, Kernel.dtype == dtype, Kernel.attrs_key == attrs_key(attrs)]
+        if arch:
+            problem.append(Kernel.arch == arch)
+        with self.session() as s:
+            exact = s.scalars(
+                select(Kernel).where(*problem, Kernel.shape_key == shape_key(want)).order_by(Kernel.id).limit(1)
+            ).first()
+            if exact is not None:
+                return exact, True
 
-        def distance(k: Kernel) -> float:
-            if len(k.shape) != len(want):
-                return math.inf
-            return sum(abs(math.log(max(a, 1) / b)) for a, b in zip(k.shape, want, strict=True))
+            def distance(tuned: Sequence[int]) -> float:
+                if len(tuned) != len(want):
+                    return math.inf
+                return sum(abs(math.log(max(a, 1) / b)) for a, b in zip(tuned, want, strict=True))
 
-        best = min(candidates, key=distance)
-        if math.isinf(distance(best)):
-            return None
-        return best, list(best.shape) == want
+            shapes = s.execute(select(Kernel.id, Kernel.shape).where(*problem).order_by(Kernel.id)).all()
+            if not shapes:
+                return None
+            best_id, best_shape = min(shapes, key=lambda row: distance(row[1]))
+            if math.isinf(distance(best_shape)):
+                return None
+            return s.get(Kernel, best_id), list(best_shape) == want
 
     # -- devices ---------------------------------------------------------------------
 

@@ -1,3 +1,4 @@
+import os
 import time
 
 import pytest
@@ -5,22 +6,35 @@ from fastapi.testclient import TestClient
 
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
+from tests.store.pg import fresh_database, postgres_url, skip_or_fail_without_postgres
 
 
-def make_client(tmp_path, **overrides) -> TestClient:
-    settings = Settings(database_url=f"sqlite:///{tmp_path}/api.db", executor="fake", fake_workers=2, **overrides)
+def make_client(tmp_path, database_url: str | None = None, **overrides) -> TestClient:
+    url = database_url or f"sqlite:///{tmp_path}/api.db"
+    settings = Settings(database_url=url, executor="fake", fake_workers=2, **overrides)
     return TestClient(create_app(settings))
 
 
 @pytest.fixture
-def client(tmp_path):
-    with make_client(tmp_path) as c:
+def api_db(tmp_path):
+    """SQLite; with KERNELMILL_TEST_API_ON_POSTGRES=1 a fresh PostgreSQL database per test instead."""
+    if os.environ.get("KERNELMILL_TEST_API_ON_POSTGRES") != "1":
+        yield f"sqlite:///{tmp_path}/api.db"
+        return
+    skip_or_fail_without_postgres()
+    with fresh_database(postgres_url()) as url:
+        yield url
+
+
+@pytest.fixture
+def client(tmp_path, api_db):
+    with make_client(tmp_path, api_db) as c:
         yield c
 
 
 @pytest.fixture
-def authed(tmp_path):
-    with make_client(tmp_path, api_token="s3cret") as c:
+def authed(tmp_path, api_db):
+    with make_client(tmp_path, api_db, api_token="s3cret") as c:
         yield c
 
 

@@ -104,7 +104,7 @@ def test_workers_and_health(client):
     workers = client.get("/api/workers").json()
     assert [w["name"] for w in workers["workers"]] == ["fake-gpu0", "fake-gpu1"] and workers["reason"] is None
     health = client.get("/api/health").json()
-    assert health["status"] == "ok" and health["database"] == "sqlite" and health["workers"] == 2
+    assert health["status"] == "ok" and health["database"] in ("sqlite", "postgresql") and health["workers"] == 2
 
 
 def test_body_size_limit(client):

@@ -1,0 +1,357 @@
+"""The store on every database it supports: SQLite always, PostgreSQL where configured (see conftest)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, text
+
+from kernelmill.agents.evaluator import TrialResult
+from kernelmill.service.db.models import Trial
+from kernelmill.service.db.store import MIGRATIONS, Store, downgrade, migrate, shape_key
+
+TABLES = {"jobs", "trials", "baselines", "kernels", "devices"}
+
+
+def head_revision() -> str:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return ScriptDirectory.from_config(cfg).get_current_head()
+
+
+def alembic_version(store: Store) -> list[str]:
+    with store.engine.connect() as conn:
+        return [row[0] for row in conn.execute(text("SELECT version_num FROM alembic_version"))]
+
+
+def tables(store: Store) -> set[str]:
+    return set(inspect(store.engine).get_table_names())
+
+
+def new_job(store: Store, op: str = "softmax", shapes=((1024, 1024),), **fields):
+    values = {
+        "op": op,
+        "shapes": [list(s) for s in shapes],
+        "dtype": "float16",
+        "attrs": {},
+        "strategy": "random",
+        "budget_trials": 16,
+        "budget_seconds": 60.0,
+    }
+    values.update(fields)
+    return store.create_job(**values)
+
+
+def row(family: str, status: str = "ok", ms: float | None = 1.0, **params) -> dict:
+    params = params or {"BLOCK": 256}
+    if status != "ok":
+        return TrialResult(family, params, status, f"planted {status}", "sm_90").row()
+    return TrialResult(
+        family,
+        params,
+        "ok",
+        None,
+        "sm_90",
+        "vk",
+        max_rel_err=1e-6,
+        median_ms=ms,
+        min_ms=ms,
+        spread=0.01,
+        reps=10,
+        cubin=b"cubin-" + family.encode(),
+    ).row()
+
+
+def served(source: str = 'extern "C" __global__ void k() {}') -> dict:
+    return {
+        "source": source,
+        "launches": [{"entry": "k", "grid": [1, 1, 1], "block": [128, 1, 1], "smem_bytes": 0, "args": []}],
+        "workspace": {},
+        "cubin": b"cubin",
+        "baseline_ms": 2.0,
+    }
+
+
+def publish(store: Store, job, shape, ms: float, family: str = "rowwise", **params):
+    """Record one verified trial of ``job`` at ``shape`` and publish it; returns what is served after."""
+    key = shape_key(shape)
+    added = store.record_trials(job.id, key, [row(family, ms=ms, **(params or {"BLOCK": int(ms * 1000)}))])
+    trial = added[0] if added else store.best_trial(job.id, key)
+    return store.publish(job, trial, served(f"// {family} {ms}"))
+
+
+# -- migrations -----------------------------------------------------------------------------
+
+
+def test_opening_applies_migrations_to_head(store):
+    assert tables(store) >= TABLES
+    assert alembic_version(store) == [head_revision()]
+    # Opening again is a no-op: the schema is already at head, data is kept.
+    job = new_job(store)
+    again = Store(store.url)
+    try:
+        assert alembic_version(again) == [head_revision()]
+        assert again.get_job(job.id).op == "softmax"
+    finally:
+        again.close()
+
+
+def test_downgrade_to_base_and_upgrade_again(store):
+    new_job(store)
+    downgrade(store.engine, "base")
+    assert not (TABLES & tables(store))
+    assert alembic_version(store) == []
+    migrate(store.engine)
+    assert tables(store) >= TABLES
+    assert alembic_version(store) == [head_revision()]
+    # A fresh schema: empty, and usable at once.
+    assert store.list_jobs() == ([], 0)
+    assert new_job(store).id >= 1
+
+
+# -- jobs -----------------------------------------------------------------------------------
+
+
+def test_jobs_create_list_filter_and_page(store):
+    made = []
+    for i in range(7):
+        made.append(
+            new_job(store, op="softmax" if i % 2 == 0 else "matmul", shapes=[(64, 64, 64)] if i % 2 else [(8, 8)])
+        )
+    store.update_job(made[1].id, state="running")
+    store.finish_job(made[2].id, "done")
+    store.finish_job(made[3].id, "failed", "boom")
+
+    jobs, total = store.list_jobs()
+    assert total == 7 and [j.id for j in jobs] == [j.id for j in reversed(made)]  # newest first
+    assert jobs[-1].shapes == [[8, 8]] and jobs[-1].attrs == {} and jobs[-1].state == "queued"
+
+    first, total = store.list_jobs(limit=3)
+    second, _ = store.list_jobs(limit=3, offset=3)
+    last, _ = store.list_jobs(limit=3, offset=6)
+    assert total == 7 and len(first) == 3 and len(second) == 3 and len(last) == 1
+    assert [j.id for j in first + second + last] == [j.id for j in reversed(made)]
+    assert store.list_jobs(offset=50) == ([], 7)
+
+    softmax, total = store.list_jobs(op="softmax")
+    assert total == 4 and all(j.op == "softmax" for j in softmax)
+    queued, total = store.list_jobs(state="queued")
+    assert total == 4 and {j.id for j in queued} == {made[i].id for i in (0, 4, 5, 6)}
+    both, total = store.list_jobs(state="queued", op="matmul", limit=1)
+    assert total == 1 and both[0].id == made[5].id
+    assert store.list_jobs(state="done", op="matmul") == ([], 0)
+
+    failed = store.get_job(made[3].id)
+    assert failed.state == "failed" and failed.error == "boom" and failed.finished_at is not None
+    assert [j.id for j in store.jobs_in_state("running", "done")] == [made[1].id, made[2].id]
+    assert store.get_job(10**6) is None
+
+
+def test_cancel_queued_at_once_running_on_request(store):
+    queued, running = new_job(store), new_job(store)
+    store.start_job(running.id, "fake-gpu0", "FakeGPU 0")
+    assert store.request_cancel(queued.id).state == "cancelled"
+    assert store.request_cancel(running.id).state == "running"
+    assert store.cancel_requested(running.id) and not store.cancel_requested(queued.id)
+    with pytest.raises(KeyError):
+        store.request_cancel(10**6)
+
+
+# -- trials -----------------------------------------------------------------------------------
+
+
+def test_record_trials_skips_duplicates_of_the_same_candidate(store):
+    job, other = new_job(store, shapes=[(1024, 1024), (4096, 512)]), new_job(store)
+    first = store.record_trials(job.id, "1024x1024", [row("rowwise", BLOCK=128), row("rowwise", BLOCK=256)])
+    assert [t.seq for t in first] == [1, 2]
+
+    # A batch repeating a recorded candidate, and one candidate twice: only the new ones are inserted,
+    # and the rows after a duplicate still go in (PostgreSQL: the failed insert is rolled back alone).
+    again = store.record_trials(
+        job.id,
+        "1024x1024",
+        [row("rowwise", BLOCK=256), row("warp", BLOCK=32), row("warp", BLOCK=32), row("rowwise", "wrong_result")],
+    )
+    assert [(t.family, t.params, t.seq) for t in again] == [("warp", {"BLOCK": 32}, 3)]
+    recorded = store.trials(job.id, "1024x1024")
+    keys = [(t.family, t.params_key) for t in recorded]
+    assert len(keys) == len(set(keys)) == 2 + len(again)
+    assert [t.seq for t in store.trials(job.id)] == list(range(1, len(keys) + 1))
+
+    # The same candidate for another shape of the job, or for another job, is a different trial.
+    assert len(store.record_trials(job.id, "4096x512", [row("rowwise", BLOCK=128)])) == 1
+    assert len(store.record_trials(other.id, "1024x1024", [row("rowwise", BLOCK=128)])) == 1
+    assert store.record_trials(job.id, "4096x512", [row("rowwise", BLOCK=128)]) == []
+
+
+def test_summary_counts_best_and_baseline(store):
+    job = new_job(store, shapes=[(1024, 1024), (4096, 512)])
+    store.record_trials(
+        job.id,
+        "1024x1024",
+        [row("rowwise", ms=0.8, BLOCK=1), row("rowwise", ms=0.5, BLOCK=2), row("warp", "wrong_result", BLOCK=3)],
+    )
+    store.record_trials(job.id, "4096x512", [row("rowwise", "compile_error", BLOCK=1)])
+    store.record_baseline(job.id, "1024x1024", 1.0, "FakeGPU")
+    store.record_baseline(job.id, "1024x1024", 1.5, "FakeGPU")  # measured again: replaced, not duplicated
+    summary = {s.shape: s for s in store.summary(store.get_job(job.id))}
+    a, b = summary["1024x1024"], summary["4096x512"]
+    assert (a.trials, a.failed, a.best_ms, a.baseline_ms) == (3, 1, 0.5, 1.5)
+    assert a.speedup == pytest.approx(3.0)
+    assert store.trial(a.best_trial_id).params == {"BLOCK": 2}
+    assert (b.trials, b.failed, b.best_ms, b.best_trial_id, b.baseline_ms, b.speedup) == (1, 1, None, None, None, None)
+    assert store.has_baseline(job.id, "1024x1024") and not store.has_baseline(job.id, "4096x512")
+
+    page, total = store.list_trials(job.id, sort="median_ms", limit=2)
+    assert total == 4 and [t.median_ms for t in page] == [0.5, 0.8]  # every shape of the job
+    failed, total = store.list_trials(job.id, status="wrong_result")
+    assert total == 1 and failed[0].reason == "planted wrong_result"
+    best = store.best_trial(job.id, "1024x1024")
+    assert best.median_ms == 0.5 and best.cubin == b"cubin-rowwise"
+
+
+# -- served kernels ---------------------------------------------------------------------------------
+
+
+def test_publish_keeps_the_faster_kernel(store):
+    first, slower, faster = new_job(store), new_job(store), new_job(store)
+    served_first = publish(store, first, (1024, 1024), 1.0)
+    assert served_first.median_ms == 1.0 and served_first.job_id == first.id
+    assert served_first.speedup == pytest.approx(2.0)
+
+    kept = publish(store, slower, (1024, 1024), 2.0)
+    assert kept.id == served_first.id and kept.median_ms == 1.0 and kept.job_id == first.id
+
+    replaced = publish(store, faster, (1024, 1024), 0.5, family="warp")
+    assert replaced.id == served_first.id  # the problem's row is updated, not duplicated
+    kernels, total = store.list_kernels(op="softmax")
+    assert total == 1
+    served_now = store.kernel(kernels[0].id, with_cubin=True)
+    assert (served_now.median_ms, served_now.family, served_now.job_id) == (0.5, "warp", faster.id)
+    assert served_now.speedup == pytest.approx(4.0) and served_now.cubin == b"cubin"
+    assert served_now.source == "// warp 0.5" and served_now.launches[0]["entry"] == "k"
+
+    # Republishing the served trial itself (a resumed job) keeps it.
+    trial = store.trial(served_now.trial_id)
+    assert store.publish(store.get_job(faster.id), trial, served("// warp 0.5")).median_ms == 0.5
+
+    # Another dtype, shape or attribute set is another problem.
+    publish(store, new_job(store, dtype="float32"), (1024, 1024), 3.0)
+    publish(store, first, (4096, 512), 3.0)
+    mlp = new_job(store, op="fused_mlp", shapes=[(64, 256, 1024, 256)], attrs={"act": "relu"})
+    publish(store, mlp, (64, 256, 1024, 256), 3.0)
+    mlp_gelu = new_job(store, op="fused_mlp", shapes=[(64, 256, 1024, 256)], attrs={"act": "gelu_erf"})
+    publish(store, mlp_gelu, (64, 256, 1024, 256), 4.0)
+    assert store.list_kernels()[1] == 5
+    assert store.list_kernels(op="softmax", dtype="float16")[1] == 2
+    assert store.list_kernels(arch="sm_80")[1] == 0
+
+
+def test_concurrent_publishes_serve_the_fastest(store):
+    """Jobs for one problem finishing together: one served row, the fastest trial.
+
+    On PostgreSQL each publisher has a store (engine) of its own, as separate service processes would:
+    the row lock, not the store's in-process lock, must keep a slower trial from overwriting a faster one.
+    A race is a matter of timing, so a few rounds run, each on a problem of its own.
+    """
+    times = [0.9, 0.4, 0.7, 0.3, 0.8, 0.6]
+    jobs = [new_job(store) for _ in times]
+    separate = store.engine.dialect.name != "sqlite"  # SQLite serves one process only
+    publishers = [Store(store.url, migrate_on_open=False) if separate else store for _ in jobs]
+    errors = []
+
+    def go(barrier, publisher, job, trial):
+        try:
+            publisher.list_kernels()  # connected before the start, so the publishes overlap
+            barrier.wait(5)
+            publisher.publish(job, trial, served())
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        for rows in (1024, 2048, 4096, 8192):
+            key = f"{rows}x1024"
+            trials = [
+                store.record_trials(job.id, key, [row("rowwise", ms=ms, BLOCK=int(ms * 10))])[0]
+                for job, ms in zip(jobs, times, strict=True)
+            ]
+            barrier = threading.Barrier(len(jobs))
+            threads = [
+                threading.Thread(target=go, args=(barrier, *args))
+                for args in zip(publishers, jobs, trials, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not errors, errors
+            found = store.best_kernel("softmax", (rows, 1024), "float16", None)
+            assert found is not None and found[1] and found[0].median_ms == min(times)
+    finally:
+        for publisher in publishers:
+            if publisher is not store:
+                publisher.close()
+    assert store.list_kernels()[1] == 4
+
+
+def test_best_kernel_exact_then_nearest(store):
+    job = new_job(store, shapes=[(1024, 1024), (4096, 512), (8192, 8192)])
+    for shape, ms in (((1024, 1024), 0.1), ((4096, 512), 0.2), ((8192, 8192), 3.0)):
+        publish(store, job, shape, ms)
+
+    kernel, exact = store.best_kernel("softmax", (4096, 512), "float16", None)
+    assert exact and kernel.shape == [4096, 512]
+    kernel, exact = store.best_kernel("softmax", (4000, 500), "float16", "sm_90")
+    assert not exact and kernel.shape == [4096, 512]
+    kernel, exact = store.best_kernel("softmax", (7000, 9000), "float16", None)
+    assert not exact and kernel.shape == [8192, 8192]
+    kernel, exact = store.best_kernel("softmax", (1, 1), "float16", None)
+    assert not exact and kernel.shape == [1024, 1024]
+
+    assert store.best_kernel("softmax", (1024, 1024), "float32", None) is None  # no kernel of that dtype
+    assert store.best_kernel("softmax", (1024, 1024), "float16", "sm_80") is None  # nor for that arch
+    assert store.best_kernel("matmul", (64, 64, 64), "float16", None) is None
+    assert store.best_kernel("softmax", (1024, 1024, 3), "float16", None) is None  # no shape of that rank
+
+    mlp = new_job(store, op="fused_mlp", shapes=[(64, 256, 1024, 256)], attrs={"act": "relu"})
+    publish(store, mlp, (64, 256, 1024, 256), 1.0)
+    found = store.best_kernel("fused_mlp", (64, 256, 1024, 256), "float16", None, {"act": "relu"})
+    assert found is not None and found[1]
+    assert store.best_kernel("fused_mlp", (64, 256, 1024, 256), "float16", None, {"act": "gelu_erf"}) is None
+
+
+def test_devices_upsert(store):
+    store.upsert_device("gpu0", name="H100", arch="sm_90", sm_count=132, matrix_tflops={"float16": 700.0})
+    store.upsert_device("gpu0", name="H100", arch="sm_90", copy_gbps=3000.0)
+    store.upsert_device("gpu1", name="H100", arch="sm_90")
+    devices = store.devices()
+    assert [d.worker for d in devices] == ["gpu0", "gpu1"]
+    assert devices[0].copy_gbps == 3000.0 and devices[0].matrix_tflops == {"float16": 700.0}
+
+
+def test_trial_rows_roundtrip_json_and_binary(store):
+    job = new_job(store)
+    verify = {"seeds": [0, 1, 2], "max_rel_err": [1e-7, 2e-7, 3e-7]}
+    ptxas = {"softmax_rowwise": {"registers": 32, "spill_stores_bytes": 0}}
+    data = TrialResult(
+        "rowwise",
+        {"BLOCK": 256, "VEC": 4},
+        "ok",
+        None,
+        "sm_90a",
+        "vk",
+        ptxas=ptxas,
+        verify=verify,
+        median_ms=0.25,
+        cubin=bytes(range(256)),
+        note="crossover",
+    ).row()
+    (trial,) = store.record_trials(job.id, "1024x1024", [data])
+    back = store.trial(trial.id, with_cubin=True)
+    assert isinstance(back, Trial)
+    assert (back.params, back.ptxas, back.verify, back.note) == ({"BLOCK": 256, "VEC": 4}, ptxas, verify, "crossover")
+    assert back.cubin == bytes(range(256)) and back.arch == "sm_90a"
