@@ -337,6 +337,7 @@ class Device:
 
         self._pool = DeviceMemoryPool()
         self._modules: dict[str, Module] = {}
+        self._close_hooks: list = []
         self.poisoned = False
         atexit.register(self.close)
 
@@ -446,9 +447,18 @@ class Device:
             self.poisoned = True
         return fault
 
+    def on_close(self, hook) -> None:
+        """Call ``hook()`` before the context goes at exit: layers above drop their device objects there."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
+        for hook in reversed(self._close_hooks):
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit
+                log.debug("close hook %s: %s", hook, exc)
         # pycuda aborts at exit if a context is still pushed, so pop it; first drop what we hold and collect
         # garbage so that buffers, modules and events are freed while their context is still current.
         try:

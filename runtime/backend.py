@@ -81,5 +81,16 @@ _backends: dict[int, Backend] = {}
 def get_backend(ordinal: int = 0) -> Backend:
     """The process's Backend for GPU ``ordinal``; GpuUnavailable where there is none."""
     if ordinal not in _backends:
-        _backends[ordinal] = Backend(get_device(ordinal))
+        device = get_device(ordinal)
+        _backends[ordinal] = Backend(device)
+        device.on_close(_release_all)
     return _backends[ordinal]
+
+
+def _release_all() -> None:
+    """At exit, before the context goes: drop every cached device object the runtime holds."""
+    from kernelmill.runtime import dlpack, ops
+
+    ops._default_registry = None
+    dlpack._alive.clear()
+    _backends.clear()

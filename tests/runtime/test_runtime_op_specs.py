@@ -103,9 +103,9 @@ def test_layernorm_eps_is_an_attribute_baked_into_the_source():
     assert "add_layernorm(" in add_source and "1e-12f" in add_source
 
 
-def test_linear_tensorcore_float32_is_tf32_and_simt_is_exact():
+def test_linear_tensorcore_serves_16_bit_only_and_simt_is_exact():
     spec = OPS["linear"]
-    assert spec.family("tensorcore").precision("float32") == "tf32"
+    assert spec.family("tensorcore").dtypes == ("float16", "bfloat16")
     assert spec.family("simt").precision("float32") == "float32"
     assert spec.family("simt").defaults("float32")["BK"] == 16  # the bias epilogue spills at BK=8
 
