@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
+from tests.api.conftest import wait_state
 
 pytestmark = pytest.mark.gpu
 
@@ -21,16 +22,6 @@ EXPECTED = {
     "nan": "wrong_result",
     "wrong": "wrong_result",
 }
-
-
-def _wait(client, job_id, timeout_s=400):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/api/jobs/{job_id}").json()
-        if job["state"] in ("done", "failed", "cancelled"):
-            return job
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} not finished: {job}")
 
 
 def test_planted_faults_are_recorded_and_jobs_go_on(tmp_path, monkeypatch):
@@ -56,8 +47,8 @@ def test_planted_faults_are_recorded_and_jobs_go_on(tmp_path, monkeypatch):
             json={"op": "softmax", "shapes": [[256, 1000]], "dtype": "float32", "strategy": "random",
                   "budget": {"trials": 4, "seconds": 600}},
         ).json()  # fmt: skip
-        planted = _wait(client, planted["id"])
-        after = _wait(client, after["id"])
+        planted = wait_state(client, planted["id"], timeout_s=600)
+        after = wait_state(client, after["id"], timeout_s=600)
         trials = client.get(f"/api/jobs/{planted['id']}/trials", params={"limit": 100}).json()["items"]
         assert client.get("/api/health").json()["status"] == "ok"
     assert planted["state"] == "done", planted

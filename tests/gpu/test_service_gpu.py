@@ -12,18 +12,9 @@ from kernelmill.kernels.variant import BoundVariant, Variant
 from kernelmill.kernels.verify import verify
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
+from tests.api.conftest import wait_state
 
 pytestmark = pytest.mark.gpu
-
-
-def _wait(client, job_id, timeout_s=600):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/api/jobs/{job_id}").json()
-        if job["state"] in ("done", "failed", "cancelled"):
-            return job
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} not finished: {job}")
 
 
 def test_softmax_job_on_gpu_serves_a_verified_kernel(tmp_path):
@@ -41,7 +32,7 @@ def test_softmax_job_on_gpu_serves_a_verified_kernel(tmp_path):
             "budget": {"trials": 12, "seconds": 300},
         }
         job = client.post("/api/jobs", json=body).json()
-        job = _wait(client, job["id"])
+        job = wait_state(client, job["id"], timeout_s=600)
         assert job["state"] == "done", job
         shape = job["per_shape"][0]
         assert shape["trials"] == 12 and shape["best_ms"] and shape["baseline_ms"]
