@@ -44,23 +44,12 @@ def registry(backend, tmp_path):
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from tests.runtime.bert import small_bert
+
     path = tmp_path_factory.mktemp("bert-gpu")
-    config = transformers.BertConfig(
-        vocab_size=307,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=264,  # not a multiple of the tiles
-        max_position_embeddings=80,
-    )
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
+    # 264 is not a multiple of the tiles.
+    model = small_bert(path, vocab_size=307, hidden_size=128, intermediate_size=264, max_position_embeddings=80)
     return path, model
 
 

@@ -10,35 +10,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kernelmill import runtime  # noqa: E402
+from tests.runtime.bert import small_bert  # noqa: E402
 
 
 def rel_err(out, ref) -> float:
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
-def small_bert(tmp_path, **overrides):
-    fields = dict(
-        vocab_size=211,
-        hidden_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=160,
-        max_position_embeddings=64,
-        type_vocab_size=2,
-        hidden_act="gelu",
-    )
-    config = transformers.BertConfig(**{**fields, **overrides})
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).eval()
-    # Non-trivial LayerNorm and bias values (HF initializes them to 1 / 0).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    return model
 
 
 @pytest.fixture(scope="module")
