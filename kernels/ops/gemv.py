@@ -7,9 +7,11 @@ and no second kernel reduces split-K partials. Inside a block the warps split K 
 shared memory.
 
 Two engines: ``mma=False`` multiplies on CUDA cores (exact fp32 FMA, every dtype); ``mma=True`` (16-bit
-types) stages each 16 x block_cols tile of B in the warp's shared memory, transposes it with
-ldmatrix.trans and multiplies on tensor cores (mma.m16n8k16, fp32 accumulators) with A^T as the
-8-column operand, which keeps the FMA pipe out of the way for M up to 32.
+types) loads B straight from DRAM into tensor-core fragments (16-byte loads of four k rows per lane, byte
+permutes pair the rows; no shared memory on the way) and multiplies on tensor cores (mma.m16n8k16, fp32
+accumulators) with A, padded to 16 rows, as the A operand: the FMA pipe stays out of the way for M up to 32.
+
+The linear op runs the same kernel with a bias and an activation in the final sum (``GemvFamily(bias=True)``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ _SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
 #: Registers beyond the accumulators and the loads in flight (addresses, bounds, loop state), fitted to
 #: ptxas 13.0 over the space so that the __launch_bounds__ promise does not make it spill.
 _OVERHEAD_REGS = {False: 40, True: 40}
-#: Most registers a thread's accumulators and loads in flight may take.
-_MAX_DATA_REGS = 96
+#: Most registers a thread's accumulators and loads in flight may take, per engine.
+_MAX_DATA_REGS = {False: 96, True: 160}
+#: Columns of B one warp of the mma engine covers (8 n-tiles of 8).
+MMA_WARP_COLS = 64
 #: Most values of A one step of the FMA engine uses (max_m rows x unroll): ptxas hoists their loads, and more
 #: of them spilled (e.g. max_m=32, unroll=8 in fp32).
 _MAX_A_VALUES = 64
@@ -40,12 +44,21 @@ class GemvFamily(Family):
     template = "matmul/gemv.cu.j2"
     entry = "matmul_gemv"
     description = "skinny matmul (M <= max_m): B streamed once, split-K over a thread-block cluster; one launch"
+    #: Buffers of the launch: A, B, C (and the bias after C when ``bias``).
+    buffers = ("A", "B", "C")
+    bias = False
+
+    def __init__(self, template: str | None = None, entry: str | None = None, buffers=None, bias: bool = False):
+        if template:
+            self.template, self.entry, self.buffers, self.bias = template, entry, tuple(buffers), bias
+            self.description = self.description + "; bias + activation in the final sum"
+
     params = (
         Param("max_m", (1, 2, 4, 8, 16, 32), "most rows of A (and C) a variant serves"),
         Param("mma", (False, True), "tensor cores (mma.m16n8k16, 16-bit types) instead of fp32 FMA"),
         Param("vec", (1, 2, 4, 8), "columns per thread of the FMA engine, one vector load (mma: 16 bytes)"),
-        Param("block_cols", (32, 64, 128, 256), "columns of B (and C) per block"),
-        Param("threads", (64, 128, 256, 512), "threads per block; its warps split the block's K slice"),
+        Param("block_cols", (32, 64, 128, 256), "columns of B (and C) per block (mma: 64 per warp along N)"),
+        Param("threads", (64, 128, 256, 512), "threads per block; warps beyond block_cols split its K slice"),
         Param("k_splits", (1, 2, 4, 8), "blocks (a cluster) sharing a column strip, one K slice each"),
         Param("unroll", (1, 2, 4, 8), "rows of B per thread (FMA) or 16-row tiles per warp (mma) in flight"),
     )
@@ -56,31 +69,29 @@ class GemvFamily(Family):
     # -- geometry ---------------------------------------------------------------------------------
 
     @staticmethod
-    def padded_m(params: Mapping[str, Any]) -> int:
-        """Rows of C a block accumulates: max_m, or whole m8 tiles for the mma engine."""
-        return cdiv(params["max_m"], 8) * 8 if params["mma"] else params["max_m"]
+    def k_warps(params: Mapping[str, Any]) -> int:
+        """Warps along K in a block: all of them (FMA), or those beyond the 64-column strips (mma)."""
+        warps = params["threads"] // 32
+        return warps // (params["block_cols"] // MMA_WARP_COLS) if params["mma"] else warps
 
     def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
-        """Static shared memory: the union of the mma staging tiles and the reduction buffer, plus the
-        cluster's partial sums when k_splits > 1 (the kernel static_asserts the union's size)."""
-        return self.union_smem_bytes(params, dtype) + self.part_bytes(params)
+        """Static shared memory: the reduction buffer (every K warp's sums, max_m rows), plus the cluster's
+        partial sums when k_splits > 1 (the kernel static_asserts the first)."""
+        return self.red_smem_bytes(params) + self.part_bytes(params)
 
-    def union_smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
-        warps = params["threads"] // 32
-        rs = params["block_cols"] + 4
-        red = warps * self.padded_m(params) * rs * 4
-        stage = warps * 16 * (params["block_cols"] + 8) * 2 if params["mma"] else 0
-        return max(red, stage)
+    def red_smem_bytes(self, params: Mapping[str, Any]) -> int:
+        return self.k_warps(params) * params["max_m"] * (params["block_cols"] + 4) * 4
 
     def part_bytes(self, params: Mapping[str, Any]) -> int:
-        return self.padded_m(params) * (params["block_cols"] + 4) * 4 if params["k_splits"] > 1 else 0
+        return params["max_m"] * (params["block_cols"] + 4) * 4 if params["k_splits"] > 1 else 0
 
     def data_regs(self, params: Mapping[str, Any], dtype: str) -> int:
         """Registers of the accumulators and of the loads in flight per thread."""
         u = params["unroll"]
         if params["mma"]:
-            mt, nt = cdiv(params["max_m"], 8), params["block_cols"] // 16
-            return mt * nt * 4 + u * nt * 4 + u * mt * 2
+            # 8 n-tiles x 4 accumulators per m16 tile, 4 x 16 bytes of B and the A fragments per k16 step.
+            mt = cdiv(params["max_m"], 16)
+            return mt * 32 + u * 16 + u * mt * (4 if params["max_m"] > 8 else 2)
         vec = params["vec"]
         return params["max_m"] * vec + cdiv(u * vec * itemsize(dtype), 4) + u
 
@@ -109,7 +120,11 @@ class GemvFamily(Family):
             if vec * size != 16:
                 return f"the mma engine loads 16 bytes (vec={16 // size})"
             if params["max_m"] < 8:
-                return "the mma engine pads M to 8 rows: use max_m >= 8"
+                return "the mma engine pads M to 16 rows: use max_m >= 8"
+            if bn % MMA_WARP_COLS:
+                return f"block_cols={bn}: the mma engine's warps take {MMA_WARP_COLS} columns each"
+            if (params["threads"] // 32) % (bn // MMA_WARP_COLS):
+                return f"{params['threads'] // 32} warps do not split into {bn // MMA_WARP_COLS} column strips"
         else:
             if vec * size > 16:
                 return f"vec={vec} x {size} bytes exceeds a 16-byte access"
@@ -118,9 +133,9 @@ class GemvFamily(Family):
                 return f"block_cols / vec = {lanes} lanes along N; use 4..32 (rows of 4 to 32 vectors per warp)"
             if params["max_m"] * params["unroll"] > _MAX_A_VALUES:
                 return f"max_m * unroll = {params['max_m'] * params['unroll']} values of A per step > {_MAX_A_VALUES}"
-        data = self.data_regs(params, dtype)
-        if data > _MAX_DATA_REGS:
-            return f"~{data} registers of accumulators and loads in flight per thread > {_MAX_DATA_REGS} (spills)"
+        data, most = self.data_regs(params, dtype), _MAX_DATA_REGS[params["mma"]]
+        if data > most:
+            return f"~{data} registers of accumulators and loads in flight per thread > {most} (spills)"
         regs = self.estimated_regs(params, dtype)
         if params["threads"] * regs > _SM_REGS:
             return f"{params['threads']} threads x ~{regs} registers exceed an SM's {_SM_REGS}"
@@ -143,10 +158,16 @@ class GemvFamily(Family):
     def launches(self, shape, params, dtype):
         M, N, K = shape  # noqa: N806
         grid = (cdiv(N, params["block_cols"]), params["k_splits"], 1)
-        return [Launch(self.entry, grid, (params["threads"], 1, 1), 0, ("A", "B", "C", M, N, K))]
+        return [Launch(self.entry, grid, (params["threads"], 1, 1), 0, (*self.buffers, M, N, K))]
 
     def context(self, params, dtype, attrs):
-        return {"union_smem_bytes": self.union_smem_bytes(params, dtype), "min_blocks": self.min_blocks(params, dtype)}
+        return {
+            "red_smem_bytes": self.red_smem_bytes(params),
+            "min_blocks": self.min_blocks(params, dtype),
+            "entry": self.entry,
+            "bias": self.bias,
+            "act": attrs.get("act", "none"),
+        }
 
 
 GEMV = GemvFamily()

@@ -1,8 +1,9 @@
 """linear: Y[M x N] = act(X[M x K] @ W[K x N] + b[N]), all row-major (W is the transposed nn.Linear weight).
 
-The matmul op's GEMM cores with the bias and the activation fused into their epilogue (or into the
-split-K reduce): two families, ``simt`` (exact fp32 FMA, any dtype) and ``tensorcore`` (WMMA; float32
-runs as TF32 there). act is an attribute: none, relu, gelu_erf, gelu_tanh, silu.
+The matmul op's kernels with the bias and the activation fused into their epilogue (or into the
+split-K reduce or the final sum): ``simt`` (exact fp32 FMA, any dtype), ``tensorcore`` (WMMA, 16-bit
+types), ``wgmma`` (Hopper wgmma + TMA, sm_90a) and ``gemv`` (skinny M, B streamed once). act is an
+attribute: none, relu, gelu_erf, gelu_tanh, silu.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import numpy as np
 
 from kernelmill.kernels.ops.base import OpSpec, Param
 from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS
-from kernelmill.kernels.ops.matmul import CORES, GemmFamily, gemm_launches
+from kernelmill.kernels.ops.gemv import GemvFamily
+from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily, gemm_launches
 
 #: Where the defaults leave the core's: with a bias, the SIMT default (BK=8) spills (see fused_mlp).
 _DEFAULT_CHANGES = {"simt": {"BK": 16}, "tensorcore": {}}
@@ -42,6 +44,17 @@ TENSORCORE = LinearTensorCore(
 )
 
 
+class LinearWgmma(WgmmaFamily):
+    template = "linear/wgmma.cu.j2"
+    entry = "linear_wgmma"
+    description = WgmmaFamily.description + "; bias + activation epilogue"
+    buffers = ("X", "W", "Y", "b")
+
+
+WGMMA = LinearWgmma()
+GEMV = GemvFamily("linear/gemv.cu.j2", "linear_gemv", ("X", "W", "Y", "b"), bias=True)
+
+
 class Linear(OpSpec):
     name = "linear"
     matrix_bound = True
@@ -49,7 +62,7 @@ class Linear(OpSpec):
     inputs = ("X", "W", "b")
     outputs = ("Y",)
     attributes = (Param("act", ELEMENTWISE_ACTIVATIONS, "activation after the bias"),)
-    families = {f.name: f for f in (SIMT, TENSORCORE)}
+    families = {f.name: f for f in (SIMT, TENSORCORE, WGMMA, GEMV)}
 
     def tensor_shapes(self, shape):
         M, N, K = shape  # noqa: N806

@@ -355,6 +355,8 @@ class WgmmaFamily(Family):
     max_acc_regs = 128
     #: TMA needs the row strides (K * 2 and N * 2 bytes) to be multiples of this.
     stride_align_bytes = 16
+    #: Buffers of the launch after the two tensor maps (built over the first two): A, B, C [, bias].
+    buffers = ("A", "B", "C")
 
     def precision(self, dtype):
         return dtype
@@ -418,7 +420,7 @@ class WgmmaFamily(Family):
                 (self.grid(shape, params), 1, 1),
                 (self.threads(params), 1, 1),
                 self.smem_bytes(params, dtype),
-                (a_map, b_map, "A", "B", "C", M, N, K),
+                (a_map, b_map, *self.buffers, M, N, K),
             )
         ]
 

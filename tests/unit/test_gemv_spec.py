@@ -68,8 +68,10 @@ def test_defaults():
         ({"mma": False, "vec": 2, "block_cols": 128}, "float32", "lanes along N"),  # 64 lanes
         ({"mma": False, "vec": 4, "max_m": 32, "unroll": 2, "block_cols": 32}, "float32", "registers"),
         ({"mma": False, "vec": 1, "max_m": 32, "unroll": 4, "block_cols": 32}, "float32", "values of A"),
-        ({"mma": True, "max_m": 32, "block_cols": 128, "unroll": 1}, "float16", "registers"),
-        ({"mma": True, "threads": 512, "block_cols": 128, "max_m": 8, "unroll": 1}, "float16", "shared memory"),
+        ({"mma": True, "max_m": 32, "unroll": 8}, "float16", "registers"),  # 64 + 128 + 64
+        ({"mma": True, "threads": 512, "block_cols": 64, "max_m": 16, "unroll": 1}, "float16", "shared memory"),
+        ({"mma": True, "block_cols": 32}, "float16", "64 columns each"),
+        ({"mma": True, "threads": 64, "block_cols": 192 - 64 + 128}, "float16", "column strips"),
     ],
 )
 def test_check_rejects(override, dtype, reason):
@@ -123,11 +125,11 @@ def test_rendered_kernel(dtype, k_splits):
     assert bounds == f"KM_THREADS, {GEMV.min_blocks(params, dtype)}"
     assert ("__cluster_dims__(1, KM_KS, 1)" in attrs) == (k_splits > 1)
     assert (("cluster.sync()" in source) == (k_splits > 1)) and ("map_shared_rank" in source) == (k_splits > 1)
-    assert f"== {GEMV.union_smem_bytes(params, dtype)}, " in source
+    assert f"== {GEMV.red_smem_bytes(params)}, " in source
     if dtype == "bfloat16":
         assert '"bf16.bf16"' in source
     elif dtype == "float16":
-        assert '"f16.f16"' in source and "ldmatrix.sync.aligned.m8n8.x4.trans" in source
+        assert '"f16.f16"' in source and "ld.global.nc.L1::no_allocate.v4.u32" in source
 
 
 # -- a NumPy model of the kernel ----------------------------------------------------------------------
@@ -194,17 +196,6 @@ def _model_simt(A, B, params):  # noqa: N803
     return C
 
 
-def _ldmatrix_x4_trans(stage, addrs):
-    """Lane l of register q gets the transpose's row l // 4, halves 2 (l % 4) and 2 (l % 4) + 1, of the
-    8x8 matrix q whose 8 rows (8 consecutive halves each) start at addrs[8q .. 8q + 7] (row, col)."""
-    regs = np.zeros((32, 4, 2))
-    for q in range(4):
-        mat = np.array([stage[r, c : c + 8] for r, c in addrs[8 * q : 8 * q + 8]])  # stored rows
-        for lane in range(32):
-            regs[lane, q] = mat[2 * (lane % 4) : 2 * (lane % 4) + 2, lane // 4]  # transposed
-    return regs
-
-
 def _mma(d, a, b):
     """d (32 x 4) += A (16 x 16 from a: 32 x 4 x 2) @ B (16 x 8 from b: 32 x 2 x 2), PTX fragment layouts."""
     am, bm, dm = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
@@ -224,60 +215,73 @@ def _mma(d, a, b):
 
 
 def _model_mma(A, B, params):  # noqa: N803
+    """The mma engine: warp (cw, kw) takes 64 columns and every KW-th group of UNROLL k16 steps; lane (g, t)
+    loads 8 columns (col = strip + 8g) of rows 2t, 2t+1, 2t+8, 2t+9 and pairs them into n-tile i's b0/b1."""
     M, K = A.shape  # noqa: N806
     N = B.shape[1]  # noqa: N806
     bn, u = params["block_cols"], params["unroll"]
-    warps = params["threads"] // 32
-    mt_n, nt, cpl = cdiv(params["max_m"], 8), bn // 16, bn // 16
-    mp = 8 * mt_n
+    colw = bn // 64
+    kwarps = params["threads"] // 32 // colw
+    mt_n, mr = cdiv(params["max_m"], 16), params["max_m"]
     C = np.full((M, N), np.nan)  # noqa: N806
 
     def a_val(m, k, ke):
         return A[m, k] if m < M and k < ke else 0.0
 
+    def b_row(kr, col, ke):
+        row = np.zeros(8)
+        if kr < ke:
+            valid = [v for v in range(8) if col + v < N]
+            row[valid] = B[kr, [col + v for v in valid]]
+        return row
+
     for bx in range(cdiv(N, bn)):
         n0 = bx * bn
         parts = []
         for kb, ke in _slice(K, params, 16):
-            red = np.zeros((warps, mp, bn))
-            for warp in range(warps):
-                d = np.zeros((mt_n, nt, 32, 4))
-                for k in range(kb + warp * 16 * u, ke, warps * 16 * u):
-                    for s in range(u):
-                        stage = np.full((16, bn + 8), np.nan)
-                        for lane in range(32):
-                            for j in range(cpl):
-                                ident = lane + 32 * j
-                                r, cc = divmod(ident, bn // 8)
-                                kr, nn = k + 16 * s + r, n0 + cc * 8
-                                row = np.zeros(8)
-                                if kr < ke:
-                                    valid = [v for v in range(8) if nn + v < N]
-                                    row[valid] = B[kr, [nn + v for v in valid]]
-                                stage[r, cc * 8 : cc * 8 + 8] = row
-                        assert not np.isnan(stage[:, :bn]).any(), "every staged element is written"
-                        b = np.zeros((mt_n, 32, 2, 2))
-                        for mt in range(mt_n):
+            red = np.zeros((kwarps, mr, bn))
+            seen = np.zeros((K, bn), dtype=int)
+            for cw in range(colw):
+                for kw in range(kwarps):
+                    d = np.zeros((mt_n, 8, 32, 4))
+                    for k in range(kb + kw * 16 * u, ke, kwarps * 16 * u):
+                        for s in range(u):
+                            k16 = k + 16 * s
+                            rows = np.zeros((32, 4, 8))  # lane, q (row 2t + q % 2 + 8 (q // 2)), 8 columns
                             for lane in range(32):
-                                g, c = lane // 4, lane % 4
-                                kk = k + 16 * s + 2 * c
-                                b[mt, lane, 0] = [a_val(8 * mt + g, kk, ke), a_val(8 * mt + g, kk + 1, ke)]
-                                b[mt, lane, 1] = [a_val(8 * mt + g, kk + 8, ke), a_val(8 * mt + g, kk + 9, ke)]
-                        for t in range(nt):
-                            addrs = [
-                                ((lane & 7) + 8 * (lane >> 4), 16 * t + 8 * ((lane >> 3) & 1)) for lane in range(32)
-                            ]
-                            a = _ldmatrix_x4_trans(stage, addrs)
+                                g, t = lane // 4, lane % 4
+                                for q in range(4):
+                                    kr = k16 + 2 * t + q % 2 + 8 * (q // 2)
+                                    rows[lane, q] = b_row(kr, n0 + cw * 64 + 8 * g, ke)
+                                    if kr < ke:
+                                        seen[kr, cw * 64 + 8 * g : cw * 64 + 8 * g + 8] += 1
+                            a = np.zeros((mt_n, 32, 4, 2))
                             for mt in range(mt_n):
-                                _mma(d[mt, t], a, b[mt])
-                for mt in range(mt_n):
-                    for t in range(nt):
+                                for lane in range(32):
+                                    g, t = lane // 4, lane % 4
+                                    for q, (dm, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                                        m, kk = 16 * mt + g + dm, k16 + 2 * t + dk
+                                        if dm and params["max_m"] <= 8:
+                                            continue  # constant zeros
+                                        a[mt, lane, q] = [a_val(m, kk, ke), a_val(m, kk + 1, ke)]
+                            for i in range(8):
+                                b = np.zeros((32, 2, 2))
+                                for lane in range(32):
+                                    b[lane, 0] = rows[lane, 0:2, i]  # (row 2t, 2t + 1) of column i
+                                    b[lane, 1] = rows[lane, 2:4, i]
+                                for mt in range(mt_n):
+                                    _mma(d[mt, i], a[mt], b)
+                    for mt in range(mt_n):
                         for lane in range(32):
-                            g, c = lane // 4, lane % 4
-                            for i in range(4):
-                                red[warp, 8 * mt + 2 * c + (i & 1), 16 * t + g + 8 * (i >> 1)] = d[mt, t, lane, i]
+                            g, t = lane // 4, lane % 4
+                            for q in range(4):
+                                m = 16 * mt + g + 8 * (q // 2)
+                                if m < mr:
+                                    for i in range(8):
+                                        red[kw, m, cw * 64 + 16 * t + 8 * (q % 2) + i] = d[mt, i, lane, q]
+            assert (seen[kb:ke] == 1).all() and seen.sum() == max(0, ke - kb) * bn, "each element of B once"
             parts.append(red.sum(axis=0))
-        _finish(C, parts, M, N, n0, params, mp)
+        _finish(C, parts, M, N, n0, params, mr)
     return C
 
 
@@ -288,10 +292,11 @@ SIMT_CASES = [
     ((5, 33, 100), {"max_m": 8, "vec": 1, "block_cols": 32, "threads": 128, "k_splits": 8, "unroll": 1}),
 ]
 MMA_CASES = [
-    ((1, 1, 1), {"max_m": 8, "block_cols": 32, "threads": 64, "k_splits": 1, "unroll": 1}),
-    ((3, 40, 45), {"max_m": 8, "block_cols": 32, "threads": 64, "k_splits": 2, "unroll": 2}),
-    ((16, 36, 70), {"max_m": 16, "block_cols": 32, "threads": 64, "k_splits": 1, "unroll": 1}),
+    ((1, 1, 1), {"max_m": 8, "block_cols": 64, "threads": 64, "k_splits": 1, "unroll": 1}),
+    ((3, 40, 45), {"max_m": 8, "block_cols": 64, "threads": 64, "k_splits": 2, "unroll": 2}),
+    ((16, 136, 70), {"max_m": 16, "block_cols": 128, "threads": 128, "k_splits": 1, "unroll": 1}),
     ((17, 64, 33), {"max_m": 32, "block_cols": 64, "threads": 64, "k_splits": 4, "unroll": 1}),
+    ((5, 70, 100), {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 1, "unroll": 2}),
 ]
 
 
