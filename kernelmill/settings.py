@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     bench_warmup: int = Field(5, ge=0)
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
     kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
+    nvtx: bool = Field(
+        False, description="NVTX ranges around each runtime op on the GPU (profile-forward sets it in its child)"
+    )
+    nsys: str = Field("nsys", description="Nsight Systems executable (profile-forward)")
 
     plugins: str = Field(
         "",

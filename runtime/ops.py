@@ -21,6 +21,7 @@ import numpy as np
 from kernelmill.kernels.ops.elementwise import ELEMENTWISE_ACTIVATIONS
 from kernelmill.kernels.ops.embedding import ID_ELEMS, pack_ids
 from kernelmill.kernels.ops.fused_mlp import ACTIVATIONS as FUSED_ACTIVATIONS
+from kernelmill.runtime import ranges
 from kernelmill.runtime.tensor import ALIGNMENT, FLOAT_DTYPES, Tensor, numpy_dtype
 
 _registry: contextvars.ContextVar[Any] = contextvars.ContextVar("kernelmill_registry", default=None)
@@ -128,7 +129,15 @@ def _launch(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], 
     # Inputs that need an aligned copy are kept alive until the launches are queued; the pool then reuses
     # their memory only for work queued after them on the same stream.
     aligned = {name: _aligned(t) for name, t in tensors.items()}
-    entry.run(_backend(), {name: t.ptr for name, t in aligned.items()})
+    marker = ranges.active()
+    if marker is None:
+        entry.run(_backend(), {name: t.ptr for name, t in aligned.items()})
+        return
+    marker.push(ranges.op_range_name(op, shape, dtype, attrs))
+    try:
+        entry.run(_backend(), {name: t.ptr for name, t in aligned.items()})
+    finally:
+        marker.pop()
 
 
 def _f32(t: Tensor) -> np.ndarray:
