@@ -31,7 +31,8 @@ from typing import Any
 from kernelmill.kernels.compile import Compiler, normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape, itemsize
-from kernelmill.kernels.ops.matmul import CORES, GemmFamily
+from kernelmill.kernels.ops.gemv import GemvFamily
+from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily
 from kernelmill.kernels.render import render
 from kernelmill.settings import get_settings
 
@@ -148,6 +149,7 @@ class KernelRegistry:
         self._client = client
         self._offline_reason: str | None = None
         self._entries: dict[tuple, KernelEntry] = {}
+        self._untuned: set[tuple] = set()  # problems find() met with nothing tuned
         self._lock = threading.RLock()
 
     # -- public ----------------------------------------------------------------------
@@ -186,19 +188,43 @@ class KernelRegistry:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._untuned.clear()
 
     # -- resolution --------------------------------------------------------------------
 
-    def _resolve(self, spec, shape, dtype, attrs) -> KernelEntry:
-        notes: list[str] = []
+    def find(self, op: str, shape: tuple[int, ...], dtype: str, attrs: Mapping[str, Any] | None = None):
+        """The tuned (or nearest) kernel the local cache or the service has for this problem, or None;
+        never compiles a default (ops use it to choose between a fused kernel and its parts)."""
+        spec = get_op(op)
+        attrs = spec.resolve_attrs(attrs or {})
+        shape = tuple(int(v) for v in shape)
+        key = (op, shape, dtype, self.target_arch, attrs_key(attrs))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry if entry.source != DEFAULT else None
+            if key in self._untuned:
+                return None
+            entry = self._lookup(spec, shape, dtype, attrs, [])
+            if entry is None:
+                self._untuned.add(key)
+                return None
+            self._entries[key] = entry
+            self._log(entry)
+            return entry
+
+    def _lookup(self, spec, shape, dtype, attrs, notes: list[str]) -> KernelEntry | None:
+        """The local cache's exact tuned kernel, else the service's, else a cached nearest one."""
         cached = self._from_local(spec, shape, dtype, attrs, notes) if self.use_local_cache else None
         if cached is not None and cached.source == TUNED:
             return cached
-        served = self._from_service(spec, shape, dtype, attrs, notes)
-        if served is not None:
-            return served
-        if cached is not None:
-            return cached
+        return self._from_service(spec, shape, dtype, attrs, notes) or cached
+
+    def _resolve(self, spec, shape, dtype, attrs) -> KernelEntry:
+        notes: list[str] = []
+        entry = self._lookup(spec, shape, dtype, attrs, notes)
+        if entry is not None:
+            return entry
         entry = self._default(spec, shape, dtype, attrs)
         entry.note = "; ".join(notes)
         return entry
@@ -436,11 +462,13 @@ class KernelRegistry:
 
     def default_choice(self, spec, shape, dtype, attrs) -> tuple[Family, dict[str, Any]]:
         """The family and parameters a problem gets without a tuned kernel."""
-        families = [f for f in spec.families.values() if dtype in f.dtypes and not f.arch_suffix]
-        # 16-bit types run on tensor cores where an op has a family for them (the CUDA-core "simt" families
-        # go last); float32 stays exact (no TF32); otherwise declaration order, the first that fits the shape.
-        if itemsize(dtype) == 2:
-            families.sort(key=lambda f: f.name == "simt")
+        # Arch-specific families (sm_90a: wgmma) only where the target is that arch.
+        families = [
+            f
+            for f in spec.families.values()
+            if dtype in f.dtypes and (not f.arch_suffix or self.target_arch == "sm_90")
+        ]
+        families.sort(key=lambda f: _default_rank(f, shape, dtype))
         reasons = []
         for fam in families:
             why = self._family_ok(fam, dtype)
@@ -467,6 +495,23 @@ class KernelRegistry:
 
 
 # -- default parameters -----------------------------------------------------------------------
+
+#: Largest M the skinny (gemv) family takes by default: below it B streams once at the copy rate.
+GEMV_MAX_M = 16
+
+
+def _default_rank(fam: Family, shape, dtype: str) -> int:
+    """Order of the families a default tries (the first that accepts the shape wins). 16-bit types run on
+    tensor cores: gemv for skinny M, then wgmma (sm_90), then WMMA; the CUDA-core "simt" families go last;
+    float32 stays exact (no TF32), with gemv first for skinny M. Otherwise declaration order."""
+    skinny = len(shape) == 3 and shape[0] <= GEMV_MAX_M
+    order = ["gemv", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
+    if itemsize(dtype) != 2:
+        order = ["gemv"] if skinny else []
+    if fam.name in order:
+        return order.index(fam.name)
+    return len(order) + (1 if fam.name == "simt" and itemsize(dtype) == 2 else 0)
+
 
 #: Block tiles tried for a default GEMM (largest first), with the warp / thread tiles that go with them.
 _TC_TILES = [
@@ -495,11 +540,49 @@ def _gemms(spec, fam: Family, shape) -> tuple[str, list[tuple[int, int]]] | None
     return None
 
 
+#: gemv (mma engine) defaults by the largest M they serve: the best of a sweep over the family's space at
+#: 1 and 16 x 4096 x 4096 / 4096 x 11008 / 11008 x 4096 on an H100 (2026-11-22, docs/PERFORMANCE.md).
+_GEMV_MMA_DEFAULTS = {
+    8: {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 2},
+    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 8, "unroll": 1},
+}
+#: wgmma tiles a default tries: (BM, BN, consumers, stages) and their relative throughput.
+_WGMMA_TILES = [
+    ((128, 256, 2, 4), 1.0),
+    ((128, 192, 2, 4), 0.95),
+    ((128, 128, 2, 5), 0.85),
+    ((64, 128, 1, 6), 0.7),
+    ((64, 64, 1, 8), 0.5),
+]
+
+
+def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
+    """The tile with the best estimated time (waves of tiles times a tile's work over its efficiency),
+    persistent over the SMs when there are several waves."""
+    m, n, _k = shape
+    best, best_cost = fam.defaults(dtype), math.inf
+    for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        params = {"BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
+        if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:
+            params["ctas"] = sm_count
+        if fam.check(params, dtype) is not None:
+            continue
+        cost = math.ceil(tiles / sm_count) * bm * bn / efficiency
+        if cost < best_cost:
+            best, best_cost = params, cost
+    return best
+
+
 def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> dict[str, Any]:
     """The family's defaults; for GEMM families the block tile with the best estimated time for this
     shape (waves of blocks over the SMs times the work of a tile, discounted by the tile's efficiency),
-    so a small M or N does not leave most of the GPU idle."""
+    so a small M or N does not leave most of the GPU idle; for gemv the measured best by M."""
     params = dict(fam.defaults(dtype))
+    if isinstance(fam, WgmmaFamily) and len(shape) == 3:
+        return _wgmma_params(fam, shape, dtype, sm_count)
+    if isinstance(fam, GemvFamily) and params["mma"] and len(shape) == 3:
+        return {**params, **_GEMV_MMA_DEFAULTS[8 if shape[0] <= 8 else 16]}
     gemms = _gemms(spec, fam, shape)
     if gemms is None:
         return params

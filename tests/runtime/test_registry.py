@@ -129,6 +129,22 @@ def test_nearest_kernel_used_only_when_its_family_accepts_the_shape(tmp_path):
         reg.get("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"})
 
 
+def test_find_returns_only_tuned_kernels_and_never_compiles(tmp_path):
+    calls: list = []
+    reg = KernelRegistry(
+        client=_mock_service(_fused_kernel(), calls), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()
+    )
+    found = reg.find("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    assert found is not None and found.source == NEAREST
+    assert reg.get("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"}) is found
+    # Nothing usable for batch 40 (and another act): None, remembered, and no default compiled.
+    assert reg.find("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"}) is None
+    asked = len(calls)
+    assert reg.find("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"}) is None
+    assert len(calls) == asked
+    assert [r["op"] for r in reg.report()] == ["fused_mlp"]
+
+
 def test_served_arch_specific_kernels_and_tf32_policy(tmp_path):
     calls: list = []
     kernel = _fused_kernel(op="matmul", shape=[64, 64, 64], attrs={}, family="tensorcore", dtype="float32", exact=True)
@@ -169,12 +185,37 @@ def test_default_tiles_follow_the_problem_size():
     assert simt.check(default_params(OPS["matmul"], simt, (100, 100, 100), "float32"), "float32") is None
 
 
+def test_default_wgmma_tiles_fill_the_gpu():
+    from kernelmill.kernels.ops import OPS
+
+    fam = OPS["linear"].family("wgmma")
+
+    def tile(shape):
+        p = default_params(OPS["linear"], fam, shape, "float16", sm_count=132)
+        assert fam.check(p, "float16") is None
+        return p["BM"], p["BN"], p["ctas"]
+
+    assert tile((256, 4096, 11008)) == (64, 128, 0)  # 128 tiles rather than 32
+    assert tile((256, 11008, 4096)) == (128, 192, 0)  # 116 tiles in one wave
+    assert tile((4096, 11008, 4096)) == (128, 256, 132)  # many waves: persistent
+
+
 def test_default_family_choice_by_dtype_and_shape(tmp_path):
     reg = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
     from kernelmill.kernels.ops import OPS
 
     fam, _ = reg.default_choice(OPS["matmul"], (64, 64, 64), "float16", {})
-    assert fam.name == "tensorcore"
+    assert fam.name == "wgmma"  # Hopper's own path on sm_90
+    fam, _ = reg.default_choice(OPS["matmul"], (64, 60, 64), "float16", {})
+    assert fam.name == "tensorcore"  # N % 8 != 0: TMA cannot take it
+    older = KernelRegistry(arch="sm_80", cache_dir=tmp_path, use_service=False)
+    assert older.default_choice(OPS["matmul"], (64, 64, 64), "float16", {})[0].name == "tensorcore"
+    fam, params = reg.default_choice(OPS["linear"], (16, 4096, 4096), "float16", {"act": "gelu_tanh"})
+    assert fam.name == "gemv" and params["mma"] and params["max_m"] == 16
+    fam, params = reg.default_choice(OPS["linear"], (1, 4096, 4096), "bfloat16", {"act": "none"})
+    assert fam.name == "gemv" and params["max_m"] == 8
+    fam, params = reg.default_choice(OPS["matmul"], (3, 64, 64), "float32", {})
+    assert fam.name == "gemv" and not params["mma"]  # exact fp32 FMA engine
     fam, _ = reg.default_choice(OPS["matmul"], (64, 64, 64), "float32", {})
     assert fam.name == "simt"  # exact float32, no TF32
     fam, params = reg.default_choice(OPS["fused_mlp"], (4, 64, 128, 64), "float16", {"act": "relu"})
