@@ -1,10 +1,11 @@
 """softmax over the last dim of a rows x cols matrix.
 
 Families (templates/softmax/): ``warp_row`` (a warp per row), ``block_row`` (a block per row),
-``cluster_row`` (a row shared by the blocks of a thread-block cluster, one launch) and ``split_row`` (a row
-split across several blocks in two launches). All share templates/softmax/row.cuh.j2; block_row and
-cluster_row also share their template, and copy a row (chunk) that needs a second pass to shared memory
-when it fits.
+``cluster_row`` (a row shared by the blocks of a thread-block cluster, one launch), ``smem_row`` (a row, or a
+cluster's share of it, requested whole into shared memory with cp.async: for long rows) and ``split_row`` (a
+row split across several blocks in two launches). All share templates/softmax/row.cuh.j2; block_row,
+cluster_row and smem_row also share their template; block_row and cluster_row copy a row (chunk) that needs
+a second pass to shared memory when it fits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ _SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
 #: Dynamic shared memory a block_row / cluster_row launch may use for its row copy: at most half an SM's 227 KiB,
 #: so two blocks still fit on an SM; longer rows (chunks) read their second pass from L2 instead.
 SMEM_CACHE_LIMIT = 227 * 1024 // 2
+#: Dynamic shared memory one block may opt in to on sm_90 (227 KiB), less room for the kernel's static shared
+#: memory (warp partials and the cluster's stats: under 300 bytes): smem_row's limit for a row (chunk) copy.
+SMEM_ROW_LIMIT = 227 * 1024 - 512
 #: Most blocks a 1-D grid holds.
 MAX_GRID_X = 2**31 - 1
 
@@ -110,6 +114,9 @@ class BlockRow(Family):
     #: Blocks sharing a row (cluster_row's knob; one here).
     cluster_size = 1
     entry = "softmax_block_row"
+    #: Request the whole row (chunk) into shared memory before using it (smem_row) instead of the passes
+    #: through registers with an optional shared copy.
+    prefetch = False
 
     def defaults(self, dtype: str) -> dict[str, Any]:
         d = _vector_defaults(dtype)
@@ -126,6 +133,7 @@ class BlockRow(Family):
             "min_blocks": min_blocks(params["threads"], params),
             "cluster": self.cluster(params),
             "entry": self.entry,
+            "prefetch": self.prefetch,
         }
 
     def chunk(self, cols: int, params: Mapping[str, Any]) -> int:
@@ -175,6 +183,45 @@ class ClusterRow(BlockRow):
 
     def cluster(self, params: Mapping[str, Any]) -> int:
         return params["cluster"]
+
+
+class SmemRow(BlockRow):
+    name = "smem_row"
+    description = (
+        "a row (with cluster > 1, a cluster block's share of it) requested whole into shared memory with cp.async, "
+        "then reduced and normalised from there: each element read from DRAM once; for long rows"
+    )
+    params = (
+        _VEC,
+        _UNROLL,
+        Param("threads", (128, 256, 512, 1024), "threads per block"),
+        Param("cluster", (1, 2, 4, 8), "blocks of a thread-block cluster sharing each row (1: no cluster)"),
+        _FAST_EXP,
+    )
+    entry = "softmax_smem_row"
+    prefetch = True
+
+    def defaults(self, dtype: str) -> dict[str, Any]:
+        # 16 floats a pass: the loads need no registers here, so passes only bound the arithmetic's registers;
+        # 512 threads: a 32000-column fp16 row is 64 KB, three blocks (1536 threads) to an SM.
+        vec = 16 // itemsize(dtype)
+        return {"vec": vec, "unroll": 16 // vec, "threads": 512, "cluster": 1, "fast_exp": dtype != "float32"}
+
+    def cluster(self, params: Mapping[str, Any]) -> int:
+        return params["cluster"]
+
+    def cache_bytes(self, shape, params, dtype) -> int:
+        """Dynamic shared memory for the block's whole chunk (always given: the kernel has no other path)."""
+        return cdiv(self.chunk(shape[1], params), 8) * 8 * itemsize(dtype)
+
+    def check_shape(self, shape, params, dtype):
+        nbytes = self.cache_bytes(shape, params, dtype)
+        if nbytes > SMEM_ROW_LIMIT:
+            return (
+                f"a block's share of a row is {nbytes} bytes, over the {SMEM_ROW_LIMIT} bytes of shared memory a "
+                "block can have (a larger cluster splits it further)"
+            )
+        return super().check_shape(shape, params, dtype)
 
 
 class SplitRow(Family):
@@ -232,9 +279,7 @@ class Softmax(OpSpec):
     dims = ("rows", "cols")
     inputs = ("x",)
     outputs = ("y",)
-    # cluster_row is held back from the search: on an H200 (2026-11-22) its fp32 default faulted with a
-    # misaligned address at 3x17; it stays testable as CLUSTER_ROW until that is found.
-    families = {f.name: f for f in (WarpRow(), BlockRow(), SplitRow())}
+    families = {f.name: f for f in (WarpRow(), BlockRow(), ClusterRow(), SmemRow(), SplitRow())}
 
     def tensor_shapes(self, shape):
         return {"x": shape, "y": shape}
@@ -259,4 +304,5 @@ class Softmax(OpSpec):
 
 
 SOFTMAX = Softmax()
-CLUSTER_ROW = ClusterRow()
+CLUSTER_ROW = SOFTMAX.families["cluster_row"]
+SMEM_ROW = SOFTMAX.families["smem_row"]

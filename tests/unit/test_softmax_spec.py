@@ -4,6 +4,8 @@ import pytest
 from kernelmill.kernels.ops.softmax import (
     CLUSTER_ROW,
     SMEM_CACHE_LIMIT,
+    SMEM_ROW,
+    SMEM_ROW_LIMIT,
     SOFTMAX,
     estimated_regs,
     min_blocks,
@@ -25,7 +27,8 @@ def test_min_bytes_is_one_read_one_write():
 
 
 def test_families():
-    assert list(SOFTMAX.families) == ["warp_row", "block_row", "split_row"]
+    assert list(SOFTMAX.families) == ["warp_row", "block_row", "cluster_row", "smem_row", "split_row"]
+    assert SOFTMAX.family("cluster_row") is CLUSTER_ROW and SOFTMAX.family("smem_row") is SMEM_ROW
 
 
 def test_launch_geometry_covers_rows():
@@ -103,3 +106,106 @@ def test_cluster_row_shares_each_row():
             chunk = fam.chunk(cols, p)
             spans = [(r * chunk, min(cols, (r + 1) * chunk)) for r in range(cluster)]
             assert sum(max(0, b - a) for a, b in spans) == cols and all(a % p["vec"] == 0 for a, _ in spans)
+
+
+#: The shapes the GPU tests run the row-splitting families at: odd column counts (rows that start misaligned),
+#: one element, a long odd row, and the issue-8 long rows.
+ODD_SHAPES = [(3, 17), (1, 1), (5, 33333), (2, 32000), (1, 32000), (4096, 32000), (7, 4099)]
+
+
+def _vector_starts(fam, shape, params, dtype):
+    """Byte offsets of every vector access a block makes, modelled on the template: rows at row * cols,
+    chunks at rank * chunk, vector accesses only when km_vec_ok (row stride a multiple of vec)."""
+    rows, cols = shape
+    vec, size = params["vec"], 4 if dtype == "float32" else 2
+    vec_ok = cols % vec == 0  # km_vec_ok: decided by the row stride, never by a chunk's length
+    chunk = fam.chunk(cols, params)
+    for row in range(min(rows, 3)):
+        for rank in range(fam.cluster(params)):
+            c0 = rank * chunk
+            length = min(chunk, cols - c0)
+            for e in range(0, max(length, 0) - vec + 1, vec):
+                if vec_ok:
+                    yield (row * cols + c0 + e) * size
+
+
+def test_the_old_alignment_rule_was_wrong_at_3x17():
+    """The fault's mechanism: a chunk of 8 fp32 elements (a multiple of vec) starting at row 1 of a 17-column
+    matrix is 68 bytes in, not 16-byte aligned. Alignment follows from the row stride alone."""
+    params = {**CLUSTER_ROW.defaults("float32"), "cluster": 4}
+    chunk = CLUSTER_ROW.chunk(17, params)
+    assert chunk == 8 and chunk % params["vec"] == 0  # the old rule said: vector accesses are fine
+    assert (1 * 17 + 0) * 4 % 16 != 0  # row 1, rank 0: misaligned
+    assert list(_vector_starts(CLUSTER_ROW, (3, 17), params, "float32")) == []  # now: no vector access at all
+
+
+@pytest.mark.parametrize("family", ["cluster_row", "smem_row"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_row_splitting_families_only_make_aligned_vector_accesses(family, dtype, shape):
+    # cluster_row faulted (misaligned address) at 3x17 fp32: it took vector accesses when a chunk's length was
+    # a multiple of vec, though with cols odd the chunk starts misaligned on every other row.
+    fam = SOFTMAX.family(family)
+    for cluster in fam.param("cluster").values:
+        params = {**fam.defaults(dtype), "cluster": cluster}
+        for start in _vector_starts(fam, shape, params, dtype):
+            assert start % (params["vec"] * (4 if dtype == "float32" else 2)) == 0, (params, start)
+    source = render(fam, fam.defaults(dtype), dtype)
+    assert "const bool vec_ok = km_vec_ok(x, y, cols);" in source
+    assert "cols % KM_VEC == 0" in source and "% A == 0" in source  # row stride and both base pointers
+
+
+def test_smem_row_gives_shared_memory_for_the_whole_chunk():
+    fam = SMEM_ROW
+    for dtype, size in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
+        params = fam.defaults(dtype)
+        assert params["cluster"] == 1 and params["vec"] * size == 16
+        assert fam.check(params, dtype) is None
+        (launch,) = fam.launches((4096, 32000), params, dtype)
+        assert launch.entry == "softmax_smem_row" and launch.grid == (4096, 1, 1)
+        assert launch.smem_bytes == 32000 * size and launch.args == ("x", "y", 4096, 32000)
+        assert fam.launches((3, 17), params, dtype)[0].smem_bytes == 24 * size  # rounded up to 8 elements
+        assert fam.check_shape((1, 1), params, dtype) is None
+    # fp32 32000: 128000 bytes for one block, or 64000 for each of a 2-block cluster.
+    p2 = {**fam.defaults("float32"), "cluster": 2}
+    (launch,) = fam.launches((4096, 32000), p2, "float32")
+    assert launch.grid == (8192, 1, 1) and launch.smem_bytes == 64000
+    assert fam.check_shape((4096, 32000), fam.defaults("float32"), "float32") is None
+    # Rows longer than a block's shared memory need a cluster: the shape check says so (data, not a fault).
+    too_long = SMEM_ROW_LIMIT // 4 + 8
+    assert "shared memory" in fam.check_shape((1, too_long), fam.defaults("float32"), "float32")
+    assert fam.check_shape((1, too_long), p2, "float32") is None
+    src = render(fam, p2, "float32")
+    assert "softmax_smem_row(" in src and "#define KM_CS 2" in src and "km_softmax_row_smem<KM_THREADS>" in src
+    assert "cp.async.cg.shared.global" in src
+    block = SOFTMAX.family("block_row")
+    kernel = render(block, block.defaults("float32"), "float32").split('extern "C"')[1]
+    assert "km_softmax_row_smem" not in kernel and "km_softmax_row<KM_THREADS, true>" in kernel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_long_row_variants_are_in_the_space(dtype):
+    """Variants meant for 4096x32000 and 1x32000 are valid points (the tuner can reach them)."""
+    vec = 4 if dtype == "float32" else 8
+    wanted = {
+        "smem_row": [
+            {"vec": vec, "unroll": 16 // vec, "threads": 512, "cluster": 1},
+            {"vec": vec, "unroll": 16 // vec, "threads": 256, "cluster": 2},
+            {"vec": vec, "unroll": 32 // vec, "threads": 256, "cluster": 8},
+        ],
+        "cluster_row": [
+            {"vec": vec, "unroll": 32 // vec, "threads": 256, "cluster": 4},
+            {"vec": vec, "unroll": 16 // vec, "threads": 256, "cluster": 8},
+        ],
+    }
+    for family, points in wanted.items():
+        fam = SOFTMAX.family(family)
+        space = list(fam.space(dtype))
+        for point in points:
+            params = {**point, "fast_exp": dtype != "float32"}
+            assert params in space, (family, params)
+            assert fam.check_shape((4096, 32000), params, dtype) is None
+            assert fam.check_shape((1, 32000), params, dtype) is None
+    # cluster_row 4096x32000 with 4 blocks a row: 8000 elements a block, one register pass (no shared copy).
+    params = {"vec": vec, "unroll": 32 // vec, "threads": 256, "cluster": 4, "fast_exp": False}
+    assert CLUSTER_ROW.launches((4096, 32000), params, dtype)[0].smem_bytes == 0
