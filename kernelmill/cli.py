@@ -1,4 +1,8 @@
-"""The ``kernelmill`` command line (typer). Bad input: one line on stderr and exit code 2."""
+"""The ``kernelmill`` command line (typer). Bad input: one line on stderr and exit code 2.
+
+Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, 4 no profiler (nsys) here,
+5 the profiler ran but produced no report.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -31,6 +36,8 @@ err_console = Console(stderr=True)
 
 EXIT_USAGE = 2  # bad input
 EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc)
+EXIT_NO_PROFILER = 4  # nsys (Nsight Systems) is not installed
+EXIT_NO_REPORT = 5  # the profiler ran but wrote no usable report
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -452,3 +459,140 @@ def kernels(
             k["device_name"] or "",
         )
     console.print(table)
+
+
+# -- profiling a model's forward (nsys) -------------------------------------------------------------------
+
+
+@app.command("profile-forward")
+@user_errors
+def profile_forward(
+    model: Annotated[
+        str | None, typer.Argument(help="a HuggingFace BERT directory or an MLP state_dict file", show_default=False)
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="a built-in model instead: bert-base, bert-tiny, mlp, mlp-tiny")
+    ] = None,
+    batch: Annotated[int, typer.Option(help="rows (MLP) or sequences (BERT) per forward")] = 8,
+    seq: Annotated[int, typer.Option(help="sequence length (BERT)")] = 128,
+    dtype: DtypeOpt = "float16",
+    act: Annotated[str | None, typer.Option(help="an MLP file's activation (default relu)")] = None,
+    iters: Annotated[int, typer.Option(help="forwards profiled")] = 10,
+    warmup: Annotated[int, typer.Option(help="forwards before the capture (kernels are compiled then)")] = 2,
+    graphs: Annotated[
+        bool, typer.Option("--graphs/--no-graphs", help="replay CUDA graphs (per-op ranges then exist only in warm-up)")
+    ] = False,
+    server: ServerOpt = None,
+    keep: Annotated[Path | None, typer.Option(help="keep nsys's report and CSV tables in this folder")] = None,
+    store: Annotated[bool, typer.Option("--store/--no-store", help="record the summary in the database")] = True,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the summary to this JSON file")] = None,
+    timeout_s: Annotated[float, typer.Option(help="limit for nsys and for nsys stats, each")] = 1800.0,
+) -> None:
+    """Run a model's forwards under Nsight Systems with NVTX ranges per op; print and store the summary."""
+    from kernelmill.runtime.profile import ForwardFailed, ForwardSpec, NsysNoReport, NsysUnavailable
+    from kernelmill.runtime.profile import profile_forward as run_profile
+
+    spec = ForwardSpec(model, preset, batch, seq, dtype, act, iters, warmup, graphs, server)
+    spec.check()
+    try:
+        with console.status(f"nsys: {iters} forwards of {spec.model_name}"):
+            result = run_profile(spec, keep_dir=keep, timeout_s=timeout_s)
+    except NsysUnavailable:
+        raise fail(
+            "nsys not found: install Nsight Systems (its nsys command) and put it on PATH, or set KERNELMILL_NSYS; "
+            "nothing profiled",
+            EXIT_NO_PROFILER,
+        ) from None
+    except ForwardFailed as exc:
+        if exc.kind == "no_gpu":
+            raise fail(f"no GPU here ({exc.reason}); nothing profiled", EXIT_UNAVAILABLE) from None
+        raise fail(
+            f"the forward failed under nsys: {exc.reason}", EXIT_USAGE if exc.kind == "bad_input" else 1
+        ) from None
+    except NsysNoReport as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        if exc.tail:
+            err_console.print("nsys said:\n" + escape(exc.tail), highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_NO_REPORT) from None
+    summary = result.to_dict()
+    if store:
+        from kernelmill.service.db.store import Store
+        from kernelmill.settings import get_settings
+
+        db = Store(get_settings().database_url)
+        try:
+            summary["id"] = db.record_forward_profile(summary).id
+        finally:
+            db.close()
+    if json_out is not None:
+        json_out.write_text(json.dumps(summary, indent=2))
+    _print_forward_profile(summary)
+
+
+def _ms(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.3f}"
+
+
+def _us(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e3:.1f}"
+
+
+def _print_forward_profile(p: dict[str, Any]) -> None:
+    shape = f"batch {p['batch']}" + (f" seq {p['seq']}" if p.get("seq") else "")
+    where = f" on {p['device_name']}" if p.get("device_name") else ""
+    console.print(
+        f"[bold]{escape(p['model'])}[/] {p['dtype']} {shape}{escape(where)}: {p['iters']} forwards"
+        f" ({p.get('run') or ('graph' if p['graphs'] else 'plain')} launches), nsys {p.get('nsys_version') or '?'}",
+        highlight=False,
+    )
+    gaps, memcpy = p["gaps"], p["memcpy"]
+    busy = p.get("gpu_busy_pct")
+    console.print(
+        f"kernels {_ms(p['kernel_time_ns'])} ms in {p['kernel_launches']} launches "
+        f"({p['kernel_ms_per_forward']:.3f} ms per forward)"
+        + (f", GPU busy {busy:.1f}% of {_ms(p['span_ns'])} ms" if busy is not None else ""),
+        highlight=False,
+    )
+    console.print(
+        f"launch gaps {gaps['count']}: total {_ms(gaps['total_ns'])} ms, median {_us(gaps['median_ns'])} us, "
+        f"p90 {_us(gaps['p90_ns'])} us, max {_us(gaps['max_ns'])} us",
+        highlight=False,
+    )
+    console.print(
+        f"memcpy {_ms(memcpy['time_ns'])} ms, {memcpy['bytes'] / 1e6:.3f} MB in {memcpy['count']} copies",
+        highlight=False,
+    )
+    table = Table(title="top kernels")
+    for col in ("kernel", "ms", "%", "launches", "avg us"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for k in p["top_kernels"]:
+        table.add_row(escape(k["name"]), _ms(k["total_ns"]), f"{k['pct']:.1f}", str(k["instances"]), _us(k["avg_ns"]))
+    console.print(table)
+    if p["ranges"]:
+        table = Table(title="NVTX ranges (GPU time projected onto each range)")
+        for col in ("range", "calls", "GPU ms", "CPU ms", "GPU ops"):
+            table.add_column(col, justify="left" if col == "range" else "right")
+        for r in p["ranges"]:
+            gpu_ops = "-" if r["gpu_ops"] is None else str(r["gpu_ops"])
+            table.add_row(escape(r["name"]), str(r["instances"]), _ms(r["gpu_ns"]), _ms(r["cpu_ns"]), gpu_ops)
+        console.print(table)
+    if memcpy["by_operation"]:
+        table = Table(title="memory operations")
+        for col in ("operation", "ms", "count", "MB"):
+            table.add_column(col, justify="left" if col == "operation" else "right")
+        for m in memcpy["by_operation"]:
+            table.add_row(escape(m["operation"]), _ms(m["time_ns"]), str(m["count"]), f"{m['bytes'] / 1e6:.3f}")
+        console.print(table)
+    if p["api"]:
+        table = Table(title="CUDA API (host)")
+        for col in ("call", "calls", "ms", "avg us"):
+            table.add_column(col, justify="left" if col == "call" else "right")
+        for a in p["api"]:
+            table.add_row(escape(a["name"]), str(a["calls"]), _ms(a["total_ns"]), _us(a["avg_ns"]))
+        console.print(table)
+    for note in p.get("notes") or []:
+        console.print(f"note: {escape(note)}", highlight=False)
+    if p.get("report_path"):
+        console.print(f"nsys report: {escape(p['report_path'])}", highlight=False)
+    if p.get("id") is not None:
+        console.print(f"stored as forward profile {p['id']} (GET /api/profiles/forward/{p['id']})", highlight=False)

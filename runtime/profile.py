@@ -578,7 +578,7 @@ def _profile_in(workdir: Path, spec: ForwardSpec, nsys: str, timeout_s: float, k
     notes = []
     if spec.graphs:
         notes.append("CUDA graph replay: per-op NVTX ranges exist only in the warm-up, outside the capture")
-    if not meta.get("nvtx"):
+    if meta.get("ok") and not meta.get("nvtx"):
         notes.append("no NVTX ranges in the child (pip install 'kernelmill[profile]' for per-op ranges)")
     missing = sorted(set(REPORTS) - set(tables))
     if missing:

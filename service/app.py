@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from kernelmill import __version__
 from kernelmill.service import web
-from kernelmill.service.api import jobs, kernels, system
+from kernelmill.service.api import jobs, kernels, profiles, system
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import Executor, make_executor
 from kernelmill.service.jobs import JobRunner
@@ -55,6 +55,7 @@ def create_app(
 
     app.include_router(jobs.router)
     app.include_router(kernels.router)
+    app.include_router(profiles.router)
     app.include_router(system.router)
     web.install(app)  # dashboard pages at /, static files, an HTML 404 for browsers
     return app

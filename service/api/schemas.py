@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 MAX_INT = 2**63 - 1
 JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="a job's id")]
 KernelId = Annotated[int, Path(ge=1, le=MAX_INT, description="a served kernel's id")]
+ProfileId = Annotated[int, Path(ge=1, le=MAX_INT, description="a forward profile's id")]
 Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="rows to skip")]
 
 
@@ -178,3 +179,34 @@ class Health(BaseModel):
     version: str
     database: str
     workers: int
+
+
+class ForwardProfileSummary(BaseModel):
+    """One ``kernelmill profile-forward`` run as listings show it (times of all its forwards together)."""
+
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    model: str = Field(description="a preset's name or the model's path")
+    dtype: str
+    batch: int
+    seq: int | None = Field(description="sequence length (BERT); null for MLPs")
+    iters: int = Field(description="forwards profiled")
+    graphs: bool = Field(description="CUDA-graph replay (per-op ranges then only in the warm-up)")
+    device_name: str | None
+    nsys_version: str | None
+    kernel_time_ms: float
+    kernel_launches: int
+    kernel_ms_per_forward: float
+    gap_total_ms: float = Field(description="GPU idle time between consecutive activities")
+    gap_median_us: float | None
+    gap_max_us: float | None
+    memcpy_time_ms: float
+    memcpy_bytes: int
+    created_at: UtcDatetime
+
+
+class ForwardProfileOut(ForwardProfileSummary):
+    summary: dict[str, Any] = Field(
+        description="the whole summary: top_kernels, ranges (per NVTX range: calls, cpu_ns, gpu_ns), gaps, memcpy "
+        "(by_operation), api, span_ns, notes; times in ns, sizes in bytes"
+    )

@@ -5,7 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, deferred, mapped_column, relationship
 
 
@@ -132,3 +143,29 @@ class Kernel(Base):
     trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id", ondelete="SET NULL"))
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ForwardProfileRow(Base):
+    """One ``kernelmill profile-forward`` run: nsys's summary of a model's forwards (``summary`` holds it
+    whole; the columns are what listings show)."""
+
+    __tablename__ = "forward_profiles"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(512))
+    dtype: Mapped[str] = mapped_column(String(16))
+    batch: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int | None] = mapped_column(Integer)
+    iters: Mapped[int] = mapped_column(Integer)
+    graphs: Mapped[bool] = mapped_column(default=False)
+    device_name: Mapped[str | None] = mapped_column(String(128))
+    nsys_version: Mapped[str | None] = mapped_column(String(32))
+    kernel_time_ms: Mapped[float] = mapped_column(Float)
+    kernel_launches: Mapped[int] = mapped_column(Integer)
+    kernel_ms_per_forward: Mapped[float] = mapped_column(Float)
+    gap_total_ms: Mapped[float] = mapped_column(Float)
+    gap_median_us: Mapped[float | None] = mapped_column(Float)
+    gap_max_us: Mapped[float | None] = mapped_column(Float)
+    memcpy_time_ms: Mapped[float] = mapped_column(Float)
+    memcpy_bytes: Mapped[int] = mapped_column(BigInteger)
+    summary: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -1,4 +1,5 @@
-"""The store: the database is the truth for jobs, trials, baselines, served kernels and devices.
+"""The store: the database is the truth for jobs, trials, baselines, served kernels, devices and forward
+profiles.
 
 One function per question the API or the loop asks; routes and the loop never
 build queries themselves.
@@ -17,9 +18,9 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker, undefer
+from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
-from kernelmill.service.db.models import Baseline, DeviceRow, Job, Kernel, Trial, utcnow
+from kernelmill.service.db.models import Baseline, DeviceRow, ForwardProfileRow, Job, Kernel, Trial, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,28 @@ def shape_key(shape: Sequence[int]) -> str:
 
 def attrs_key(attrs: dict[str, Any] | None) -> str:
     return json.dumps(attrs or {}, sort_keys=True)
+
+
+def nearest_shape(served: Iterable[tuple[int, Sequence[int]]], shape: Sequence[int]) -> tuple[int, bool] | None:
+    """Of served ``(id, shape)`` pairs in id order: the first with exactly ``shape``, else the nearest shape of
+    the same rank (the sum over dims of |log(tuned / wanted)|; the first of equals), as ``(id, exact)``."""
+    want = [max(int(v), 1) for v in shape]
+    best_id, best_distance = None, math.inf
+    for kernel_id, tuned in served:
+        if len(tuned) != len(want):
+            continue
+        if list(tuned) == want:
+            return kernel_id, True
+        distance = sum(abs(math.log(max(a, 1) / b)) for a, b in zip(tuned, want, strict=True))
+        if distance < best_distance:
+            best_id, best_distance = kernel_id, distance
+    return None if best_id is None else (best_id, False)
+
+
+def _problem(op: str, dtype: str, arch: str | None, attrs: dict[str, Any] | None) -> list:
+    """The WHERE clauses of the kernels served for one problem (any arch when ``arch`` is None)."""
+    clauses = [Kernel.op == op, Kernel.dtype == dtype, Kernel.attrs_key == attrs_key(attrs)]
+    return clauses + [Kernel.arch == arch] if arch else clauses
 
 
 def make_engine(url: str) -> Engine:
@@ -435,3 +458,51 @@ class Store:
     def devices(self) -> list[DeviceRow]:
         with self.session() as s:
             return list(s.scalars(select(DeviceRow).order_by(DeviceRow.worker)).all())
+
+    # -- forward profiles (kernelmill profile-forward) ------------------------------------------------
+
+    def record_forward_profile(self, summary: dict[str, Any]) -> ForwardProfileRow:
+        """Store one complete summary (``ForwardProfile.to_dict()``) in one insert; returns the row."""
+        gaps, memcpy = summary.get("gaps") or {}, summary.get("memcpy") or {}
+
+        def us(value: float | None) -> float | None:
+            return None if value is None else value / 1e3
+
+        row = ForwardProfileRow(
+            model=summary["model"],
+            dtype=summary["dtype"],
+            batch=summary["batch"],
+            seq=summary.get("seq"),
+            iters=summary["iters"],
+            graphs=bool(summary.get("graphs")),
+            device_name=summary.get("device_name"),
+            nsys_version=summary.get("nsys_version"),
+            kernel_time_ms=summary["kernel_time_ns"] / 1e6,
+            kernel_launches=summary["kernel_launches"],
+            kernel_ms_per_forward=summary["kernel_time_ns"] / 1e6 / summary["iters"],
+            gap_total_ms=(gaps.get("total_ns") or 0.0) / 1e6,
+            gap_median_us=us(gaps.get("median_ns")),
+            gap_max_us=us(gaps.get("max_ns")),
+            memcpy_time_ms=(memcpy.get("time_ns") or 0.0) / 1e6,
+            memcpy_bytes=int(memcpy.get("bytes") or 0),
+            summary=summary,
+        )
+        with self.session() as s, s.begin():
+            s.add(row)
+        return row
+
+    def list_forward_profiles(
+        self, model: str | None = None, limit: int = 50, offset: int = 0
+    ) -> tuple[list[ForwardProfileRow], int]:
+        """Newest first, without their summaries."""
+        query = select(ForwardProfileRow).options(defer(ForwardProfileRow.summary))
+        if model:
+            query = query.where(ForwardProfileRow.model == model)
+        with self.session() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = s.scalars(query.order_by(ForwardProfileRow.id.desc()).limit(limit).offset(offset)).all()
+        return list(rows), total
+
+    def forward_profile(self, profile_id: int) -> ForwardProfileRow | None:
+        with self.session() as s:
+            return s.get(ForwardProfileRow, profile_id)

@@ -4,8 +4,8 @@ Every operation gets generated requests, valid and not; each response must be no
 its documented schema, and carry a documented status code. Bounded: a few dozen examples per operation,
 no Hypothesis deadline, so the file runs in well under a minute on two cores.
 
-The app runs with the fake executor on a temporary SQLite database that holds a served kernel and a
-finished job, so the id-taking routes answer 200 as well as 404.
+The app runs with the fake executor on a temporary SQLite database that holds a served kernel, a
+finished job and a forward profile, so the id-taking routes answer 200 as well as 404.
 """
 
 from __future__ import annotations
@@ -50,10 +50,17 @@ schema.location = "/openapi.json"
 
 @pytest.fixture(scope="module", autouse=True)
 def seeded():
-    """A finished job (trials, a served kernel) in the database before the app under test starts."""
+    """A finished job (trials, a served kernel) and a forward profile in the database before the app under
+    test starts."""
     from fastapi.testclient import TestClient
 
+    from kernelmill.service.db.store import Store
     from tests.api.conftest import SOFTMAX_JOB
+    from tests.store.test_forward_profiles import summary
+
+    store = Store(SETTINGS.database_url)
+    store.record_forward_profile(summary())
+    store.close()
 
     with TestClient(create_app(SETTINGS)) as client:
         job = client.post("/api/jobs", json={**SOFTMAX_JOB, "budget": {"trials": 8, "seconds": 60}}).json()

@@ -1,0 +1,114 @@
+"""`kernelmill profile-forward` without a GPU: no nsys (one line, exit 4), bad input (exit 2), and the whole
+pipeline against a fake nsys on PATH: summary printed, written as JSON and stored; no report (exit 5,
+nothing stored); no GPU in the child (exit 3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kernelmill.cli import EXIT_NO_PROFILER, EXIT_NO_REPORT, EXIT_UNAVAILABLE, EXIT_USAGE, app
+from kernelmill.service.db.store import Store
+from tests.runtime import fake_nsys
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def db_url(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path}/cli.db"
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
+    return url
+
+
+def stored(url: str) -> int:
+    store = Store(url)
+    try:
+        return store.list_forward_profiles()[1]
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def nsys_bin(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    fake_nsys.on_path(monkeypatch, bin_dir)
+    return bin_dir
+
+
+def test_without_nsys_one_line_and_its_own_exit_code(tmp_path, monkeypatch, db_url):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nsys anywhere
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny"])
+    assert result.exit_code == EXIT_NO_PROFILER == 4, result.output
+    assert "nsys not found" in result.output and "nothing profiled" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 3
+    assert stored(db_url) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "gpt"], "unknown preset"),
+        ([], "give a model"),
+        (["/no/such/model"], "no model at"),
+        (["--preset", "mlp-tiny", "-d", "int8"], "unknown dtype"),
+        (["--preset", "bert-tiny", "--seq", "100000"], "positions"),
+    ],
+)
+def test_bad_input_exits_2_before_nsys(argv, message, nsys_bin):
+    fake_nsys.install(nsys_bin, "ok")
+    result = runner.invoke(app, ["profile-forward", *argv])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert fake_nsys.calls(nsys_bin) == []  # nsys never started
+
+
+def test_fake_nsys_summary_printed_written_and_stored(nsys_bin, db_url, tmp_path):
+    fake_nsys.install(nsys_bin, "ok", "new")
+    out = tmp_path / "forward.json"
+    result = runner.invoke(
+        app, ["profile-forward", "--preset", "mlp-tiny", "--batch", "8", "--iters", "2", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "in 4 launches" in result.output
+    assert "launch gaps 5" in result.output and "memcpy 0.003 ms" in result.output
+    assert "top kernels" in result.output and "linear_tensorcore" in result.output
+    assert "NVTX ranges" in result.output and "forward" in result.output
+    written = json.loads(out.read_text())
+    assert written["kernel_launches"] == 4 and written["model"] == "mlp-tiny" and written["id"] >= 1
+    assert f"stored as forward profile {written['id']}" in result.output
+    store = Store(db_url)
+    try:
+        row = store.forward_profile(written["id"])
+        assert row.kernel_launches == 4 and row.summary["gaps"]["count"] == 5
+    finally:
+        store.close()
+
+
+def test_no_store_keeps_the_database_empty(nsys_bin, db_url):
+    fake_nsys.install(nsys_bin, "ok", "old")
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--no-store"])
+    assert result.exit_code == 0, result.output
+    assert "gpukernsum" not in result.output and "linear_tensorcore" in result.output
+    assert stored(db_url) == 0
+
+
+def test_no_report_says_so_with_what_nsys_said_and_stores_nothing(nsys_bin, db_url):
+    fake_nsys.install(nsys_bin, "no-report")
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny"])
+    assert result.exit_code == EXIT_NO_REPORT == 5, result.output
+    assert "nsys wrote no report" in result.output and "nothing profiled" in result.output
+    assert "No reports were generated" in result.output  # nsys's own words
+    assert "Traceback" not in result.output
+    assert stored(db_url) == 0
+
+
+def test_no_gpu_in_the_child_is_exit_3(nsys_bin, db_url, monkeypatch):
+    fake_nsys.install(nsys_bin, "run-child")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "1"])
+    assert result.exit_code == EXIT_UNAVAILABLE == 3, result.output
+    assert "no GPU here" in result.output and "nothing profiled" in result.output
+    assert stored(db_url) == 0
