@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import io
 import json
 import logging
@@ -187,13 +188,24 @@ class ForwardProfile:
 # -- nsys on this machine --------------------------------------------------------------------------------
 
 
+#: Where Nsight Systems installs itself when it is not on PATH (newest version first).
+NSYS_GLOBS = ("/opt/nvidia/nsight-systems/*/bin/nsys", "/opt/nvidia/nsight-systems-cli/*/bin/nsys")
+
+
 def find_nsys(name: str | None = None) -> str | None:
-    """The nsys executable (settings ``nsys``, default "nsys" on PATH), or None."""
+    """The nsys executable: settings ``nsys`` (KERNELMILL_NSYS, a name on PATH or a path), else
+    CUDA's bin folder or Nsight Systems' own install folders; None where there is none."""
     if name is None:
         from kernelmill.settings import get_settings
 
         name = get_settings().nsys
-    return shutil.which(name)
+    found = shutil.which(name)
+    if found or name != "nsys":
+        return found
+    candidates = [os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nsys")]
+    for pattern in NSYS_GLOBS:
+        candidates += sorted(glob.glob(pattern), reverse=True)
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 def nsys_version(nsys: str) -> str | None:
@@ -558,7 +570,10 @@ def _profile_in(workdir: Path, spec: ForwardSpec, nsys: str, timeout_s: float, k
         raise ForwardFailed(meta.get("kind", "error"), meta.get("reason", "the forward failed"))
     report = next((p for p in (report_base.with_suffix(s) for s in (".nsys-rep", ".qdrep")) if p.exists()), None)
     if report is None:
-        raise NsysNoReport(f"nsys wrote no report (exit {code}); nothing profiled", _tail(out, err))
+        why = f"exit {code}"
+        if list(workdir.glob("*.qdstrm")):  # raw capture left unconverted: this nsys lacks its importer
+            why += "; it left a raw .qdstrm capture it could not turn into a report"
+        raise NsysNoReport(f"nsys wrote no report ({why}); nothing profiled", _tail(out, err))
     picked = pick_reports(known_reports(nsys))
     stats_base = workdir / "stats"
     stats_cmd = [

@@ -7,6 +7,7 @@
 * ``nsys profile ... --output BASE ... PROGRAM ARGS``: by ``mode``,
   ``ok`` writes ``BASE.nsys-rep`` without running PROGRAM (the forward itself needs a GPU),
   ``no-report`` prints what nsys prints when it writes nothing and exits 1,
+  ``qdstrm`` leaves a raw ``BASE.qdstrm`` capture and no report (the nsys of Nsight Compute's folder),
   ``run-child`` runs PROGRAM (the real child) and writes no report;
 * ``nsys stats --report A,B --format csv --output PREFIX ... REPORT``: copies ``reports/<name>.csv`` to
   ``PREFIX_<name>.csv`` for each name it has, and says SKIPPED for the others (as nsys does).
@@ -69,6 +70,10 @@ elif args[:1] == ["profile"]:
         print("Collecting data...", flush=True)
         print("Agent launcher failed.\nNo reports were generated", file=sys.stderr)
         sys.exit(1)
+    elif MODE == "qdstrm":  # what the nsys bundled with Nsight Compute does on our GPU host
+        Path(base + ".qdstrm").write_bytes(b"raw capture")
+        print("Generating '" + base + ".qdstrm'")
+        print("Failed to create '" + base + ".nsys-rep': QdstrmImporter not found", file=sys.stderr)
     elif MODE == "run-child":
         subprocess.run(program)
         print("No reports were generated", file=sys.stderr)
@@ -112,3 +117,13 @@ def calls(bin_dir: Path) -> list[list[str]]:
 
 def on_path(monkeypatch, bin_dir: Path) -> None:
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def nowhere(monkeypatch, tmp_path: Path) -> None:
+    """No nsys on PATH nor in the folders find_nsys looks in."""
+    from kernelmill.runtime import profile
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("KERNELMILL_NSYS", raising=False)
+    monkeypatch.setattr(profile, "NSYS_GLOBS", ())

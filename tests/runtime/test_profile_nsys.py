@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from kernelmill import settings
 from kernelmill.runtime import profile
 from kernelmill.runtime.profile import (
     REPORTS,
@@ -183,10 +184,23 @@ def nsys_bin(tmp_path, monkeypatch):
 
 
 def test_without_nsys_nothing_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))
+    fake_nsys.nowhere(monkeypatch, tmp_path)
     assert profile.find_nsys() is None
     with pytest.raises(NsysUnavailable):
         profile_forward(ForwardSpec(preset="mlp-tiny"))
+
+
+def test_nsys_from_the_setting_or_its_install_folder(tmp_path, monkeypatch):
+    fake_nsys.nowhere(monkeypatch, tmp_path)
+    script = fake_nsys.install(tmp_path / "opt" / "nsight-systems" / "2025.3.1" / "bin")
+    monkeypatch.setattr(profile, "NSYS_GLOBS", (str(tmp_path / "opt" / "nsight-systems" / "*" / "bin" / "nsys"),))
+    assert profile.find_nsys() == str(script)
+    monkeypatch.setenv("KERNELMILL_NSYS", str(script))
+    settings.reset_settings()
+    assert profile.find_nsys() == str(script)
+    monkeypatch.setenv("KERNELMILL_NSYS", str(tmp_path / "missing" / "nsys"))
+    settings.reset_settings()
+    assert profile.find_nsys() is None  # a path that is asked for is not second-guessed
 
 
 def test_profile_forward_with_a_fake_nsys(nsys_bin, tmp_path):
@@ -222,6 +236,13 @@ def test_no_report_is_an_error_with_what_nsys_said(nsys_bin):
     with pytest.raises(NsysNoReport, match="wrote no report") as info:
         profile_forward(ForwardSpec(preset="mlp-tiny"))
     assert "No reports were generated" in info.value.tail
+
+
+def test_a_raw_capture_without_a_report_says_so(nsys_bin):
+    fake_nsys.install(nsys_bin, "qdstrm")
+    with pytest.raises(NsysNoReport, match="raw .qdstrm capture") as info:
+        profile_forward(ForwardSpec(preset="mlp-tiny"))
+    assert "QdstrmImporter" in info.value.tail
 
 
 def test_a_report_without_kernels_is_an_error(nsys_bin, tmp_path):

@@ -39,7 +39,7 @@ def nsys_bin(tmp_path, monkeypatch):
 
 
 def test_without_nsys_one_line_and_its_own_exit_code(tmp_path, monkeypatch, db_url):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no nsys anywhere
+    fake_nsys.nowhere(monkeypatch, tmp_path)
     result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny"])
     assert result.exit_code == EXIT_NO_PROFILER == 4, result.output
     assert "nsys not found" in result.output and "nothing profiled" in result.output
