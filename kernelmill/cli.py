@@ -340,6 +340,9 @@ def serve(
     host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
     scheduler: Annotated[str | None, typer.Option(help="existing Dask scheduler, tcp://HOST:8786")] = None,
+    access_log: Annotated[
+        bool | None, typer.Option("--access-log/--no-access-log", help="a log line per request (default on)")
+    ] = None,
 ) -> None:
     """Run the REST service with its job runner (a local Dask cluster, one worker per GPU)."""
     import uvicorn
@@ -347,10 +350,18 @@ def serve(
     from kernelmill.service.app import create_app
     from kernelmill.settings import get_settings
 
-    updates = {k: v for k, v in {"host": host, "port": port, "scheduler": scheduler}.items() if v is not None}
-    settings = get_settings().model_copy(update=updates)
+    given = {"host": host, "port": port, "scheduler": scheduler, "access_log": access_log}
+    settings = get_settings().model_copy(update={k: v for k, v in given.items() if v is not None})
     console.print(f"kernelmill {__version__} serving on http://{settings.host}:{settings.port} (docs at /docs)")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    # One process: the job runner and the GPU workers belong to it (several uvicorn workers would each start
+    # their own). uvicorn picks httptools and uvloop, both dependencies, over its pure-Python h11 and asyncio.
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=settings.access_log,
+    )
 
 
 @app.command()

@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     api_token: str | None = Field(None, description="when set, writes need 'Authorization: Bearer <token>'")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    access_log: bool = Field(True, description="uvicorn's log line per request (KERNELMILL_ACCESS_LOG=false: off)")
     scheduler: str | None = Field(None, description="tcp://HOST:8786 of an existing Dask scheduler")
     executor: str = Field("dask", pattern="^(dask|fake)$", description="'fake' runs synthetic GPUs (tests only)")
     fake_workers: int = Field(2, ge=0, description="fake GPUs when executor=fake")

@@ -31,6 +31,7 @@ def create_app(
         app.state.executor = executor or make_executor(settings)
         app.state.runner = JobRunner(app.state.store, app.state.executor, settings)
         app.state.runner.start()
+        await kernels.warm_up(app, app.state.store)
         try:
             yield
         finally:
@@ -43,7 +44,8 @@ def create_app(
     app = FastAPI(title="kernelmill", version=__version__, lifespan=lifespan)
     app.state.settings = settings
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(kernels.BestKernelFastPath)  # best-kernel cache hits, before routing
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: outside the fast path
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(request: Request, exc: RequestValidationError):

@@ -67,12 +67,22 @@ class Param:
     doc: str = ""
 
     def coerce(self, raw: Any) -> Any:
-        """Turn a CLI/JSON value into one of ``values`` or raise SpecError."""
+        """Turn a CLI/JSON/query value into one of ``values`` or raise SpecError."""
+        number = _float_or_none(raw) if isinstance(raw, str) else None
         for value in self.values:
             if raw == value or str(raw).lower() == str(value).lower():
                 return value
+            if number is not None and isinstance(value, float) and number == value:  # "1e-5" is 1e-05
+                return value
         allowed = ", ".join(str(v) for v in self.values)
         raise SpecError(f"parameter {self.name}={raw!r} is not allowed; choose one of {allowed}")
+
+
+def _float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 class TensorMapArg(NamedTuple):

@@ -404,42 +404,47 @@ class Store:
             rows = s.scalars(query.order_by(Kernel.op, Kernel.shape_key).limit(limit).offset(offset)).all()
         return list(rows), total
 
+    def served_fingerprint(self) -> int:
+        """A digest of the served kernels (each row's id, trial and last change): it changes whenever any
+        process publishes, so that caches of served answers know when to drop what they hold."""
+        with self.session() as s:
+            rows = s.execute(select(Kernel.id, Kernel.trial_id, Kernel.updated_at).order_by(Kernel.id)).all()
+        return hash(tuple(tuple(row) for row in rows))
+
     def kernel(self, kernel_id: int, with_cubin: bool = False) -> Kernel | None:
         with self.session() as s:
             opts = [undefer(Kernel.cubin)] if with_cubin else []
             return s.get(Kernel, kernel_id, options=opts)
 
+    def served_shapes(
+        self, op: str, dtype: str, arch: str | None, attrs: dict[str, Any] | None = None
+    ) -> list[tuple[int, list[int]]]:
+        """(id, shape) of every kernel served for a problem, in id order; of any arch when ``arch`` is None."""
+        with self.session() as s:
+            rows = s.execute(
+                select(Kernel.id, Kernel.shape).where(*_problem(op, dtype, arch, attrs)).order_by(Kernel.id)
+            )
+            return [(kernel_id, list(shape)) for kernel_id, shape in rows]
+
     def best_kernel(
         self, op: str, shape: Sequence[int], dtype: str, arch: str | None, attrs: dict[str, Any] | None = None
     ) -> tuple[Kernel, bool] | None:
-        """The kernel for exactly this shape, else the nearest tuned shape (log distance), with ``exact``.
+        """The kernel for exactly this shape, else the nearest tuned shape (``nearest_shape``), with ``exact``.
 
         The exact shape is one indexed lookup; only when it misses are the candidates' shapes (not their
         rows) read to find the nearest, whose row alone is then loaded.
         """
-        want = [max(int(v), 1) for v in shape]
-        problem = [Kernel.op == op, Kernel.dtype == dtype, Kernel.attrs_key == attrs_key(attrs)]
-        if arch:
-            problem.append(Kernel.arch == arch)
+        problem = _problem(op, dtype, arch, attrs)
         with self.session() as s:
             exact = s.scalars(
-                select(Kernel).where(*problem, Kernel.shape_key == shape_key(want)).order_by(Kernel.id).limit(1)
-            ).first()
+                select(Kernel).where(*problem, Kernel.shape_key == shape_key([max(int(v), 1) for v in shape]))
+                .order_by(Kernel.id).limit(1)
+            ).first()  # fmt: skip
             if exact is not None:
                 return exact, True
-
-            def distance(tuned: Sequence[int]) -> float:
-                if len(tuned) != len(want):
-                    return math.inf
-                return sum(abs(math.log(max(a, 1) / b)) for a, b in zip(tuned, want, strict=True))
-
             shapes = s.execute(select(Kernel.id, Kernel.shape).where(*problem).order_by(Kernel.id)).all()
-            if not shapes:
-                return None
-            best_id, best_shape = min(shapes, key=lambda row: distance(row[1]))
-            if math.isinf(distance(best_shape)):
-                return None
-            return s.get(Kernel, best_id), list(best_shape) == want
+            found = nearest_shape(shapes, shape)
+            return None if found is None else (s.get(Kernel, found[0]), found[1])
 
     # -- devices ---------------------------------------------------------------------
 
