@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,8 +75,8 @@ def validate_submission(
 class StoreRecorder:
     """The loop's Recorder backed by the store."""
 
-    def __init__(self, store: Store, job_id: int) -> None:
-        self.store, self.job_id = store, job_id
+    def __init__(self, store: Store, job_id: int, stopping: threading.Event | None = None) -> None:
+        self.store, self.job_id, self.stopping = store, job_id, stopping
 
     def observations(self, shape: str) -> list[Observation]:
         return [
@@ -93,7 +94,8 @@ class StoreRecorder:
         self.store.record_baseline(self.job_id, shape, median_ms, device_name)
 
     def cancelled(self) -> bool:
-        return self.store.cancel_requested(self.job_id)
+        """Cancelled by a user, or the service is stopping (the runner then queues the job again)."""
+        return (self.stopping is not None and self.stopping.is_set()) or self.store.cancel_requested(self.job_id)
 
     def warm_start(self, shape: str, limit: int = 8) -> list[Candidate]:
         """Best parameters of other jobs of this op, nearest problem first: same dtype and a close shape
@@ -167,9 +169,18 @@ class JobRunner:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop polling and ask running jobs to stop at their next batch (they are queued again, to resume on
+        the next start); wait for the poll thread and every job thread, ``timeout_s`` in all."""
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         if self._thread:
             self._thread.join(timeout_s)
+        jobs = list(self._running.values())  # read after the poll thread ended: it starts no job after this
+        for thread in jobs:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in [self._thread, *jobs] if t is not None and t.is_alive()]
+        if alive:  # a batch still evaluating: its thread is a daemon and goes with the process
+            log.warning("job runner: %s still running %.1f s after stop", ", ".join(alive), timeout_s)
 
     def _poll(self) -> None:
         while not self._stop.is_set():
@@ -216,8 +227,12 @@ class JobRunner:
                 job.budget_seconds,
                 batch_size=self.settings.batch_size,
             )
-            state = run_job(plan, evaluator, StoreRecorder(self.store, job.id), self._on_progress)
-            self.store.finish_job(job.id, state)
+            state = run_job(plan, evaluator, StoreRecorder(self.store, job.id, self._stop), self._on_progress)
+            if state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
+                log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
+                self.store.update_job(job.id, state="queued")
+            else:
+                self.store.finish_job(job.id, state)
         except Exception as exc:  # noqa: BLE001 - a failed job is recorded, the service stays up
             log.exception("job %s failed", job.id)
             self.store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}")

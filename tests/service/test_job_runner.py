@@ -1,0 +1,97 @@
+"""JobRunner.stop: running jobs stop at their next batch and are queued again; their threads are joined,
+within the timeout even when a batch never returns."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from kernelmill.agents.evaluator import FakeEvaluator
+from kernelmill.service.db.store import Store
+from kernelmill.service.executor import FakeExecutor
+from kernelmill.service.jobs import JobRunner
+from kernelmill.settings import Settings
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/runner.db")
+    yield store
+    store.close()
+
+
+def softmax_job(store: Store, trials: int = 400):
+    return store.create_job(
+        op="softmax", shapes=[[1024, 1024]], dtype="float16", attrs={}, strategy="random",
+        budget_trials=trials, budget_seconds=600.0,
+    )  # fmt: skip
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_stop_joins_job_threads_and_queues_their_jobs_again(store, tmp_path):
+    settings = Settings(database_url=store.url, batch_size=2)
+    runner = JobRunner(store, FakeExecutor(1, delay_s=0.02), settings, poll_s=0.05)
+    job = softmax_job(store)
+    runner.start()
+    wait_for(lambda: len(store.trials(job.id)) >= 4)
+    threads = list(runner._running.values())
+    assert len(threads) == 1
+
+    started = time.monotonic()
+    runner.stop(timeout_s=10)
+    assert time.monotonic() - started < 5  # a batch is two 20 ms trials: it stops at the next one
+    assert not threads[0].is_alive() and not runner._thread.is_alive()
+    stopped = store.get_job(job.id)
+    assert stopped.state == "queued" and not stopped.cancel_requested  # not cancelled, not failed: resumes
+    recorded = len(store.trials(job.id))
+    assert 4 <= recorded < 400
+
+    again = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url, batch_size=50), poll_s=0.05)
+    again.start()
+    try:
+        wait_for(lambda: store.get_job(job.id).state == "done", 60)
+    finally:
+        again.stop()
+    assert len(store.trials(job.id)) > recorded
+
+
+class _StuckEvaluator(FakeEvaluator):
+    """A batch that does not return until released (a hung GPU task)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def evaluate(self, op, shape, dtype, attrs, candidates):
+        self.entered.set()
+        self.release.wait(30)
+        return super().evaluate(op, shape, dtype, attrs, candidates)
+
+
+def test_stop_is_bounded_when_a_batch_hangs(store, caplog):
+    executor = FakeExecutor(1)
+    stuck = executor._evaluators["fake-gpu0"] = _StuckEvaluator()
+    runner = JobRunner(store, executor, Settings(database_url=store.url), poll_s=0.05)
+    job = softmax_job(store)
+    runner.start()
+    try:
+        assert stuck.entered.wait(20)
+        with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+            started = time.monotonic()
+            runner.stop(timeout_s=0.3)
+            assert time.monotonic() - started < 2
+        assert f"job-{job.id} still running" in caplog.text
+    finally:
+        stuck.release.set()
+    wait_for(lambda: store.get_job(job.id).state == "queued")  # the batch returned: recorded, then queued
+    wait_for(lambda: not runner._running)
+    assert store.trials(job.id)
