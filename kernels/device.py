@@ -14,6 +14,7 @@ import logging
 import math
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
@@ -338,6 +339,9 @@ class Device:
         self._pool = DeviceMemoryPool()
         self._modules: dict[str, Module] = {}
         self._close_hooks: list = []
+        # Every live buffer: at exit they go back to the pool while the context is still current (one
+        # freed after the context is popped makes pycuda abort the process in a C++ destructor).
+        self._live: weakref.WeakSet[Buffer] = weakref.WeakSet()
         self.poisoned = False
         atexit.register(self.close)
 
@@ -365,9 +369,11 @@ class Device:
 
     def alloc(self, nbytes: int) -> Buffer:
         try:
-            return Buffer(self._pool.allocate(max(int(nbytes), 1)), int(nbytes))
+            buf = Buffer(self._pool.allocate(max(int(nbytes), 1)), int(nbytes))
         except self.cuda.Error as exc:
             raise self._raise(exc, f"allocating {nbytes} bytes") from None
+        self._live.add(buf)
+        return buf
 
     def upload(self, array: np.ndarray) -> Buffer:
         array = np.ascontiguousarray(array)
@@ -467,6 +473,8 @@ class Device:
             self._modules.clear()
             gc.collect()
             if not self.poisoned:
+                for buf in list(self._live):
+                    buf.allocation.free()  # the buffer's own finalizer then has nothing left to free
                 self._pool.free_held()
             self._ctx.pop()
         except Exception as exc:  # noqa: BLE001 - best effort at exit

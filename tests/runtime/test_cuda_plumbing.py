@@ -121,6 +121,14 @@ def test_every_op_maps_its_tensors_to_kernel_arguments(fake):
     assert all(r["source"] == "default" for r in rows.values())
 
 
+def test_small_batches_run_the_fused_mlp_kernel(fake):
+    backend, registry = fake
+    x, w1, b1, w2, b2 = _cuda(4, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
+    ops.fused_mlp(x, w1, b1, w2, b2, "gelu")
+    assert [launch[0] for launch in backend.launches][-2] == "fused_mlp_small_batch"
+    assert {r["op"] for r in registry.report()} == {"fused_mlp"}
+
+
 def test_unaligned_inputs_are_copied(fake):
     backend, _ = fake
     x = _cuda(64)

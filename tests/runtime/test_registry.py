@@ -72,6 +72,15 @@ def test_other_attrs_are_not_served(service, tmp_path):
         reg.get("linear", (64, 96, 32), "float16", {"act": "silu"})
 
 
+def test_every_op_attribute_goes_to_the_service(service, tmp_path):
+    _tune(service, "layernorm", [64, 256], "float16", {"eps": "1e-5"})
+    reg = KernelRegistry(client=service, arch="sm_90", cache_dir=tmp_path / "c", compiler=_NoCompile())
+    served = reg.get("layernorm", (64, 256), "float16", {"eps": 1e-5})  # asked for as attr=eps:1e-05
+    assert served.source == TUNED and served.attrs == {"eps": 1e-5}
+    with pytest.raises(_Compiled):  # the default eps (1e-12) was never tuned: compiled, not served
+        reg.get("layernorm", (64, 256), "float16")
+
+
 class _Compiled(Exception):
     pass
 
@@ -195,7 +204,7 @@ def test_default_wgmma_tiles_fill_the_gpu():
         assert fam.check(p, "float16") is None
         return p["BM"], p["BN"], p["ctas"]
 
-    assert tile((256, 4096, 11008)) == (64, 128, 0)  # 128 tiles rather than 32
+    assert tile((256, 4096, 11008)) == (128, 64, 0)  # 128 tiles rather than 32
     assert tile((256, 11008, 4096)) == (128, 192, 0)  # 116 tiles in one wave
     assert tile((4096, 11008, 4096)) == (128, 256, 132)  # many waves: persistent
 
