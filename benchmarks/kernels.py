@@ -31,6 +31,8 @@ class Case:
     dtype: str
     target: str
     attrs: dict = field(default_factory=dict, hash=False)
+    #: Families the tuning job searches (None: every family of the op for the dtype).
+    families: tuple[str, ...] | None = None
 
 
 def _cases() -> list[Case]:
@@ -41,17 +43,20 @@ def _cases() -> list[Case]:
         cases.append(Case("softmax", (1, 32000), dtype, ">= 2x torch.softmax"))
     for dtype in ("float16", "bfloat16"):
         for shape in ((4096, 4096, 4096), (8192, 8192, 8192), (2048, 11008, 4096)):
-            cases.append(Case("matmul", shape, dtype, ">= 0.9x cuBLAS"))
+            cases.append(Case("matmul", shape, dtype, ">= 0.9x cuBLAS", families=("wgmma",)))
         for shape in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 11008)):
-            cases.append(Case("matmul", shape, dtype, ">= 1.2x cuBLAS, >= 85% of copy bandwidth"))
-    cases.append(Case("matmul", (4096, 4096, 4096), "float32", ">= 0.9x cuBLAS fp32 (no TF32)"))
+            cases.append(Case("matmul", shape, dtype, ">= 1.2x cuBLAS, >= 85% of copy bandwidth", families=("gemv",)))
+    cases.append(Case("matmul", (4096, 4096, 4096), "float32", ">= 0.9x cuBLAS fp32 (no TF32)", families=("simt",)))
     targets = {1: "<= 50 us", 16: "<= 55 us", 4096: "<= 1.10 ms"}
     for batch, target in targets.items():
-        cases.append(Case("fused_mlp", (batch, 4096, 11008, 4096), "float16", target, {"act": "gelu_tanh"}))
+        families = ("epilogue",) if batch > 32 else None
+        cases.append(
+            Case("fused_mlp", (batch, 4096, 11008, 4096), "float16", target, {"act": "gelu_tanh"}, families=families)
+        )
     return cases
 
 
-def tune(store, evaluator, case: Case, budget: int, strategy: str):
+def tune(store, evaluator, case: Case, budget: int, strategy: str, profile_top_k: int = 1):
     from kernelmill.agents.loop import JobPlan, run_job
     from kernelmill.service.jobs import StoreRecorder
 
@@ -61,7 +66,10 @@ def tune(store, evaluator, case: Case, budget: int, strategy: str):
         budget_trials=budget, budget_seconds=1800, arch=facts.arch,
     )  # fmt: skip
     store.start_job(job.id, "benchmark", facts.name)
-    plan = JobPlan(job.id, case.op, [case.shape], case.dtype, case.attrs, strategy, budget, 1800, batch_size=16)
+    plan = JobPlan(
+        job.id, case.op, [case.shape], case.dtype, case.attrs, strategy, budget, 1800, batch_size=16,
+        profile_top_k=profile_top_k, families=list(case.families) if case.families else None,
+    )  # fmt: skip
     state = run_job(plan, evaluator, StoreRecorder(store, job.id))
     store.finish_job(job.id, state)
     return job.id
@@ -85,6 +93,8 @@ def measure(case: Case, store, evaluator, job_id: int, reps: int, compiled_torch
     key = format_shape(case.shape)
     row = {"case": f"{case.op} {key} {case.dtype}", "target": case.target, "job": job_id}
     best = store.best_trial(job_id, key)
+    if best is not None and best.profile:
+        row["ncu"] = best.profile  # the job's ncu profile of this kernel (profile_top_k)
     device, flusher = evaluator.device, evaluator.flusher
     attrs = spec.resolve_attrs(case.attrs)
     inputs = spec.make_inputs(case.shape, case.dtype, seed=0)
@@ -160,6 +170,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="time the store's latest job per case, no tuning")
     parser.add_argument("--no-compile", default="", help="comma-separated ops for which torch.compile is skipped")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--tune-only", action="store_true", help="run the tuning jobs, time nothing")
+    parser.add_argument("--profile-top-k", type=int, default=1, help="ncu profiles of each job's fastest kernels")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -177,11 +189,16 @@ def main() -> None:
         start = time.monotonic()
         job_id = latest_job(store, case) if args.reuse else None
         if job_id is None:
-            job_id = tune(store, evaluator, case, args.budget, args.strategy)
+            job_id = tune(store, evaluator, case, args.budget, args.strategy, args.profile_top_k)
+        if args.tune_only:
+            print(f"{name}: job {job_id} ({time.monotonic() - start:.0f} s)", flush=True)
+            continue
         row = measure(case, store, evaluator, job_id, args.reps, case.op not in args.no_compile.split(","))
         row["seconds"] = round(time.monotonic() - start, 1)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
+    if args.tune_only:
+        return
     ceil = evaluator.ceilings()
     print_table(rows, evaluator.device.info.name, ceil)
     if args.json:
