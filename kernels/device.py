@@ -90,7 +90,7 @@ class DeviceInfo:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the device keeps its live buffers in a WeakSet
 class Buffer:
     """Device memory from the pool; ``ptr`` is the raw device address."""
 
