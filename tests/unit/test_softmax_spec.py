@@ -51,7 +51,8 @@ def test_defaults_keep_rows_up_to_32_per_thread_in_registers():
         cluster = CLUSTER_ROW.defaults(dtype)
         assert warp == {"vec": vec, "unroll": 32 // vec, "rows_per_block": 4, "fast_exp": fast}
         assert block == {"vec": vec, "unroll": 32 // vec, "threads": 256, "fast_exp": fast}
-        assert cluster == {"vec": vec, "unroll": 32 // vec, "threads": 256, "cluster": 4, "fast_exp": fast}
+        assert cluster == {"vec": vec, "unroll": 16 // vec, "threads": 256, "cluster": 8, "fast_exp": fast}
+        assert CLUSTER_ROW.chunk(32000, cluster) <= pass_elems(256, cluster)  # 1x32000: one pass a block
         assert pass_elems(32, warp) == 1024 and pass_elems(256, block) == 8192
         split = SOFTMAX.family("split_row").defaults(dtype)
         assert split["blocks_per_row"] == 32 and split["threads"] * split["vec"] * split["unroll"] == 1024
@@ -90,7 +91,7 @@ def test_shared_memory_copy_only_when_it_helps_and_fits(dtype):
 def test_cluster_row_shares_each_row():
     fam = CLUSTER_ROW
     assert fam.template == SOFTMAX.family("block_row").template
-    params = fam.defaults("float16")
+    params = {**fam.defaults("float16"), "cluster": 4, "unroll": 4}
     (launch,) = fam.launches((4096, 32000), params, "float16")
     assert launch.entry == "softmax_cluster_row" and launch.args == ("x", "y", 4096, 32000)
     assert launch.grid == (4096 * 4, 1, 1) and launch.smem_bytes == 0  # 8000 elements a block: one pass
