@@ -1,0 +1,127 @@
+"""GET /api/kernels/best: any op attribute (attr=NAME:VALUE), refused queries, and its cache (hits answered
+before routing exactly as the route answers; dropped when this process or another one publishes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kernelmill.service.api import kernels
+from kernelmill.service.db.store import Store
+from tests.api.conftest import wait_state
+from tests.store.test_store import new_job, publish
+
+BEST = "/api/kernels/best"
+
+
+def tune(client, op, shape, attrs=None, trials=6):
+    body = {"op": op, "shapes": [shape], "dtype": "float16", "strategy": "random", "attrs": attrs or {}}
+    job = client.post("/api/jobs", json={**body, "budget": {"trials": trials, "seconds": 60}})
+    assert job.status_code == 201, job.text
+    assert wait_state(client, job.json()["id"])["state"] == "done"
+
+
+def best(client, query: str):
+    return client.get(f"{BEST}?{query}")
+
+
+def test_any_op_attribute_as_attr_name_value(client):
+    tune(client, "layernorm", [256, 1024], {"eps": "1e-5"})  # job attributes are strings, as in the CLI
+    found = best(client, "op=layernorm&shape=256x1024&dtype=float16&attr=eps:1e-05")
+    assert found.status_code == 200, found.text
+    assert found.json()["attrs"] == {"eps": 1e-5} and found.json()["exact"] is True
+    same = best(client, "op=layernorm&shape=256x1024&dtype=float16&attr=eps:1e-5")  # as the value is written
+    assert same.json()["id"] == found.json()["id"]
+    near = best(client, "op=layernorm&shape=200x1000&dtype=float16&attr=eps:1e-05").json()
+    assert near["id"] == found.json()["id"] and near["exact"] is False and near["requested_shape"] == [200, 1000]
+    # Without the attribute, the op's default (eps 1e-12) is asked for: not tuned.
+    missing = best(client, "op=layernorm&shape=256x1024&dtype=float16")
+    assert missing.status_code == 404 and "submit a job" in missing.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("query", "reason"),
+    [
+        ("op=layernorm&shape=8x8&attr=eps:0.1", "eps='0.1' is not allowed"),
+        ("op=layernorm&shape=8x8&attr=momentum:0.9", "no attribute 'momentum'"),
+        ("op=softmax&shape=8x8&attr=act:relu", "no attribute 'act'"),
+        ("op=softmax&shape=8x8&act=relu", "no attribute 'act'"),
+        ("op=layernorm&shape=8x8&attr=eps", "expected NAME:VALUE"),
+        ("op=layernorm&shape=8x8&attr=:1e-05", "expected NAME:VALUE"),
+        ("op=layernorm&shape=8x8&attr=eps:1e-05&attr=eps:1e-06", "eps given twice"),
+        ("op=linear&shape=8x8x8&act=relu&attr=act:relu", "act given twice"),
+        ("op=layernorm&shape=8x8&eps=1e-05", "unknown query parameter 'eps'"),
+        ("op=layernorm&shape=8x8x8", "layernorm"),
+    ],
+)
+def test_bad_attributes_are_422_with_a_reason(client, query, reason):
+    resp = best(client, query)
+    assert resp.status_code == 422 and reason in resp.json()["detail"], resp.text
+
+
+def test_act_shorthand_and_attr_are_the_same_question(client):
+    tune(client, "linear", [64, 96, 32], {"act": "relu"})
+    short = best(client, "op=linear&shape=64x96x32&dtype=float16&act=relu")
+    long = best(client, "op=linear&shape=64x96x32&dtype=float16&attr=act:relu")
+    assert short.status_code == long.status_code == 200 and short.content == long.content
+    assert short.json()["attrs"] == {"act": "relu"}
+    assert best(client, "op=linear&shape=64x96x32&dtype=float16").status_code == 404  # act=none: not tuned
+
+
+def test_a_cache_hit_answers_exactly_as_the_route(client):
+    tune(client, "softmax", [1024, 1024])
+    store = client.app.state.store
+    cache = kernels.best_cache(store)
+    for query in ("op=softmax&shape=1024x1024&dtype=float16", "op=softmax&shape=1000x900&dtype=float16"):
+        first = best(client, query)  # the route, which fills the cache
+        assert query.encode() in cache.answers
+        second = best(client, query)  # the fast path, before routing
+        assert first.status_code == second.status_code == 200
+        assert first.content == second.content and first.headers == second.headers
+
+
+def test_the_cache_follows_what_this_process_publishes(client):
+    tune(client, "softmax", [1024, 1024])
+    query = "op=softmax&shape=4000x4000&dtype=float16"
+    assert best(client, query).json()["shape"] == [1024, 1024]
+    assert best(client, "op=softmax&shape=4096x4096&dtype=float16").json()["exact"] is False
+    tune(client, "softmax", [4096, 4096])  # published by this app's job runner
+    assert best(client, query).json()["shape"] == [4096, 4096]
+    assert best(client, "op=softmax&shape=4096x4096&dtype=float16").json()["exact"] is True
+
+
+def test_the_cache_sees_what_other_processes_publish(client, monkeypatch):
+    monkeypatch.setattr(kernels.BestCache, "ttl_s", 0.2)
+    other = Store(client.app.state.store.url)  # another replica on the same database
+    try:
+        job = new_job(other, shapes=[(1024, 1024), (4096, 4096)], state="done")  # not for the runner
+        publish(other, job, (1024, 1024), 2.0)
+        query = "op=softmax&shape=4000x4000&dtype=float16"
+        time.sleep(0.25)
+        first = best(client, query).json()
+        assert first["shape"] == [1024, 1024] and first["median_ms"] == 2.0
+        publish(other, job, (1024, 1024), 1.5)  # a faster kernel for the same problem: the row is replaced
+        time.sleep(0.25)
+        assert best(client, query).json()["median_ms"] == 1.5
+        publish(other, job, (4096, 4096), 3.0)  # a new tuned shape, nearer
+        time.sleep(0.25)
+        assert best(client, query).json()["shape"] == [4096, 4096]
+    finally:
+        other.close()
+
+
+def test_start_up_warms_the_lookup_of_a_served_kernel(tmp_path):
+    from tests.api.conftest import make_client
+
+    url = f"sqlite:///{tmp_path}/warm.db"
+    seeded = Store(url)
+    try:
+        publish(seeded, new_job(seeded, state="done"), (1024, 1024), 1.0)
+    finally:
+        seeded.close()
+    with make_client(tmp_path, url) as client:
+        cache = kernels.best_cache(client.app.state.store)
+        assert len(cache.answers) == 1 and len(cache.kernels) == 1
+        (query,) = cache.answers
+        assert best(client, query.decode()).json()["shape"] == [1024, 1024]
