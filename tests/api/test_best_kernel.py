@@ -125,3 +125,15 @@ def test_start_up_warms_the_lookup_of_a_served_kernel(tmp_path):
         assert len(cache.answers) == 1 and len(cache.kernels) == 1
         (query,) = cache.answers
         assert best(client, query.decode()).json()["shape"] == [1024, 1024]
+
+
+def test_a_failed_warm_up_does_not_stop_the_service(tmp_path, monkeypatch):
+    from tests.api.conftest import make_client
+
+    def unavailable(*args):
+        raise RuntimeError("database away")
+
+    monkeypatch.setattr(Store, "list_kernels", unavailable)
+    with make_client(tmp_path) as client:
+        assert client.get("/api/health").status_code == 200
+        assert best(client, "op=softmax&shape=64x64&dtype=float16").status_code == 404
