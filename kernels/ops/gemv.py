@@ -31,7 +31,7 @@ _SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
 #: ptxas 13.0 over the space so that the __launch_bounds__ promise does not make it spill.
 _OVERHEAD_REGS = {False: 40, True: 40}
 #: Most registers a thread's accumulators and loads in flight may take, per engine.
-_MAX_DATA_REGS = {False: 96, True: 160}
+_MAX_DATA_REGS = {False: 96, True: 128}
 #: Columns of B one warp of the mma engine covers (8 n-tiles of 8).
 MMA_WARP_COLS = 64
 #: Most values of A one step of the FMA engine uses (max_m rows x unroll): ptxas hoists their loads, and more
@@ -61,6 +61,7 @@ class GemvFamily(Family):
         Param("threads", (64, 128, 256, 512), "threads per block; warps beyond block_cols split its K slice"),
         Param("k_splits", (1, 2, 4, 8), "blocks (a cluster) sharing a column strip, one K slice each"),
         Param("unroll", (1, 2, 4, 8), "rows of B per thread (FMA) or 16-row tiles per warp (mma) in flight"),
+        Param("pipeline", (1, 2), "groups of unroll tiles in flight per warp (mma): 2 loads the next before the mma"),
     )
 
     def precision(self, dtype):
@@ -91,7 +92,7 @@ class GemvFamily(Family):
         if params["mma"]:
             # 8 n-tiles x 4 accumulators per m16 tile, 4 x 16 bytes of B and the A fragments per k16 step.
             mt = cdiv(params["max_m"], 16)
-            return mt * 32 + u * 16 + u * mt * (4 if params["max_m"] > 8 else 2)
+            return mt * 32 + params["pipeline"] * (u * 16 + u * mt * (4 if params["max_m"] > 8 else 2))
         vec = params["vec"]
         return params["max_m"] * vec + cdiv(u * vec * itemsize(dtype), 4) + u
 
@@ -108,8 +109,10 @@ class GemvFamily(Family):
     def defaults(self, dtype):
         if itemsize(dtype) == 2:
             # 8 warps of 64-column tiles, 2 tiles in flight (8 x 16 bytes a lane); M up to 16; clusters of 4.
-            return {"max_m": 16, "mma": True, "vec": 8, "block_cols": 64, "threads": 256, "k_splits": 4, "unroll": 2}
-        return {"max_m": 16, "mma": False, "vec": 4, "block_cols": 32, "threads": 256, "k_splits": 4, "unroll": 4}
+            mma = {"mma": True, "vec": 8, "block_cols": 64, "threads": 256, "k_splits": 4, "unroll": 2}
+            return {"max_m": 16, **mma, "pipeline": 1}
+        fma = {"mma": False, "vec": 4, "block_cols": 32, "threads": 256, "k_splits": 4, "unroll": 4}
+        return {"max_m": 16, **fma, "pipeline": 1}
 
     def check(self, params, dtype):
         size = itemsize(dtype)
@@ -126,6 +129,8 @@ class GemvFamily(Family):
             if (params["threads"] // 32) % (bn // MMA_WARP_COLS):
                 return f"{params['threads'] // 32} warps do not split into {bn // MMA_WARP_COLS} column strips"
         else:
+            if params["pipeline"] != 1:
+                return "pipeline applies to the mma engine (the FMA engine keeps unroll rows in flight)"
             if vec * size > 16:
                 return f"vec={vec} x {size} bytes exceeds a 16-byte access"
             lanes = bn // vec

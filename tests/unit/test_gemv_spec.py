@@ -44,6 +44,7 @@ def test_defaults():
             "threads": 256,
             "k_splits": 4,
             "unroll": 2,
+            "pipeline": 1,
         }
     assert GEMV.defaults("float32") == {
         "max_m": 16,
@@ -53,6 +54,7 @@ def test_defaults():
         "threads": 256,
         "k_splits": 4,
         "unroll": 4,
+        "pipeline": 1,
     }
     assert [GEMV.precision(d) for d in DTYPES] == list(DTYPES)  # fp32 is exact FMA, never TF32
 
@@ -71,6 +73,8 @@ def test_defaults():
         ({"mma": True, "max_m": 32, "unroll": 8}, "float16", "registers"),  # 64 + 128 + 64
         ({"mma": True, "threads": 512, "block_cols": 64, "max_m": 16, "unroll": 1}, "float16", "shared memory"),
         ({"mma": True, "block_cols": 32}, "float16", "64 columns each"),
+        ({"mma": True, "max_m": 16, "unroll": 4, "pipeline": 2}, "float16", "registers"),  # 32 + 2 x 80
+        ({"mma": False, "pipeline": 2}, "float32", "mma engine"),
         ({"mma": True, "threads": 64, "block_cols": 192 - 64 + 128}, "float16", "column strips"),
     ],
 )
@@ -309,7 +313,7 @@ def _inputs(shape):
 @pytest.mark.parametrize(("shape", "params"), SIMT_CASES)
 def test_model_of_the_fma_engine(shape, params):
     a, b = _inputs(shape)
-    params = {**params, "mma": False}
+    params = {**params, "mma": False, "pipeline": 1}
     assert GEMV.check_shape(shape, params, "float32") is None
     c = _model_simt(a, b, params)
     assert not np.isnan(c).any(), "every element of C is written"
@@ -319,7 +323,7 @@ def test_model_of_the_fma_engine(shape, params):
 @pytest.mark.parametrize(("shape", "params"), MMA_CASES)
 def test_model_of_the_mma_engine(shape, params):
     a, b = _inputs(shape)
-    params = {**params, "mma": True, "vec": 8}
+    params = {**params, "mma": True, "vec": 8, "pipeline": 1}
     assert GEMV.check(params, "float16") is None and GEMV.check_shape(shape, params, "float16") is None
     c = _model_mma(a, b, params)
     assert not np.isnan(c).any(), "every element of C is written"
