@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,9 @@ from kernelmill.runtime.tensor import ALIGNMENT, FLOAT_DTYPES, Tensor, numpy_dty
 _registry: contextvars.ContextVar[Any] = contextvars.ContextVar("kernelmill_registry", default=None)
 _recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("kernelmill_recorders", default=())
 _default_registry = None
+_split_mlps: set[tuple] = set()  # fused_mlp problems already logged as running as two linears
+
+log = logging.getLogger(__name__)
 
 #: Activation names the ops accept, with their aliases (torch / HuggingFace spellings).
 ACT_ALIASES = {
@@ -339,6 +343,9 @@ def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: st
         # Nothing tuned for the fused op: above a few rows its two linears (gemv / wgmma defaults) beat the
         # fused templates' defaults; a tuned fused_mlp kernel, once served, replaces them.
         _note("fused_mlp", shape, dtype, {"act": act})
+        if (shape, dtype, act) not in _split_mlps:
+            _split_mlps.add((shape, dtype, act))
+            log.info("runtime: fused_mlp %s %s act=%s: nothing tuned, running its two linears", shape, dtype, act)
         return linear(linear(x, w1, b1, act), w2, b2)
     out = Tensor.empty((*x.shape[:-1], d_out), dtype, "cuda")
     tensors = {"X": x, "W1": w1, "b1": b1, "W2": w2, "b2": b2, "Y": out}

@@ -121,6 +121,16 @@ def test_every_op_maps_its_tensors_to_kernel_arguments(fake):
     assert all(r["source"] == "default" for r in rows.values())
 
 
+def test_larger_batches_run_the_mlp_as_two_linears_and_say_so_once(fake, caplog):
+    backend, registry = fake
+    x, w1, b1, w2, b2 = _cuda(12, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.ops"):
+        for _ in range(2):
+            ops.fused_mlp(x, w1, b1, w2, b2, "gelu")
+    assert [launch[0] for launch in backend.launches][-2:] == ["linear_gemv", "linear_gemv"]
+    assert caplog.text.count("nothing tuned, running its two linears") == 1
+
+
 def test_small_batches_run_the_fused_mlp_kernel(fake):
     backend, registry = fake
     x, w1, b1, w2, b2 = _cuda(4, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
