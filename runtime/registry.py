@@ -164,10 +164,7 @@ class KernelRegistry:
 
     def get(self, op: str, shape: tuple[int, ...], dtype: str, attrs: Mapping[str, Any] | None = None) -> KernelEntry:
         """The kernel for this problem (resolved on first use, then cached)."""
-        spec = get_op(op)
-        attrs = spec.resolve_attrs(attrs or {})
-        shape = tuple(int(v) for v in shape)
-        key = (op, shape, dtype, self.target_arch, attrs_key(attrs))
+        spec, shape, attrs, key = self._problem(op, shape, dtype, attrs)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -190,15 +187,10 @@ class KernelRegistry:
             self._entries.clear()
             self._untuned.clear()
 
-    # -- resolution --------------------------------------------------------------------
-
     def find(self, op: str, shape: tuple[int, ...], dtype: str, attrs: Mapping[str, Any] | None = None):
         """The tuned (or nearest) kernel the local cache or the service has for this problem, or None;
         never compiles a default (ops use it to choose between a fused kernel and its parts)."""
-        spec = get_op(op)
-        attrs = spec.resolve_attrs(attrs or {})
-        shape = tuple(int(v) for v in shape)
-        key = (op, shape, dtype, self.target_arch, attrs_key(attrs))
+        spec, shape, attrs, key = self._problem(op, shape, dtype, attrs)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -212,6 +204,15 @@ class KernelRegistry:
             self._entries[key] = entry
             self._log(entry)
             return entry
+
+    # -- resolution --------------------------------------------------------------------
+
+    def _problem(self, op: str, shape, dtype: str, attrs: Mapping[str, Any] | None):
+        """(spec, shape, resolved attrs, cache key) of one problem."""
+        spec = get_op(op)
+        attrs = spec.resolve_attrs(attrs or {})
+        shape = tuple(int(v) for v in shape)
+        return spec, shape, attrs, (op, shape, dtype, self.target_arch, attrs_key(attrs))
 
     def _lookup(self, spec, shape, dtype, attrs, notes: list[str]) -> KernelEntry | None:
         """The local cache's exact tuned kernel, else the service's, else a cached nearest one."""

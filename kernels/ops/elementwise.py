@@ -36,6 +36,20 @@ _VEC = Param("vec", (1, 2, 4, 8), "elements per thread (one access of at most 16
 _THREADS = Param("threads", (64, 128, 256, 512, 1024), "threads per block")
 
 
+def torch_activation(act: str):  # pragma: no cover - GPU
+    """PyTorch's function for one of ELEMENTWISE_ACTIVATIONS (the baselines' epilogues)."""
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        "none": lambda h: h,
+        "relu": torch.relu,
+        "gelu_erf": lambda h: F.gelu(h),
+        "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+        "silu": F.silu,
+    }[act]
+
+
 class VecFamily(Family):
     """``vec`` consecutive elements per thread over a flat range; grid = cdiv(elements, threads * vec)."""
 
@@ -107,18 +121,8 @@ class BiasAct(OpSpec):
         return (2 * rows * cols + cols) * itemsize(dtype)
 
     def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
-        import torch
-        import torch.nn.functional as F
-
         x, b = tensors["X"], tensors["b"]
-        act = attrs.get("act", "none")
-        fn = {
-            "none": lambda h: h,
-            "relu": torch.relu,
-            "gelu_erf": lambda h: F.gelu(h),
-            "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-            "silu": F.silu,
-        }[act]
+        fn = torch_activation(attrs.get("act", "none"))
         return lambda: fn(x + b)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernelmill.kernels.ops.base import OpSpec, Param
-from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS
+from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS, torch_activation
 from kernelmill.kernels.ops.gemv import GemvFamily
 from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily, gemm_launches
 
@@ -82,16 +82,9 @@ class Linear(OpSpec):
 
     def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
         import torch
-        import torch.nn.functional as F
 
         x, w, b = tensors["X"], tensors["W"], tensors["b"]
-        fn = {
-            "none": lambda h: h,
-            "relu": torch.relu,
-            "gelu_erf": lambda h: F.gelu(h),
-            "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-            "silu": F.silu,
-        }[attrs.get("act", "none")]
+        fn = torch_activation(attrs.get("act", "none"))
         return lambda: fn(torch.addmm(b, x, w))
 
 
