@@ -11,7 +11,7 @@ types) loads B straight from DRAM into tensor-core fragments (16-byte loads of f
 permutes pair the rows; no shared memory on the way) and multiplies on tensor cores (mma.m16n8k16, fp32
 accumulators) with A, padded to 16 rows, as the A operand: the FMA pipe stays out of the way for M up to 32.
 
-The linear op runs the same kernel with a bias and an activation in the final sum (``GemvFamily(bias=True)``).
+The linear op runs the same kernel with a bias and an activation in the final sum (its ``LinearGemv``).
 """
 
 from __future__ import annotations
@@ -46,13 +46,8 @@ class GemvFamily(Family):
     description = "skinny matmul (M <= max_m): B streamed once, split-K over a thread-block cluster; one launch"
     #: Buffers of the launch: A, B, C (and the bias after C when ``bias``).
     buffers = ("A", "B", "C")
+    #: The kernel adds bias[n] and applies the ``act`` attribute in its final sum (the linear op's subclass).
     bias = False
-
-    def __init__(self, template: str | None = None, entry: str | None = None, buffers=None, bias: bool = False):
-        if template:
-            self.template, self.entry, self.buffers, self.bias = template, entry, tuple(buffers), bias
-            self.description = self.description + "; bias + activation in the final sum"
-
     params = (
         Param("max_m", (1, 2, 4, 8, 16, 32), "most rows of A (and C) a variant serves"),
         Param("mma", (False, True), "tensor cores (mma.m16n8k16, 16-bit types) instead of fp32 FMA"),

@@ -51,8 +51,16 @@ class LinearWgmma(WgmmaFamily):
     buffers = ("X", "W", "Y", "b")
 
 
+class LinearGemv(GemvFamily):
+    template = "linear/gemv.cu.j2"
+    entry = "linear_gemv"
+    description = GemvFamily.description + "; bias + activation in the final sum"
+    buffers = ("X", "W", "Y", "b")
+    bias = True
+
+
 WGMMA = LinearWgmma()
-GEMV = GemvFamily("linear/gemv.cu.j2", "linear_gemv", ("X", "W", "Y", "b"), bias=True)
+GEMV = LinearGemv()
 
 
 class Linear(OpSpec):
