@@ -555,6 +555,16 @@ def _us(ns: float | None) -> str:
     return "-" if ns is None else f"{ns / 1e3:.1f}"
 
 
+def _print_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A rich table: the first column (a name) left-aligned, the figures right-aligned."""
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def _print_forward_profile(p: dict[str, Any]) -> None:
     shape = f"batch {p['batch']}" + (f" seq {p['seq']}" if p.get("seq") else "")
     where = f" on {p['device_name']}" if p.get("device_name") else ""
@@ -580,34 +590,39 @@ def _print_forward_profile(p: dict[str, Any]) -> None:
         f"memcpy {_ms(memcpy['time_ns'])} ms, {memcpy['bytes'] / 1e6:.3f} MB in {memcpy['count']} copies",
         highlight=False,
     )
-    table = Table(title="top kernels")
-    for col in ("kernel", "ms", "%", "launches", "avg us"):
-        table.add_column(col, justify="left" if col == "kernel" else "right")
-    for k in p["top_kernels"]:
-        table.add_row(escape(k["name"]), _ms(k["total_ns"]), f"{k['pct']:.1f}", str(k["instances"]), _us(k["avg_ns"]))
-    console.print(table)
+    _print_table(
+        "top kernels",
+        ("kernel", "ms", "%", "launches", "avg us"),
+        [
+            (escape(k["name"]), _ms(k["total_ns"]), f"{k['pct']:.1f}", str(k["instances"]), _us(k["avg_ns"]))
+            for k in p["top_kernels"]
+        ],
+    )
     if p["ranges"]:
-        table = Table(title="NVTX ranges (GPU time projected onto each range)")
-        for col in ("range", "calls", "GPU ms", "CPU ms", "GPU ops"):
-            table.add_column(col, justify="left" if col == "range" else "right")
-        for r in p["ranges"]:
-            gpu_ops = "-" if r["gpu_ops"] is None else str(r["gpu_ops"])
-            table.add_row(escape(r["name"]), str(r["instances"]), _ms(r["gpu_ns"]), _ms(r["cpu_ns"]), gpu_ops)
-        console.print(table)
+        _print_table(
+            "NVTX ranges (GPU time projected onto each range)",
+            ("range", "calls", "GPU ms", "CPU ms", "GPU ops"),
+            [
+                (escape(r["name"]), str(r["instances"]), _ms(r["gpu_ns"]), _ms(r["cpu_ns"]))
+                + ("-" if r["gpu_ops"] is None else str(r["gpu_ops"]),)
+                for r in p["ranges"]
+            ],
+        )
     if memcpy["by_operation"]:
-        table = Table(title="memory operations")
-        for col in ("operation", "ms", "count", "MB"):
-            table.add_column(col, justify="left" if col == "operation" else "right")
-        for m in memcpy["by_operation"]:
-            table.add_row(escape(m["operation"]), _ms(m["time_ns"]), str(m["count"]), f"{m['bytes'] / 1e6:.3f}")
-        console.print(table)
+        _print_table(
+            "memory operations",
+            ("operation", "ms", "count", "MB"),
+            [
+                (escape(m["operation"]), _ms(m["time_ns"]), str(m["count"]), f"{m['bytes'] / 1e6:.3f}")
+                for m in memcpy["by_operation"]
+            ],
+        )
     if p["api"]:
-        table = Table(title="CUDA API (host)")
-        for col in ("call", "calls", "ms", "avg us"):
-            table.add_column(col, justify="left" if col == "call" else "right")
-        for a in p["api"]:
-            table.add_row(escape(a["name"]), str(a["calls"]), _ms(a["total_ns"]), _us(a["avg_ns"]))
-        console.print(table)
+        _print_table(
+            "CUDA API (host)",
+            ("call", "calls", "ms", "avg us"),
+            [(escape(a["name"]), str(a["calls"]), _ms(a["total_ns"]), _us(a["avg_ns"])) for a in p["api"]],
+        )
     for note in p.get("notes") or []:
         console.print(f"note: {escape(note)}", highlight=False)
     if p.get("report_path"):

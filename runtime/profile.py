@@ -307,23 +307,21 @@ class _Row:
         return None
 
     def ns(self, *bases: str) -> float | None:
-        for base in bases:
-            if base in self.columns:
-                key, unit = self.columns[base]
-                value = _number(self.row[key])
-                if value is None:
-                    return None
-                return value * _TIME_UNITS.get((unit or "ns").strip(), 1.0)
-        return None
+        return self._scaled(bases, _TIME_UNITS, "ns", fold_case=False)
 
     def nbytes(self, *bases: str, default_unit: str = "b") -> float | None:
+        return self._scaled(bases, _SIZE_UNITS, default_unit, fold_case=True)
+
+    def _scaled(self, bases, units: dict[str, float], default_unit: str, fold_case: bool) -> float | None:
+        """The first present column of ``bases``, times its unit's factor (from the header, else the default)."""
         for base in bases:
             if base in self.columns:
                 key, unit = self.columns[base]
                 value = _number(self.row[key])
                 if value is None:
                     return None
-                return value * _SIZE_UNITS.get((unit or default_unit).strip().lower(), 1.0)
+                unit = (unit or default_unit).strip()
+                return value * units.get(unit.lower() if fold_case else unit, 1.0)
         return None
 
 
