@@ -100,20 +100,28 @@ def test_empty_states_say_what_to_do_next(empty):
     assert "No job matches these filters" in _text(empty.get("/jobs?state=running").text)
 
 
-def test_queued_job_page_says_it_waits_for_a_gpu(empty):
-    store = Store(empty.app.state.settings.database_url)
+def _add_job(client, **fields):
+    """A softmax job written straight to the app's store (``fields`` override the defaults)."""
+    store = Store(client.app.state.settings.database_url)
     try:
-        job = store.create_job(
-            op="softmax",
-            shapes=[[64, 64]],
-            dtype="float16",
-            attrs={},
-            strategy="random",
-            budget_trials=8,
-            budget_seconds=60,
+        return store.create_job(
+            **{
+                "op": "softmax",
+                "shapes": [[64, 64]],
+                "dtype": "float16",
+                "attrs": {},
+                "strategy": "random",
+                "budget_trials": 8,
+                "budget_seconds": 60,
+                **fields,
+            }
         )
     finally:
         store.close()
+
+
+def test_queued_job_page_says_it_waits_for_a_gpu(empty):
+    job = _add_job(empty)
     text = _text(empty.get(f"/jobs/{job.id}").text)
     assert "queued" in text and "waiting for a GPU" in text and "No trials yet" in text
     assert "Cancel job" in text
@@ -189,21 +197,7 @@ def test_failed_job_shows_its_error(seeded):
 
 
 def test_text_from_the_store_is_escaped(seeded):
-    store = Store(seeded.app.state.settings.database_url)
-    try:
-        job = store.create_job(
-            op="softmax",
-            shapes=[[64, 64]],
-            dtype="float16",
-            attrs={},
-            strategy="random",
-            budget_trials=8,
-            budget_seconds=60,
-            state="failed",
-            error="<script>alert(1)</script>",
-        )
-    finally:
-        store.close()
+    job = _add_job(seeded, state="failed", error="<script>alert(1)</script>")
     html = seeded.get(f"/jobs/{job.id}").text
     assert "<script>alert(1)" not in html and "&lt;script&gt;alert(1)" in html
 
