@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kernelmill.agents.evaluator import SKIPPED, Evaluator, TrialResult
+from kernelmill.agents.evaluator import SKIPPED, DeviceFacts, Evaluator, TrialResult
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
+from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_params
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import format_shape
 from kernelmill.kernels.render import render
@@ -112,6 +113,18 @@ def served_fields(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, 
     return build
 
 
+def shape_defaults(space: Space, shape: tuple[int, ...], facts: DeviceFacts) -> list[Candidate]:
+    """Each family's parameters for this shape as the runtime would compile them untuned
+    (kernels/defaults.py), so that the search starts there and never serves a kernel slower than them."""
+    sm_count = int((facts.extra or {}).get("sm_count") or DEFAULT_SM_COUNT)
+    out = []
+    for fam in space.families.values():
+        cand = space.valid(fam.name, default_params(space.op, fam, shape, space.dtype, sm_count))
+        if cand is not None:
+            out.append(cand.because("default for this shape"))
+    return out
+
+
 def run_job(
     plan: JobPlan,
     evaluator: Evaluator,
@@ -142,6 +155,7 @@ def run_job(
         best = min((o.median_ms for o in history if o.ok), default=None)
         since_gain = 0
         warm = [c for c in recorder.warm_start(key) if c in space] if plan.warm_start else []
+        warm += shape_defaults(space, tuple(shape), facts)
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"
@@ -157,7 +171,9 @@ def run_job(
             batch, warm = warm[:n], warm[n:]
             if len(batch) < n:
                 picked = {c.key for c in batch}
-                batch += [c for c in strategy.propose(space, history, n - len(batch)) if c.key not in picked]
+                # Ask for n: a strategy may propose what the seeds already hold (a family's default).
+                proposed = [c for c in strategy.propose(space, history, n) if c.key not in picked]
+                batch += proposed[: n - len(batch)]
             if not batch:
                 break
             results = evaluator.evaluate(plan.op, shape, plan.dtype, plan.attrs, batch)

@@ -25,49 +25,81 @@ from kernelmill.kernels.ops.base import format_shape
 
 
 @dataclass(frozen=True)
+class Target:
+    """What a case must reach: ``kind`` is "floor_pct" (% of the roofline floor: copy bandwidth or matrix
+    rate), "speedup" (x PyTorch eager) or "max_us" (our time); all of ``also`` must hold as well."""
+
+    kind: str
+    value: float
+    text: str
+    also: tuple[Target, ...] = ()
+
+    def met(self, row: dict) -> bool | None:
+        key = {"floor_pct": "pct_floor", "speedup": "speedup", "max_us": "ours_us"}[self.kind]
+        got = row.get(key)
+        if got is None:
+            return None
+        ok = got <= self.value if self.kind == "max_us" else got >= self.value
+        return ok and all(t.met(row) for t in self.also)
+
+
+@dataclass(frozen=True)
 class Case:
     op: str
     shape: tuple[int, ...]
     dtype: str
-    target: str
+    target: Target
     attrs: dict = field(default_factory=dict, hash=False)
     #: Families the tuning job searches (None: every family of the op for the dtype).
     families: tuple[str, ...] | None = None
 
+    @property
+    def name(self) -> str:
+        return f"{self.op} {format_shape(self.shape)} {self.dtype}"
+
 
 def _cases() -> list[Case]:
+    copy80 = Target("floor_pct", 80, ">= 80% of copy bandwidth")
     cases = []
     for dtype in ("float16", "float32"):
         for shape in ((8192, 8192), (32768, 1024), (4096, 32000)):
-            cases.append(Case("softmax", shape, dtype, ">= 80% of copy bandwidth"))
-        cases.append(Case("softmax", (1, 32000), dtype, ">= 2x torch.softmax"))
+            cases.append(Case("softmax", shape, dtype, copy80))
+        cases.append(Case("softmax", (1, 32000), dtype, Target("speedup", 2.0, ">= 2x torch.softmax")))
+    big = Target("speedup", 0.9, ">= 0.9x cuBLAS")
+    skinny = Target(
+        "speedup", 1.2, ">= 1.2x cuBLAS, >= 85% of copy bandwidth", (Target("floor_pct", 85, "85% of copy"),)
+    )
     for dtype in ("float16", "bfloat16"):
         for shape in ((4096, 4096, 4096), (8192, 8192, 8192), (2048, 11008, 4096)):
-            cases.append(Case("matmul", shape, dtype, ">= 0.9x cuBLAS", families=("wgmma",)))
+            cases.append(Case("matmul", shape, dtype, big, families=("wgmma",)))
         for shape in ((1, 4096, 4096), (16, 4096, 4096), (1, 4096, 11008)):
-            cases.append(Case("matmul", shape, dtype, ">= 1.2x cuBLAS, >= 85% of copy bandwidth", families=("gemv",)))
-    cases.append(Case("matmul", (4096, 4096, 4096), "float32", ">= 0.9x cuBLAS fp32 (no TF32)", families=("simt",)))
-    targets = {1: "<= 50 us", 16: "<= 55 us", 4096: "<= 1.10 ms"}
-    for batch, target in targets.items():
+            cases.append(Case("matmul", shape, dtype, skinny, families=("gemv",)))
+    fp32 = Target("speedup", 0.9, ">= 0.9x cuBLAS fp32 (no TF32)")
+    cases.append(Case("matmul", (4096, 4096, 4096), "float32", fp32, families=("simt",)))
+    for batch, us in ((1, 50.0), (16, 55.0), (4096, 1100.0)):
         families = ("epilogue",) if batch > 32 else None
+        text = f"<= {us:.0f} us" if us < 1000 else f"<= {us / 1000:.2f} ms"
         cases.append(
-            Case("fused_mlp", (batch, 4096, 11008, 4096), "float16", target, {"act": "gelu_tanh"}, families=families)
-        )
+            Case(
+                "fused_mlp", (batch, 4096, 11008, 4096), "float16", Target("max_us", us, text), {"act": "gelu_tanh"},
+                families=families,
+            )
+        )  # fmt: skip
     return cases
 
 
-def tune(store, evaluator, case: Case, budget: int, strategy: str, profile_top_k: int = 1):
+def tune(store, evaluator, case: Case, budget: int, strategy: str, profile_top_k: int = 1, seconds: int = 1800):
     from kernelmill.agents.loop import JobPlan, run_job
     from kernelmill.service.jobs import StoreRecorder
 
     facts = evaluator.facts()
     job = store.create_job(
         op=case.op, shapes=[list(case.shape)], dtype=case.dtype, attrs=case.attrs, strategy=strategy,
-        budget_trials=budget, budget_seconds=1800, arch=facts.arch,
+        budget_trials=budget, budget_seconds=seconds, arch=facts.arch,
     )  # fmt: skip
     store.start_job(job.id, "benchmark", facts.name)
     plan = JobPlan(
-        job.id, case.op, [case.shape], case.dtype, case.attrs, strategy, budget, 1800, batch_size=16,
+        job.id, case.op, [case.shape], case.dtype, case.attrs, strategy, budget, seconds, batch_size=16,
         profile_top_k=profile_top_k, families=list(case.families) if case.families else None,
     )  # fmt: skip
     state = run_job(plan, evaluator, StoreRecorder(store, job.id))
@@ -91,7 +123,7 @@ def measure(case: Case, store, evaluator, job_id: int, reps: int, compiled_torch
 
     spec = get_op(case.op)
     key = format_shape(case.shape)
-    row = {"case": f"{case.op} {key} {case.dtype}", "target": case.target, "job": job_id}
+    row = {"case": case.name, "target": case.target.text, "job": job_id}
     best = store.best_trial(job_id, key)
     if best is not None and best.profile:
         row["ncu"] = best.profile  # the job's ncu profile of this kernel (profile_top_k)
@@ -122,6 +154,7 @@ def measure(case: Case, store, evaluator, job_id: int, reps: int, compiled_torch
         tflops=spec.flops(case.shape) / (ms * 1e-3) / 1e12, pct_floor=100.0 * floor_ms / ms,
         speedup=(row["torch_us"] / (ms * 1e3)) if row["torch_us"] else None,
     )  # fmt: skip
+    row["met"] = case.target.met(row)
     return row
 
 
@@ -145,7 +178,7 @@ def print_table(rows: list[dict], device: str, ceil) -> None:
     print(f"\n{device}: copy {ceil.copy_gbps:.0f} GB/s, matrix " + ", ".join(
         f"{k} {v:.0f} TFLOP/s" for k, v in ceil.matrix_tflops.items()))  # fmt: skip
     head = f"{'case':34} {'ours us':>9} {'torch us':>9} {'compile us':>10} {'speedup':>8} {'GB/s':>7} {'TFLOP/s':>8}"
-    print(head + f" {'% floor':>8}  target")
+    print(head + f" {'% floor':>8}  met  target")
     for r in rows:
         if r.get("status") != "ok":
             print(f"{r['case']:34} {r.get('status')}")
@@ -154,8 +187,12 @@ def print_table(rows: list[dict], device: str, ceil) -> None:
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         print(
             f"{r['case']:34} {r['ours_us']:9.1f} {r['torch_us'] or 0:9.1f} {comp:>10} {speed:>8} {r['gbps']:7.0f} "
-            f"{r['tflops']:8.1f} {r['pct_floor']:7.0f}%  {r['target']}"
+            f"{r['tflops']:8.1f} {r['pct_floor']:7.0f}%  {_met(r.get('met')):3}  {r['target']}"
         )
+
+
+def _met(met: bool | None) -> str:
+    return "-" if met is None else ("yes" if met else "no")
 
 
 def main() -> None:
@@ -172,6 +209,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--tune-only", action="store_true", help="run the tuning jobs, time nothing")
     parser.add_argument("--profile-top-k", type=int, default=1, help="ncu profiles of each job's fastest kernels")
+    parser.add_argument("--job-seconds", type=int, default=1800, help="time budget of each tuning job")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -181,30 +219,33 @@ def main() -> None:
     store = Store(args.db)
     evaluator = LocalEvaluator(0, seeds=2, reps=30)
     only = {o for o in args.only.split(",") if o}
-    rows = []
+    rows: list[dict] = []
+    ceil = evaluator.ceilings()
+    device = evaluator.device.info.name
     for case in _cases():
-        name = f"{case.op} {format_shape(case.shape)} {case.dtype}"
-        if (only and case.op not in only) or (args.cases and not any(c in name for c in args.cases.split(","))):
+        if (only and case.op not in only) or (args.cases and not any(c in case.name for c in args.cases.split(","))):
             continue
         start = time.monotonic()
-        job_id = latest_job(store, case) if args.reuse else None
-        if job_id is None:
-            job_id = tune(store, evaluator, case, args.budget, args.strategy, args.profile_top_k)
-        if args.tune_only:
-            print(f"{name}: job {job_id} ({time.monotonic() - start:.0f} s)", flush=True)
-            continue
-        row = measure(case, store, evaluator, job_id, args.reps, case.op not in args.no_compile.split(","))
+        try:
+            job_id = latest_job(store, case) if args.reuse else None
+            if job_id is None:
+                job_id = tune(store, evaluator, case, args.budget, args.strategy, args.profile_top_k, args.job_seconds)
+            if args.tune_only:
+                print(f"{case.name}: job {job_id} ({time.monotonic() - start:.0f} s)", flush=True)
+                continue
+            row = measure(case, store, evaluator, job_id, args.reps, case.op not in args.no_compile.split(","))
+        except Exception as exc:  # noqa: BLE001 - one case's failure is a row of the table, not the end of it
+            logging.exception("%s failed", case.name)
+            row = {"case": case.name, "target": case.target.text, "status": f"error: {exc}"}
         row["seconds"] = round(time.monotonic() - start, 1)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
-    if args.tune_only:
-        return
-    ceil = evaluator.ceilings()
-    print_table(rows, evaluator.device.info.name, ceil)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": evaluator.device.info.name, "copy_gbps": ceil.copy_gbps,
-                       "matrix_tflops": ceil.matrix_tflops, "rows": rows}, fh, indent=2)  # fmt: skip
+        if args.json:  # after every case: a run cut short keeps what it measured
+            with open(args.json, "w") as fh:
+                json.dump({"device": device, "copy_gbps": ceil.copy_gbps,
+                           "matrix_tflops": ceil.matrix_tflops, "rows": rows}, fh, indent=2)  # fmt: skip
+    if not args.tune_only:
+        print_table(rows, device, ceil)
 
 
 if __name__ == "__main__":

@@ -29,18 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from kernelmill.kernels.compile import Compiler, normalize_arch
+from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_params, default_rank
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape, itemsize
-from kernelmill.kernels.ops.gemv import GemvFamily
-from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily
+from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
 from kernelmill.kernels.render import render
 from kernelmill.settings import get_settings
 
 log = logging.getLogger(__name__)
 
 TUNED, NEAREST, DEFAULT = "tuned", "nearest", "default"
-#: Streaming multiprocessors assumed when sizing default GEMM tiles without a device (an H100 SXM's).
-DEFAULT_SM_COUNT = 132
 
 
 def attrs_key(attrs: Mapping[str, Any]) -> str:
@@ -469,7 +466,7 @@ class KernelRegistry:
             for f in spec.families.values()
             if dtype in f.dtypes and (not f.arch_suffix or self.target_arch == "sm_90")
         ]
-        families.sort(key=lambda f: _default_rank(f, shape, dtype))
+        families.sort(key=lambda f: default_rank(f, shape, dtype))
         reasons = []
         for fam in families:
             why = self._family_ok(fam, dtype)
@@ -493,118 +490,3 @@ class KernelRegistry:
         arch = self.target_arch + fam.arch_suffix
         compiled = self.compiler.compile(render(fam, params, dtype, attrs), arch)
         return self._build(spec, shape, dtype, attrs, fam.name, params, DEFAULT, compiled.cubin, compiled.key, arch)
-
-
-# -- default parameters -----------------------------------------------------------------------
-
-#: Largest M the skinny (gemv) family takes by default: below it B streams once at the copy rate.
-GEMV_MAX_M = 16
-
-
-def _default_rank(fam: Family, shape, dtype: str) -> int:
-    """Order of the families a default tries (the first that accepts the shape wins). 16-bit types run on
-    tensor cores: gemv for skinny M, then wgmma (sm_90), then WMMA; the CUDA-core "simt" families go last;
-    float32 stays exact (no TF32), with gemv first for skinny M. Otherwise declaration order."""
-    skinny = len(shape) == 3 and shape[0] <= GEMV_MAX_M
-    order = ["gemv", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
-    if itemsize(dtype) != 2:
-        order = ["gemv"] if skinny else []
-    if fam.name in order:
-        return order.index(fam.name)
-    return len(order) + (1 if fam.name == "simt" and itemsize(dtype) == 2 else 0)
-
-
-#: Block tiles tried for a default GEMM (largest first), with the warp / thread tiles that go with them.
-_TC_TILES = [
-    {"BM": 128, "BN": 128, "WM": 64, "WN": 32},
-    {"BM": 64, "BN": 128, "WM": 32, "WN": 32},
-    {"BM": 64, "BN": 64, "WM": 32, "WN": 32},
-    {"BM": 32, "BN": 64, "WM": 16, "WN": 32},
-]
-_SIMT_TILES = [
-    {"BM": 128, "BN": 128, "TM": 8, "TN": 8},
-    {"BM": 64, "BN": 128, "TM": 8, "TN": 4},
-    {"BM": 64, "BN": 64, "TM": 4, "TN": 4},
-    {"BM": 32, "BN": 64, "TM": 4, "TN": 2},
-]
-#: Relative throughput of a block tile (bigger tiles reuse more of what they load).
-_TILE_EFFICIENCY = {16384: 1.0, 8192: 0.85, 4096: 0.7, 2048: 0.5}
-
-
-def _gemms(spec, fam: Family, shape) -> tuple[str, list[tuple[int, int]]] | None:
-    """(core, [(M, N) of each GEMM]) for families built on the matmul GEMM cores, else None."""
-    if isinstance(fam, GemmFamily):
-        return fam.core.name, [(shape[0], shape[1])]
-    if spec.name == "fused_mlp" and fam.name == "epilogue":
-        batch, _d_in, d_hidden, d_out = shape
-        return "", [(batch, d_hidden), (batch, d_out)]
-    return None
-
-
-#: gemv (mma engine) defaults by the largest M they serve: the best of a sweep over the family's space at
-#: 1 and 16 x 4096 x 4096 / 4096 x 11008 / 11008 x 4096 on an H100 (2026-11-22, docs/PERFORMANCE.md).
-_GEMV_MMA_DEFAULTS = {
-    8: {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 2},
-    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 8, "unroll": 1},
-}
-#: wgmma tiles a default tries: (BM, BN, consumers, stages) and their relative throughput.
-_WGMMA_TILES = [
-    ((128, 256, 2, 4), 1.0),
-    ((128, 192, 2, 4), 0.95),
-    ((128, 128, 2, 5), 0.85),
-    ((128, 64, 2, 6), 0.72),  # measured ahead of 64 x 128 at 256 x 4096 x 11008 on an H100
-    ((64, 128, 1, 6), 0.7),
-    ((64, 64, 1, 6), 0.5),
-]
-
-
-def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
-    """The tile with the best estimated time (waves of tiles times a tile's work over its efficiency),
-    persistent over the SMs when there are several waves."""
-    m, n, _k = shape
-    best, best_cost = fam.defaults(dtype), math.inf
-    for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
-        tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        params = {"BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
-        if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:
-            params["ctas"] = sm_count
-        if fam.check(params, dtype) is not None:
-            continue
-        cost = math.ceil(tiles / sm_count) * bm * bn / efficiency
-        if cost < best_cost:
-            best, best_cost = params, cost
-    return best
-
-
-def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> dict[str, Any]:
-    """The family's defaults; for GEMM families the block tile with the best estimated time for this
-    shape (waves of blocks over the SMs times the work of a tile, discounted by the tile's efficiency),
-    so a small M or N does not leave most of the GPU idle; for gemv the measured best by M."""
-    params = dict(fam.defaults(dtype))
-    if isinstance(fam, WgmmaFamily) and len(shape) == 3:
-        return _wgmma_params(fam, shape, dtype, sm_count)
-    if isinstance(fam, GemvFamily) and params["mma"] and len(shape) == 3:
-        return {**params, **_GEMV_MMA_DEFAULTS[8 if shape[0] <= 8 else 16]}
-    gemms = _gemms(spec, fam, shape)
-    if gemms is None:
-        return params
-    core_name, sizes = gemms
-    core_name = core_name or params.get("core", "")
-    core = CORES.get(core_name)
-    if core is None:
-        return params
-    tiles = _TC_TILES if core_name == "tensorcore" else _SIMT_TILES
-    best, best_cost = params, math.inf
-    for tile in tiles:
-        candidate = {**params, **tile}
-        if fam.check(candidate, dtype) is not None:
-            continue
-        area = tile["BM"] * tile["BN"]
-        cost = 0.0
-        for m, n in sizes:
-            # Tiles per SM (the busiest one) times the time of a tile; blocks sharing an SM share its rate.
-            blocks = math.ceil(m / tile["BM"]) * math.ceil(n / tile["BN"])
-            cost += math.ceil(blocks / sm_count) * area / _TILE_EFFICIENCY.get(area, 0.4)
-        if cost < best_cost:
-            best, best_cost = candidate, cost
-    return best

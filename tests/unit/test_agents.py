@@ -152,6 +152,22 @@ def test_warm_start_candidates_go_first_with_their_reason(space):
     assert all(r.note.startswith("warm start") for r in first)
 
 
+def test_the_runtime_default_for_the_shape_is_among_the_first_trials():
+    from kernelmill.kernels.defaults import default_params
+    from kernelmill.kernels.ops import get_op
+
+    rec = MemoryRecorder()
+    shape = (1, 4096, 11008)
+    job = plan(op="matmul", shapes=[shape], budget_trials=8, batch_size=8)
+    run_job(job, FakeEvaluator(fail_every=0), rec)
+    spec = get_op("matmul")
+    gemv = default_params(spec, spec.family("gemv"), shape, "float16")
+    first = rec.trials["1x4096x11008"][:8]
+    assert gemv["pipeline"] == 2 and gemv["k_splits"] == 8  # few column strips: the deep split
+    assert any(r.candidate.family == "gemv" and r.candidate.params == gemv for r in first)
+    assert all(r.note == "default for this shape" for r in first if r.candidate.params == gemv)
+
+
 def test_top_trials_are_profiled_after_the_search():
     rec = MemoryRecorder()
     run_job(plan(shapes=[(256, 256)], budget_trials=12, profile_top_k=2), FakeEvaluator(fail_every=0), rec)

@@ -1,0 +1,144 @@
+"""Shape-aware default parameters: what a family runs with when nothing was tuned for a problem.
+
+The runtime compiles these on first use (runtime/registry.py) and every tuning job evaluates them first
+(agents/loop.py), so a tuned kernel is never slower than the untuned default it replaces. The tables are
+measured (docs/PERFORMANCE.md); the GEMM tiles come from a wave-count cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kernelmill.kernels.ops.base import Family, itemsize
+from kernelmill.kernels.ops.gemv import GemvFamily
+from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily
+
+#: Streaming multiprocessors assumed when sizing default GEMM tiles without a device (an H100 SXM's).
+DEFAULT_SM_COUNT = 132
+
+#: Largest M the skinny (gemv) family takes by default: below it B streams once at the copy rate.
+GEMV_MAX_M = 16
+
+
+def default_rank(fam: Family, shape, dtype: str) -> int:
+    """Order of the families a default tries (the first that accepts the shape wins). 16-bit types run on
+    tensor cores: gemv for skinny M, then wgmma (sm_90), then WMMA; the CUDA-core "simt" families go last;
+    float32 stays exact (no TF32), with gemv first for skinny M. Otherwise declaration order."""
+    skinny = len(shape) == 3 and shape[0] <= GEMV_MAX_M
+    order = ["gemv", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
+    if itemsize(dtype) != 2:
+        order = ["gemv"] if skinny else []
+    if fam.name in order:
+        return order.index(fam.name)
+    return len(order) + (1 if fam.name == "simt" and itemsize(dtype) == 2 else 0)
+
+
+#: Block tiles tried for a default GEMM (largest first), with the warp / thread tiles that go with them.
+_TC_TILES = [
+    {"BM": 128, "BN": 128, "WM": 64, "WN": 32},
+    {"BM": 64, "BN": 128, "WM": 32, "WN": 32},
+    {"BM": 64, "BN": 64, "WM": 32, "WN": 32},
+    {"BM": 32, "BN": 64, "WM": 16, "WN": 32},
+]
+_SIMT_TILES = [
+    {"BM": 128, "BN": 128, "TM": 8, "TN": 8},
+    {"BM": 64, "BN": 128, "TM": 8, "TN": 4},
+    {"BM": 64, "BN": 64, "TM": 4, "TN": 4},
+    {"BM": 32, "BN": 64, "TM": 4, "TN": 2},
+]
+#: Relative throughput of a block tile (bigger tiles reuse more of what they load).
+_TILE_EFFICIENCY = {16384: 1.0, 8192: 0.85, 4096: 0.7, 2048: 0.5}
+
+
+def _gemms(spec, fam: Family, shape) -> tuple[str, list[tuple[int, int]]] | None:
+    """(core, [(M, N) of each GEMM]) for families built on the matmul GEMM cores, else None."""
+    if isinstance(fam, GemmFamily):
+        return fam.core.name, [(shape[0], shape[1])]
+    if spec.name == "fused_mlp" and fam.name == "epilogue":
+        batch, _d_in, d_hidden, d_out = shape
+        return "", [(batch, d_hidden), (batch, d_out)]
+    return None
+
+
+#: gemv (mma engine) defaults by the largest M they serve: the best of sweeps over the family's space at
+#: 1 and 16 x 4096 x 4096 / 4096 x 11008 / 11008 x 4096 on an H100 and an H200 (2026-11-22,
+#: docs/PERFORMANCE.md). M <= 8 with few column strips (N <= 96 x 64) splits K 8 ways and keeps two
+#: groups of loads in flight (pipeline 2); with more strips 4-way splits already fill the SMs.
+_GEMV_MMA_DEFAULTS = {
+    8: {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1},
+    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 8, "unroll": 1, "pipeline": 1},
+}
+_GEMV_FEW_STRIPS = 96
+_GEMV_FEW_STRIPS_M8 = {"k_splits": 8, "pipeline": 2}
+
+
+def _gemv_params(params: dict[str, Any], shape) -> dict[str, Any]:
+    m, n, _k = shape
+    chosen = {**params, **_GEMV_MMA_DEFAULTS[8 if m <= 8 else 16]}
+    if m <= 8 and math.ceil(n / chosen["block_cols"]) <= _GEMV_FEW_STRIPS:
+        chosen.update(_GEMV_FEW_STRIPS_M8)
+    return chosen
+
+
+#: wgmma tiles a default tries: (BM, BN, consumers, stages) and their relative throughput.
+_WGMMA_TILES = [
+    ((128, 256, 2, 4), 1.0),
+    ((128, 192, 2, 4), 0.95),
+    ((128, 128, 2, 5), 0.85),
+    ((128, 64, 2, 6), 0.72),  # measured ahead of 64 x 128 at 256 x 4096 x 11008 on an H100
+    ((64, 128, 1, 6), 0.7),
+    ((64, 64, 1, 6), 0.5),
+]
+
+
+def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
+    """The tile with the best estimated time (waves of tiles times a tile's work over its efficiency),
+    persistent over the SMs when there are several waves."""
+    m, n, _k = shape
+    best, best_cost = fam.defaults(dtype), math.inf
+    for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        params = {"BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
+        if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:
+            params["ctas"] = sm_count
+        if fam.check(params, dtype) is not None:
+            continue
+        cost = math.ceil(tiles / sm_count) * bm * bn / efficiency
+        if cost < best_cost:
+            best, best_cost = params, cost
+    return best
+
+
+def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> dict[str, Any]:
+    """The family's defaults; for GEMM families the block tile with the best estimated time for this
+    shape (waves of blocks over the SMs times the work of a tile, discounted by the tile's efficiency),
+    so a small M or N does not leave most of the GPU idle; for gemv the measured best by M."""
+    params = dict(fam.defaults(dtype))
+    if isinstance(fam, WgmmaFamily) and len(shape) == 3:
+        return _wgmma_params(fam, shape, dtype, sm_count)
+    if isinstance(fam, GemvFamily) and params["mma"] and len(shape) == 3:
+        return _gemv_params(params, shape)
+    gemms = _gemms(spec, fam, shape)
+    if gemms is None:
+        return params
+    core_name, sizes = gemms
+    core_name = core_name or params.get("core", "")
+    core = CORES.get(core_name)
+    if core is None:
+        return params
+    tiles = _TC_TILES if core_name == "tensorcore" else _SIMT_TILES
+    best, best_cost = params, math.inf
+    for tile in tiles:
+        candidate = {**params, **tile}
+        if fam.check(candidate, dtype) is not None:
+            continue
+        area = tile["BM"] * tile["BN"]
+        cost = 0.0
+        for m, n in sizes:
+            # Tiles per SM (the busiest one) times the time of a tile; blocks sharing an SM share its rate.
+            blocks = math.ceil(m / tile["BM"]) * math.ceil(n / tile["BN"])
+            cost += math.ceil(blocks / sm_count) * area / _TILE_EFFICIENCY.get(area, 0.4)
+        if cost < best_cost:
+            best, best_cost = candidate, cost
+    return best
