@@ -77,7 +77,7 @@ def _cases() -> list[Case]:
     fp32 = Target("speedup", 0.9, ">= 0.9x cuBLAS fp32 (no TF32)")
     cases.append(Case("matmul", (4096, 4096, 4096), "float32", fp32, families=("simt",)))
     for batch, us in ((1, 50.0), (16, 55.0), (4096, 1100.0)):
-        families = ("epilogue",) if batch > 32 else None
+        families = ("wgmma", "epilogue") if batch > 32 else ("small_batch", "epilogue")
         text = f"<= {us:.0f} us" if us < 1000 else f"<= {us / 1000:.2f} ms"
         cases.append(
             Case(

@@ -23,12 +23,13 @@ GEMV_MAX_M = 16
 
 def default_rank(fam: Family, shape, dtype: str) -> int:
     """Order of the families a default tries (the first that accepts the shape wins). 16-bit types run on
-    tensor cores: gemv for skinny M, then wgmma (sm_90), then WMMA; the CUDA-core "simt" families go last;
-    float32 stays exact (no TF32), with gemv first for skinny M. Otherwise declaration order."""
-    skinny = len(shape) == 3 and shape[0] <= GEMV_MAX_M
-    order = ["gemv", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
+    tensor cores: gemv (fused_mlp: small_batch) for skinny M, then wgmma (sm_90), then WMMA; the CUDA-core
+    "simt" families go last; float32 stays exact (no TF32), with gemv / small_batch first for skinny M.
+    Otherwise declaration order."""
+    skinny = len(shape) >= 3 and shape[0] <= GEMV_MAX_M  # matmul / linear M, fused_mlp batch
+    order = ["gemv", "small_batch", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
     if itemsize(dtype) != 2:
-        order = ["gemv"] if skinny else []
+        order = ["gemv", "small_batch"] if skinny else []
     if fam.name in order:
         return order.index(fam.name)
     return len(order) + (1 if fam.name == "simt" and itemsize(dtype) == 2 else 0)

@@ -10,6 +10,8 @@ X is batch x d_in, W1 d_in x d_hidden, W2 d_hidden x d_out. Two families:
 * ``epilogue``: two GEMMs from the matmul op's templates, bias + activation
   fused into the first one's epilogue, H (batch x d_hidden, dtype T) in a
   workspace between them.
+* ``wgmma`` (sm_90a, prefill-sized batches): the same two GEMMs as ``epilogue``
+  on the Hopper wgmma + TMA kernel (common/gemm_wgmma.cuh.j2).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, cdiv, ite
 from kernelmill.kernels.ops.matmul import (
     CORES,
     MAX_SMEM_BYTES,
+    WgmmaFamily,
     gemm_check,
     gemm_check_shape,
     gemm_defaults,
@@ -358,6 +361,42 @@ class Epilogue(Family):
         return {"smem_bytes": gemm_smem_bytes(params["core"], params, dtype)}
 
 
+# -- wgmma ---------------------------------------------------------------------------
+
+
+def _mlp_gemms(shape) -> tuple[tuple[str, tuple[int, int, int], tuple[str, ...]], ...]:
+    """(entry, (M, N, K), buffers A, B, C, bias) of the up and down projections."""
+    batch, d_in, d_hidden, d_out = shape
+    return (
+        ("fused_mlp_up", (batch, d_hidden, d_in), ("X", "W1", "H", "b1")),
+        ("fused_mlp_down", (batch, d_out, d_hidden), ("H", "W2", "Y", "b2")),
+    )
+
+
+class FusedWgmma(WgmmaFamily):
+    """The up and down projections on the Hopper wgmma + TMA GEMM (sm_90a), bias + activation in the up
+    projection's epilogue and bias in the down one's, H (batch x d_hidden, T) in a workspace between them.
+    Both GEMMs take the same tile; the parameters are the matmul wgmma family's."""
+
+    template = "fused_mlp/wgmma.cu.j2"
+    entry = "fused_mlp_up"
+    description = "two Hopper wgmma + TMA GEMMs, bias + activation in their epilogues; H goes through DRAM (sm_90a)"
+
+    def check_shape(self, shape, params, dtype):
+        for _entry, gemm, _buffers in _mlp_gemms(shape):
+            reason = super().check_shape(gemm, params, dtype)
+            if reason:
+                return reason
+        return None
+
+    def workspace(self, shape, params, dtype):
+        batch, _d_in, d_hidden, _d_out = shape
+        return {"H": batch * d_hidden * itemsize(dtype)}
+
+    def launches(self, shape, params, dtype):
+        return [self.launch(entry, gemm, params, dtype, buffers) for entry, gemm, buffers in _mlp_gemms(shape)]
+
+
 # -- the op ------------------------------------------------------------------------
 
 
@@ -384,7 +423,7 @@ class FusedMlp(OpSpec):
     inputs = ("X", "W1", "b1", "W2", "b2")
     outputs = ("Y",)
     attributes = (Param("act", ACTIVATIONS, "activation between the two projections"),)
-    families = {f.name: f for f in (SmallBatch(), Epilogue())}
+    families = {f.name: f for f in (SmallBatch(), Epilogue(), FusedWgmma())}
 
     def tensor_shapes(self, shape):
         batch, d_in, d_hidden, d_out = shape

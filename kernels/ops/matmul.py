@@ -410,19 +410,21 @@ class WgmmaFamily(Family):
         return None
 
     def launches(self, shape, params, dtype):
+        return [self.launch(self.entry, shape, params, dtype, self.buffers)]
+
+    def launch(self, entry: str, shape, params, dtype, buffers: tuple[str, ...]) -> Launch:
+        """One GEMM launch of kernel ``entry`` over ``buffers`` (A, B, C [, bias]) at ``shape`` (M, N, K)."""
         M, N, K = shape  # noqa: N806
         # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
         a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
         b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
-        return [
-            Launch(
-                self.entry,
-                (self.grid(shape, params), 1, 1),
-                (self.threads(params), 1, 1),
-                self.smem_bytes(params, dtype),
-                (a_map, b_map, *self.buffers, M, N, K),
-            )
-        ]
+        return Launch(
+            entry,
+            (self.grid(shape, params), 1, 1),
+            (self.threads(params), 1, 1),
+            self.smem_bytes(params, dtype),
+            (a_map, b_map, *buffers, M, N, K),
+        )
 
     def context(self, params, dtype, attrs):
         return {"smem_bytes": self.smem_bytes(params, dtype)}
