@@ -343,6 +343,8 @@ class Model:
             if entry is not None:
                 rows.append(entry.row())
             else:
+                # No kernel of its own: the CPU path, or (fused_mlp, nothing tuned) its two linears' rows.
+                split = self.device != "cpu" and op == "fused_mlp"
                 rows.append(
                     {
                         "op": op,
@@ -351,12 +353,12 @@ class Model:
                         "attrs": attrs,
                         "family": None,
                         "params": {},
-                        "source": "numpy" if self.device == "cpu" else "unresolved",
+                        "source": "numpy" if self.device == "cpu" else ("default" if split else "unresolved"),
                         "served_shape": None,
                         "kernel_id": None,
                         "speedup": None,
                         "calls": None,
-                        "note": "",
+                        "note": "nothing tuned: ran as its two linears" if split else "",
                     }
                 )
         return rows

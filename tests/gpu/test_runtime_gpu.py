@@ -73,9 +73,11 @@ def test_bert_matches_transformers(bert, registry, dtype, tol):
         assert out.device == "cuda" and out.dtype == dtype and out.shape == (3, 37, 128)
         assert rel_err(out.numpy().astype(np.float32)[mask.astype(bool)], ref[mask.astype(bool)]) < tol, call
     report = model.kernel_report()
-    # Nothing tuned: the MLP block runs as its two linears (no fused_mlp kernel in the report).
-    assert {r["op"] for r in report} == {"embedding", "layernorm", "linear", "attention", "add_layernorm"}
+    # Nothing tuned: the MLP block runs as its two linears (a fused_mlp row without a kernel says so).
+    ops = {"embedding", "layernorm", "linear", "attention", "add_layernorm", "fused_mlp"}
+    assert {r["op"] for r in report} == ops
     assert all(r["source"] == "default" for r in report)
+    assert all(r["family"] is None and "two linears" in r["note"] for r in report if r["op"] == "fused_mlp")
     print(model.format_kernel_report())
 
 
