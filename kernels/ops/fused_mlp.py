@@ -1,6 +1,6 @@
 """fused_mlp: Y = act(X @ W1 + b1) @ W2 + b2, every matrix row-major.
 
-X is batch x d_in, W1 d_in x d_hidden, W2 d_hidden x d_out. Two families:
+X is batch x d_in, W1 d_in x d_hidden, W2 d_hidden x d_out. Three families:
 
 * ``small_batch`` (decode-like batches): the hidden activation never reaches
   DRAM. Each block owns ``hidden_per_block`` hidden units, computes them for
