@@ -100,7 +100,7 @@ def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[st
     best, best_cost = fam.defaults(dtype), math.inf
     for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        params = {"BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
+        params = {**fam.defaults(dtype), "BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
         if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:
             params["ctas"] = sm_count
         if fam.check(params, dtype) is not None:

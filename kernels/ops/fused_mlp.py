@@ -391,10 +391,14 @@ class FusedWgmma(WgmmaFamily):
 
     def workspace(self, shape, params, dtype):
         batch, _d_in, d_hidden, _d_out = shape
-        return {"H": batch * d_hidden * itemsize(dtype)}
+        gemms = [gemm for _entry, gemm, _buffers in _mlp_gemms(shape)]
+        return {"H": batch * d_hidden * itemsize(dtype), **self.stream_k_workspace(gemms, params)}
 
     def launches(self, shape, params, dtype):
-        return [self.launch(entry, gemm, params, dtype, buffers) for entry, gemm, buffers in _mlp_gemms(shape)]
+        launches = []
+        for entry, gemm, buffers in _mlp_gemms(shape):
+            launches += self.gemm_launches(entry, gemm, params, dtype, buffers)
+        return launches
 
 
 # -- the op ------------------------------------------------------------------------

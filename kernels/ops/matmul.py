@@ -327,6 +327,10 @@ TENSORCORE = TensorCoreFamily(
 )
 
 
+#: Threads per block of the stream-K zeroing launch.
+_ZERO_THREADS = 256
+
+
 class WgmmaFamily(Family):
     """Hopper GEMM: wgmma from a TMA-filled shared ring on mbarriers, a producer warpgroup and 1-2 MMA
     warpgroups, optionally persistent (common/gemm_wgmma.cuh.j2). sm_90a, float16/bfloat16 only.
@@ -348,6 +352,7 @@ class WgmmaFamily(Family):
         Param("consumers", (1, 2), "MMA warpgroups; each owns BM / consumers rows (64 or 128)"),
         Param("stages", (3, 4, 5, 6), "depth of the TMA shared-memory ring"),
         Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
+        Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
     )
     #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
     BK = 64
@@ -373,14 +378,19 @@ class WgmmaFamily(Family):
         """fp32 accumulators per consumer thread: (BM / consumers) x BN over 128 threads."""
         return params["BM"] // params["consumers"] * params["BN"] // 128
 
-    def grid(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
+    def tiles(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
         M, N, _ = shape  # noqa: N806
-        tiles = cdiv(M, params["BM"]) * cdiv(N, params["BN"])
+        return cdiv(M, params["BM"]) * cdiv(N, params["BN"])
+
+    def grid(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
+        tiles = self.tiles(shape, params)
+        if params.get("stream_k"):
+            return params["ctas"]  # every block takes a share, also where there are fewer tiles than blocks
         return min(tiles, params["ctas"]) if params["ctas"] else tiles
 
     def defaults(self, dtype):
         # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
-        return {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132}
+        return {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False}
 
     def check(self, params, dtype):
         if dtype not in self.dtypes:
@@ -394,6 +404,8 @@ class WgmmaFamily(Family):
         smem = self.smem_bytes(params, dtype)
         if smem > MAX_SMEM_BYTES:
             return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES} (227 KiB)"
+        if params.get("stream_k") and not params["ctas"]:
+            return "stream_k shares the k iterations over a persistent grid: set ctas"
         return None
 
     def check_shape(self, shape, params, dtype):
@@ -410,21 +422,44 @@ class WgmmaFamily(Family):
         return None
 
     def launches(self, shape, params, dtype):
-        return [self.launch(self.entry, shape, params, dtype, self.buffers)]
+        return self.gemm_launches(self.entry, shape, params, dtype, self.buffers)
 
-    def launch(self, entry: str, shape, params, dtype, buffers: tuple[str, ...]) -> Launch:
-        """One GEMM launch of kernel ``entry`` over ``buffers`` (A, B, C [, bias]) at ``shape`` (M, N, K)."""
+    def workspace(self, shape, params, dtype):
+        return self.stream_k_workspace([shape], params)
+
+    def stream_k_workspace(self, shapes, params) -> dict[str, int]:
+        """With stream_k: two fp32 tile slots per block for the parts of tiles it shares, and an arrival
+        count per tile and consumer, sized for the largest of the GEMMs in ``shapes`` (run one by one)."""
+        if not params.get("stream_k"):
+            return {}
+        tiles = max(self.tiles(shape, params) for shape in shapes)
+        slots = 2 * params["ctas"] * params["BM"] * params["BN"] * 4
+        return {"sk_ws": slots, "sk_flags": tiles * params["consumers"] * 4}
+
+    def gemm_launches(self, entry: str, shape, params, dtype, buffers: tuple[str, ...]) -> list[Launch]:
+        """The launches of one GEMM, kernel ``entry`` over ``buffers`` (A, B, C [, bias]) at ``shape``
+        (M, N, K): with stream_k a launch that zeroes the partial sums first."""
         M, N, K = shape  # noqa: N806
         # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
         a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
         b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
-        return Launch(
-            entry,
-            (self.grid(shape, params), 1, 1),
-            (self.threads(params), 1, 1),
-            self.smem_bytes(params, dtype),
-            (a_map, b_map, *buffers, M, N, K),
+        extra: tuple[str, ...] = ()
+        launches = []
+        if params.get("stream_k"):
+            n_flags = self.tiles(shape, params) * params["consumers"]
+            zero_grid = cdiv(n_flags, _ZERO_THREADS)
+            launches.append(Launch(f"{entry}_zero", (zero_grid, 1, 1), (_ZERO_THREADS, 1, 1), 0, ("sk_flags", n_flags)))
+            extra = ("sk_ws", "sk_flags")
+        launches.append(
+            Launch(
+                entry,
+                (self.grid(shape, params), 1, 1),
+                (self.threads(params), 1, 1),
+                self.smem_bytes(params, dtype),
+                (a_map, b_map, *buffers, *extra, M, N, K),
+            )
         )
+        return launches
 
     def context(self, params, dtype, attrs):
         return {"smem_bytes": self.smem_bytes(params, dtype)}

@@ -33,6 +33,10 @@ POINTS = [
     {"BM": 64, "BN": 192, "consumers": 1, "stages": 5, "ctas": 0},
     {"BM": 128, "BN": 64, "consumers": 1, "stages": 6, "ctas": 132},
     {"BM": 128, "BN": 192, "consumers": 2, "stages": 3, "ctas": 132},
+    # stream-K: tiles shared by 2-3 blocks, blocks with nothing to do (tiny shapes), two m64 rows per consumer
+    {"BM": 128, "BN": 192, "consumers": 2, "stages": 5, "ctas": 132, "stream_k": True},
+    {"BM": 256, "BN": 128, "consumers": 2, "stages": 3, "ctas": 128, "stream_k": True},
+    {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 132, "stream_k": True},
 ]
 #: Shapes where the family is timed against PyTorch, with the points worth comparing there.
 TIMED = {

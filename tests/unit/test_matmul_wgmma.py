@@ -46,7 +46,7 @@ def test_space_is_valid_and_moderate(dtype):
 def test_defaults():
     for dtype in DTYPES:
         params = WGMMA.defaults(dtype)
-        assert params == {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132}
+        assert params == {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False}
         assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
         assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
         # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
@@ -91,17 +91,26 @@ def _points(dtype):
 def test_launch_geometry(dtype, shape):
     M, N, K = shape  # noqa: N806
     for params in _points(dtype):
-        (launch,) = WGMMA.launches(shape, params, dtype)
+        launches = WGMMA.launches(shape, params, dtype)
+        launch = launches[-1]
         tiles = cdiv(M, params["BM"]) * cdiv(N, params["BN"])
         grid = launch.grid[0]
         assert launch.grid[1:] == (1, 1)
-        # Every tile is owned by exactly one block (block b: tiles b, b + grid, ...), and no block is idle.
-        assert 1 <= grid <= tiles
-        assert grid == (min(tiles, params["ctas"]) if params["ctas"] else tiles)
+        extra = []
+        if params["stream_k"]:
+            # The arrival counts are zeroed first; every block of the persistent grid takes a share.
+            assert [launch.entry for launch in launches] == ["matmul_wgmma_zero", "matmul_wgmma"]
+            assert launches[0].args == ("sk_flags", tiles * params["consumers"])
+            assert grid == params["ctas"]
+            extra = ["sk_ws", "sk_flags"]
+        else:
+            # Every tile is owned by exactly one block (block b: tiles b, b + grid, ...), and no block is idle.
+            assert len(launches) == 1 and 1 <= grid <= tiles
+            assert grid == (min(tiles, params["ctas"]) if params["ctas"] else tiles)
         assert launch.block == (WGMMA.threads(params), 1, 1)
         assert launch.smem_bytes == WGMMA.smem_bytes(params, dtype)
         a_map, b_map, *rest = launch.args
-        assert rest == ["A", "B", "C", M, N, K]
+        assert rest == ["A", "B", "C", *extra, M, N, K]
         # The maps describe the buffers at positions 2 and 3: A (M x K) and B (K x N), innermost dim first.
         assert isinstance(a_map, TensorMapArg) and isinstance(b_map, TensorMapArg)
         assert launch.args[a_map.of] == "A" and launch.args[b_map.of] == "B"
@@ -109,7 +118,7 @@ def test_launch_geometry(dtype, shape):
         assert b_map.dims == (N, K) and b_map.box == (64, 64)
         assert a_map.dtype == b_map.dtype == dtype and a_map.swizzle == b_map.swizzle == 128
         assert a_map.kind == b_map.kind == "tensor_map"
-        assert WGMMA.workspace(shape, params, dtype) == {}
+        assert set(WGMMA.workspace(shape, params, dtype)) == set(extra)
 
 
 def test_launch_args_are_json_serialisable():
@@ -148,7 +157,8 @@ def test_rendered_kernel_matches_launch(dtype):
         ((bounds, entry, arglist),) = _KERNEL_RE.findall(source)
         names = [a.split()[-1] for a in arglist.split(",")]
         assert entry == "matmul_wgmma"
-        assert names == ["tma_a", "tma_b", "A", "B", "C", "M", "N", "K"]
+        extra = ["ws", "flags"] if params["stream_k"] else []
+        assert names == ["tma_a", "tma_b", "A", "B", "C", *extra, "M", "N", "K"]
         assert "const __grid_constant__ KmTensorMap tma_a" in arglist
         assert bounds == f"{WGMMA.threads(params)}, 1"
         assert f"== {WGMMA.smem_bytes(params, dtype)}, " in source  # static_assert against the C++ size
@@ -156,7 +166,7 @@ def test_rendered_kernel_matches_launch(dtype):
         assert f"wgmma.mma_async.sync.aligned.m64n{params['BN']}k16.f32.{kind}.{kind}" in source
         # B is N-major in shared memory (row-major K x N): imm-trans-b = 1, A K-major: imm-trans-a = 0.
         assert "p, 1, 1, 0, 1;" in source
-        assert len(WGMMA.launches((17, 32, 64), params, dtype)[0].args) == len(names)
+        assert len(WGMMA.launches((17, 32, 64), params, dtype)[-1].args) == len(names)
 
 
 # -- the parameter buffer of launches with tensor maps ------------------------------------------------
@@ -363,3 +373,56 @@ def test_kernel_launch_packs_maps_where_ptxas_put_them(monkeypatch):
     assert values == (b"\x01" * 128, b"\x02" * 128, 0x1000, 0x2000, 0x3000, 300, 200, 512)
     assert [ptr for ptr, _ in encoded] == [0x1000, 0x2000]  # encoded once, reused by the second launch
     assert grid == launch.grid and block == launch.block and shared == launch.smem_bytes
+
+
+def _sk_owner(x: int, total: int, blocks: int) -> int:
+    """templates/common/gemm_wgmma.cuh.j2's km_sk_owner: the block whose share holds iteration x."""
+    return ((x + 1) * blocks + total - 1) // total - 1
+
+
+@pytest.mark.parametrize(
+    ("tiles", "k_tiles", "blocks"),
+    [(116, 64, 132), (688, 64, 132), (1, 1, 132), (4, 3, 128), (133, 2, 132), (7, 173, 5)],
+)
+def test_stream_k_shares_cover_every_iteration_once_and_partial_slots_never_collide(tiles, k_tiles, blocks):
+    """The kernel's stream-K bookkeeping, in Python: each block's share [b*total/G, (b+1)*total/G) split at
+    tile boundaries; parts of a tile go to slot (block, block == first of the tile); the count of parts is
+    what the last block to arrive waits for."""
+    total = tiles * k_tiles
+    blocks = min(blocks, total)  # the kernel gives shares to the first min(grid, total) blocks only
+    covered = [0] * total
+    slots: dict[tuple[int, int], int] = {}
+    parts_seen: dict[int, int] = {}
+    for b in range(blocks):
+        it, end = total * b // blocks, total * (b + 1) // blocks
+        for x in range(it, end):
+            covered[x] += 1
+            assert _sk_owner(x, total, blocks) == b
+        while it < end:
+            tile, kt0 = divmod(it, k_tiles)
+            kt1 = min(k_tiles, kt0 + end - it)
+            it += kt1 - kt0
+            if kt0 > 0 or kt1 < k_tiles:
+                first = _sk_owner(tile * k_tiles, total, blocks)
+                slot = (b, int(b == first))
+                assert slot not in slots, f"slot {slot} taken by tile {slots.get(slot)} and {tile}"
+                slots[slot] = tile
+                parts_seen[tile] = parts_seen.get(tile, 0) + 1
+    assert covered == [1] * total
+    for tile, seen in parts_seen.items():
+        first = _sk_owner(tile * k_tiles, total, blocks)
+        assert _sk_owner(tile * k_tiles + k_tiles - 1, total, blocks) - first + 1 == seen
+
+
+def test_stream_k_needs_a_persistent_grid_and_sizes_its_workspace():
+    from kernelmill.kernels.ops import get_op
+
+    fam = get_op("linear").family("wgmma")
+    params = {**fam.defaults("float16"), "BM": 128, "BN": 192, "stream_k": True}
+    assert "set ctas" in fam.check({**params, "ctas": 0}, "float16")
+    shape = (256, 11008, 4096)
+    launches = fam.launches(shape, params, "float16")
+    assert [launch.entry for launch in launches] == ["linear_wgmma_zero", "linear_wgmma"]
+    assert launches[1].grid == (132, 1, 1)  # every block takes a share though there are only 116 tiles
+    ws = fam.workspace(shape, params, "float16")
+    assert ws == {"sk_ws": 2 * 132 * 128 * 192 * 4, "sk_flags": 116 * 2 * 4}
