@@ -358,6 +358,8 @@ class WgmmaFamily(Family):
     BK = 64
     #: fp32 accumulators one consumer thread may hold (the rest of its 232 registers is addresses and loop state).
     max_acc_regs = 128
+    #: Most row tiles (M / BM) a stream-K variant takes: its groups hold a block per row tile.
+    stream_k_max_row_tiles = 8
     #: TMA needs the row strides (K * 2 and N * 2 bytes) to be multiples of this.
     stride_align_bytes = 16
     #: Buffers of the launch after the two tensor maps (built over the first two): A, B, C [, bias].
@@ -419,6 +421,11 @@ class WgmmaFamily(Family):
                 )
         if cdiv(M, params["BM"]) * cdiv(N, params["BN"]) >= 2**31 // 8:
             return "too many output tiles for the kernel's 32-bit tile index"
+        if params.get("stream_k") and cdiv(M, params["BM"]) > self.stream_k_max_row_tiles:
+            return (
+                f"stream_k serves short, wide problems: {cdiv(M, params['BM'])} row tiles > "
+                f"{self.stream_k_max_row_tiles} (a block per row tile walks each share in lockstep)"
+            )
         return None
 
     def launches(self, shape, params, dtype):

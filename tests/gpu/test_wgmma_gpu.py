@@ -66,9 +66,14 @@ def compiler(tmp_path_factory):
 def test_verifies_on_odd_shapes(device, compiler, dtype, point):
     variant = Variant.create("matmul", "wgmma", dtype, POINTS[point])
     shapes = SHAPES + ([BIG] if point == 0 else [])
+    ran = 0
     for shape in shapes:
+        if variant.check_shape(shape):
+            continue  # stream-K at more row tiles than its groups hold
         ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
         assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+        ran += 1
+    assert ran >= len(SHAPES) - 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

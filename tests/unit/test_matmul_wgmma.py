@@ -381,37 +381,40 @@ def _sk_owner(x: int, total: int, blocks: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("tiles", "k_tiles", "blocks"),
-    [(116, 64, 132), (688, 64, 132), (1, 1, 132), (4, 3, 128), (133, 2, 132), (7, 173, 5)],
+    ("tiles_m", "tiles_n", "k_tiles", "blocks"),
+    [(2, 58, 64, 132), (2, 32, 172, 132), (1, 1, 1, 132), (4, 1, 3, 128), (8, 17, 2, 132), (1, 7, 173, 5)],
 )
-def test_stream_k_shares_cover_every_iteration_once_and_partial_slots_never_collide(tiles, k_tiles, blocks):
-    """The kernel's stream-K bookkeeping, in Python: each block's share [b*total/G, (b+1)*total/G) split at
-    tile boundaries; parts of a tile go to slot (block, block == first of the tile); the count of parts is
-    what the last block to arrive waits for."""
-    total = tiles * k_tiles
-    blocks = min(blocks, total)  # the kernel gives shares to the first min(grid, total) blocks only
-    covered = [0] * total
-    slots: dict[tuple[int, int], int] = {}
-    parts_seen: dict[int, int] = {}
+def test_stream_k_shares_cover_every_iteration_once_and_partial_slots_never_collide(tiles_m, tiles_n, k_tiles, blocks):
+    """The kernel's stream-K bookkeeping, in Python: groups of tiles_m blocks (one per row tile) share the
+    column tiles' k iterations, [g*total/G, (g+1)*total/G), split at tile boundaries; a part of a tile goes
+    to slot (block, group == the tile's first group); the count of parts is what the last block waits for."""
+    total = tiles_n * k_tiles
+    groups = min(blocks // tiles_m, total)  # shares go to the first min(grid / tiles_m, total) groups
+    covered = [[0] * total for _ in range(tiles_m)]
+    slots: dict[tuple[int, int], tuple[int, int]] = {}
+    parts_seen: dict[tuple[int, int], int] = {}
     for b in range(blocks):
-        it, end = total * b // blocks, total * (b + 1) // blocks
+        g, tm = divmod(b, tiles_m)
+        if g >= groups:
+            continue
+        it, end = total * g // groups, total * (g + 1) // groups
         for x in range(it, end):
-            covered[x] += 1
-            assert _sk_owner(x, total, blocks) == b
+            covered[tm][x] += 1
+            assert _sk_owner(x, total, groups) == g
         while it < end:
-            tile, kt0 = divmod(it, k_tiles)
+            tn, kt0 = divmod(it, k_tiles)
             kt1 = min(k_tiles, kt0 + end - it)
             it += kt1 - kt0
             if kt0 > 0 or kt1 < k_tiles:
-                first = _sk_owner(tile * k_tiles, total, blocks)
-                slot = (b, int(b == first))
-                assert slot not in slots, f"slot {slot} taken by tile {slots.get(slot)} and {tile}"
-                slots[slot] = tile
-                parts_seen[tile] = parts_seen.get(tile, 0) + 1
-    assert covered == [1] * total
-    for tile, seen in parts_seen.items():
-        first = _sk_owner(tile * k_tiles, total, blocks)
-        assert _sk_owner(tile * k_tiles + k_tiles - 1, total, blocks) - first + 1 == seen
+                first = _sk_owner(tn * k_tiles, total, groups)
+                slot = (b, int(g == first))
+                assert slot not in slots, f"slot {slot} taken by tile {slots.get(slot)} and {(tm, tn)}"
+                slots[slot] = (tm, tn)
+                parts_seen[(tm, tn)] = parts_seen.get((tm, tn), 0) + 1
+    assert covered == [[1] * total for _ in range(tiles_m)]
+    for (_tm, tn), seen in parts_seen.items():
+        first = _sk_owner(tn * k_tiles, total, groups)
+        assert _sk_owner(tn * k_tiles + k_tiles - 1, total, groups) - first + 1 == seen
 
 
 def test_stream_k_needs_a_persistent_grid_and_sizes_its_workspace():
@@ -426,3 +429,4 @@ def test_stream_k_needs_a_persistent_grid_and_sizes_its_workspace():
     assert launches[1].grid == (132, 1, 1)  # every block takes a share though there are only 116 tiles
     ws = fam.workspace(shape, params, "float16")
     assert ws == {"sk_ws": 2 * 132 * 128 * 192 * 4, "sk_flags": 116 * 2 * 4}
+    assert "row tiles" in fam.check_shape((2048, 11008, 4096), params, "float16")  # 16 row tiles
