@@ -317,10 +317,11 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
     return out
 
 
-#: Largest batch that runs the fused_mlp op's default kernel when nothing is tuned for it (measured on an
-#: H100, 4096-11008-4096 fp16: fused small_batch 72 us vs 81 us for the two gemv linears at batch 1; at
-#: batch 16 the linears win, 81 vs 89 us).
-FUSED_MLP_DEFAULT_MAX_BATCH = 8
+#: Largest batch that runs the fused_mlp op's default kernel when nothing is tuned for it: none. With the
+#: gemv defaults of kernels/defaults.py the two linears win at every batch (H200, 2026-11-22, forward.py:
+#: MLP 4x(4096-11008-4096) fp16 batch 1 in 0.202 ms as linears vs 0.228 ms on the fused small_batch default;
+#: an H100 before those defaults had the fused kernel ahead at batch 1, 72 vs 81 us a block).
+FUSED_MLP_DEFAULT_MAX_BATCH = 0
 
 
 def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: str = "gelu_erf") -> Tensor:
@@ -340,8 +341,8 @@ def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: st
     dtype = _float_dtype(x, w1, b1, w2, b2)
     shape = (batch, d_in, d_hidden, d_out)
     if batch > FUSED_MLP_DEFAULT_MAX_BATCH and current_registry().find("fused_mlp", shape, dtype, {"act": act}) is None:
-        # Nothing tuned for the fused op: above a few rows its two linears (gemv / wgmma defaults) beat the
-        # fused templates' defaults; a tuned fused_mlp kernel, once served, replaces them.
+        # Nothing tuned for the fused op: its two linears (gemv / wgmma defaults) beat the fused templates'
+        # defaults; a tuned fused_mlp kernel, once served, replaces them.
         _note("fused_mlp", shape, dtype, {"act": act})
         if (shape, dtype, act) not in _split_mlps:
             _split_mlps.add((shape, dtype, act))

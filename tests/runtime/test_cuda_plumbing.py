@@ -131,12 +131,15 @@ def test_larger_batches_run_the_mlp_as_two_linears_and_say_so_once(fake, caplog)
     assert caplog.text.count("nothing tuned, running its two linears") == 1
 
 
-def test_small_batches_run_the_fused_mlp_kernel(fake):
+def test_small_batches_run_as_two_linears_too_unless_the_fused_default_is_allowed(fake, monkeypatch):
     backend, registry = fake
     x, w1, b1, w2, b2 = _cuda(4, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
     ops.fused_mlp(x, w1, b1, w2, b2, "gelu")
+    assert [launch[0] for launch in backend.launches][-2:] == ["linear_gemv", "linear_gemv"]
+    monkeypatch.setattr(ops, "FUSED_MLP_DEFAULT_MAX_BATCH", 8)
+    ops.fused_mlp(x, w1, b1, w2, b2, "gelu")
     assert [launch[0] for launch in backend.launches][-2] == "fused_mlp_small_batch"
-    assert {r["op"] for r in registry.report()} == {"fused_mlp"}
+    assert {r["op"] for r in registry.report()} == {"fused_mlp", "linear"}
 
 
 def test_unaligned_inputs_are_copied(fake):
