@@ -90,6 +90,10 @@ def compare(out: np.ndarray, ref: np.ndarray, seed: int, name: str) -> SeedCheck
     worst_flat = int(np.argmax(diff))
     worst_abs = float(diff[worst_flat])
     ref_max = float(max(flat_ref.max(), -flat_ref.min()))
+    # float16 outputs cannot hold values below its smallest normal number to relative precision (an output
+    # of one element of 1e-6 is a subnormal with 6% steps): errors are relative to at least that size.
+    tiny = float(np.finfo(np.float16).tiny) if out.dtype == np.float16 else 0.0
+    ref_norm, ref_max = max(ref_norm, tiny * np.sqrt(flat_ref.size)), max(ref_max, tiny)
     rel = diff_norm / ref_norm if ref_norm > 0 else diff_norm
     max_abs_rel = worst_abs / ref_max if ref_max > 0 else worst_abs
     worst = tuple(int(i) for i in np.unravel_index(worst_flat, ref.shape))

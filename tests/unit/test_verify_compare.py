@@ -39,6 +39,16 @@ def test_fp16_rounding_within_tolerance():
     assert check.failure(TOLERANCES["float32"]) is not None
 
 
+def test_fp16_output_below_its_normal_range_is_judged_against_that_range():
+    ref = np.array([[-2.6e-6]])  # a GELU of about -5: a float16 subnormal, stored with 6e-8 steps
+    check = compare(ref.astype(np.float16), ref, 0, "y")
+    assert check.failure(TOLERANCES["float16"]) is None
+    wrong = np.array([[-2.0e-5]], dtype=np.float16)  # off by more than the format's resolution
+    assert compare(wrong, ref, 0, "y").failure(TOLERANCES["float16"]) is not None
+    # float32 keeps relative precision there: no floor.
+    assert compare(np.array([[-2.7e-6]], dtype=np.float32), ref, 0, "y").failure(TOLERANCES["float32"]) is not None
+
+
 def test_fresh_seeds_differ():
     assert fresh_seeds(4) != fresh_seeds(4)
 
