@@ -445,7 +445,7 @@ class WgmmaFamily(Family):
 
     def gemm_launches(self, entry: str, shape, params, dtype, buffers: tuple[str, ...]) -> list[Launch]:
         """The launches of one GEMM, kernel ``entry`` over ``buffers`` (A, B, C [, bias]) at ``shape``
-        (M, N, K): with stream_k a launch that zeroes the partial sums first."""
+        (M, N, K): with stream_k a launch that zeroes the arrival counts first."""
         M, N, K = shape  # noqa: N806
         # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
         a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
