@@ -107,7 +107,10 @@ class BiasAct(OpSpec):
         return {"X": (rows, cols), "b": (cols,), "Y": (rows, cols)}
 
     def input_scale(self, name, shape):
-        return 3.0  # the activations' interesting range
+        # X + b in [-2, 2], the activations' bend. Further below, the GELU formulas every framework uses
+        # (1 + erf(.), 1 + tanh(.)) cancel: an output of one element at x = -5 is 1e-3 off in fp32, past the
+        # 1e-5 tolerance, whatever the kernel (prelude.cuh.j2 says why those formulas stay).
+        return 1.0
 
     def reference(self, inputs, attrs):
         x, b = (inputs[n].astype(np.float64) for n in self.inputs)
