@@ -4,7 +4,8 @@
 (b) a BERT-base-sized encoder (12 layers, hidden 768, 12 heads, random weights), sequence 128, batch 1 and 8.
 All in float16. The runtime loads the same weights (a torch state_dict / a save_pretrained directory)
 and runs its registry's kernels (tuned ones where KERNELMILL_SERVER or --server serves them, else the
-template defaults) with CUDA-graph replay. Prints a table and writes JSON.
+template defaults) with CUDA-graph replay, with programmatic dependent launch (PDL) and without. The
+contenders' timed repeats take turns. Prints a table and writes JSON.
 
     python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile]
 """
@@ -26,19 +27,23 @@ def _sync(torch) -> None:
     torch.cuda.synchronize()  # device-wide: waits for the runtime's stream as well
 
 
-def time_ms(torch, fn, warmup: int, iters: int, repeats: int) -> dict:
-    """Wall time per call over `iters` back-to-back calls (launch overhead included), median of `repeats`."""
-    for _ in range(warmup):
-        fn()
-    _sync(torch)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
+def time_ms(torch, fns: dict, warmup: int, iters: int, repeats: int) -> dict:
+    """Wall time per call over `iters` back-to-back calls (launch overhead included), median of `repeats`,
+    for each of ``fns``; the repeats take turns (A, B, C, A, B, C, ...) so that a drifting clock or a
+    neighbour's load hits every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        _sync(torch)
-        samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples_ms": samples}
+    _sync(torch)
+    samples: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            _sync(torch)
+            samples[name].append((time.perf_counter() - start) * 1e3 / iters)
+    return {name: {"median_ms": statistics.median(s), "min_ms": min(s), "samples_ms": s} for name, s in samples.items()}
 
 
 def rel_err(torch, out, ref) -> float:
@@ -46,20 +51,30 @@ def rel_err(torch, out, ref) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def run_case(torch, name, batch, runtime_fn, eager_fn, compiled_fn, args) -> dict:
+def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args) -> dict:
+    """Times the runtime's graphs with PDL (the default) and without, eager and torch.compile, taking turns."""
     row: dict = {"case": name, "batch": batch}
     out_rt = runtime_fn()
     out_eager = eager_fn()
     _sync(torch)
     row["rel_err_vs_eager"] = rel_err(torch, out_rt, out_eager)
-    row["runtime"] = time_ms(torch, runtime_fn, args.warmup, args.iters, args.repeats)
-    row["eager"] = time_ms(torch, eager_fn, args.warmup, args.iters, args.repeats)
+
+    def with_pdl(flag):
+        def run():
+            model.pdl = flag
+            return runtime_fn()
+
+        return run
+
+    fns = {"runtime": with_pdl(True), "runtime_no_pdl": with_pdl(False), "eager": eager_fn}
     if compiled_fn is not None:
         start = time.perf_counter()
         compiled_fn()  # compiles
         _sync(torch)
         row["compile_s"] = time.perf_counter() - start
-        row["compiled"] = time_ms(torch, compiled_fn, args.warmup, args.iters, args.repeats)
+        fns["compiled"] = compiled_fn
+    row.update(time_ms(torch, fns, args.warmup, args.iters, args.repeats))
+    model.pdl = True
     return row
 
 
@@ -86,6 +101,7 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
                 torch,
                 "mlp 4x(4096-11008-4096)",
                 batch,
+                model,
                 lambda xt=xt: runtime.to_torch(model.forward(xt)),
                 lambda x=x: ref(x),
                 (lambda x=x: compiled(x)) if compiled is not None else None,
@@ -126,6 +142,7 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
                 torch,
                 f"bert-base seq {seq}",
                 batch,
+                model,
                 lambda ids_host=ids_host: runtime.to_torch(model.forward(ids_host)),
                 lambda ids=ids: ref(input_ids=ids).last_hidden_state,
                 (lambda ids=ids: compiled(input_ids=ids).last_hidden_state) if compiled is not None else None,
@@ -138,17 +155,19 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'eager ms':>10}{'compile ms':>12}"
+    header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'no PDL ms':>11}{'eager ms':>10}{'compile ms':>12}"
     header += f"{'vs eager':>10}{'vs compile':>11}{'rel err':>10}  run"
     print(header)
     print("-" * len(header))
     for r in rows:
         rt, eager = r["runtime"]["median_ms"], r["eager"]["median_ms"]
+        no_pdl = r["runtime_no_pdl"]["median_ms"]
         comp = r.get("compiled", {}).get("median_ms")
         comp_s = f"{comp:>12.3f}" if comp else f"{'-':>12}"
         vs_comp = f"{comp / rt:>10.2f}x" if comp else f"{'-':>11}"
         print(
-            f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{eager:>10.3f}{comp_s}{eager / rt:>9.2f}x{vs_comp}"
+            f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{no_pdl:>11.3f}{eager:>10.3f}{comp_s}"
+            f"{eager / rt:>9.2f}x{vs_comp}"
             f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']}"
         )
 
@@ -185,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "dtype": "float16",
-        "timing": f"wall time per forward, {args.iters} calls after {args.warmup} warm-up, median of {args.repeats}",
+        "timing": f"wall time per forward, {args.iters} calls after {args.warmup} warm-up, median of {args.repeats}"
+        " (contenders take turns)",
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))

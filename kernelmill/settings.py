@@ -33,6 +33,11 @@ class Settings(BaseSettings):
         False, description="NVTX ranges around each runtime op on the GPU (profile-forward sets it in its child)"
     )
     nsys: str = Field("nsys", description="Nsight Systems executable (profile-forward)")
+    pdl: bool = Field(
+        True,
+        description="runtime CUDA graphs launch each kernel of a PDL family early (programmatic dependent launch, "
+        "sm_90): it prefetches its weights while the kernel before it finishes (KERNELMILL_PDL=false: off)",
+    )
 
     plugins: str = Field(
         "",

@@ -23,6 +23,8 @@ class Backend:
         self.cuda = device.cuda
         self.stream = device.cuda.Stream()
         self._kept: list[Buffer] | None = None
+        self._programmatic = None  # graph.make_programmatic while a PDL graph is being captured
+        self._edges: list[int] = [0]
 
     @property
     def arch(self) -> str:
@@ -42,6 +44,23 @@ class Backend:
             yield self._kept
         finally:
             self._kept = previous
+
+    @contextlib.contextmanager
+    def capturing(self, programmatic):
+        """While a graph is captured: ``programmatic(stream_handle)`` (or None) runs before each launch of a
+        PDL kernel (``before_launch``); yields a one-element list that ends up holding how many edges it
+        made programmatic."""
+        previous, self._programmatic = self._programmatic, programmatic
+        edges, self._edges = self._edges, [0]
+        try:
+            yield self._edges
+        finally:
+            self._programmatic, self._edges = previous, edges
+
+    def before_launch(self, pdl: bool) -> None:
+        """Called before every kernel launch of the runtime; ``pdl``: the kernel waits for the one before."""
+        if pdl and self._programmatic is not None and self._programmatic(self.stream_handle):
+            self._edges[0] += 1
 
     def upload(self, ptr: int, host: Any) -> None:
         """Host -> device, after the stream's queued work (a synchronous copy; never during a capture)."""

@@ -5,6 +5,13 @@ gpu extra) captures what the runtime enqueues on that stream: cuStreamBeginCaptu
 the pooled allocator may still allocate), the forward's launches, cuStreamEndCapture, cuGraphInstantiate;
 each replay is one cuGraphLaunch. Every buffer allocated during the capture is owned by the graph, so
 memory the graph writes is never handed to anyone else.
+
+Programmatic dependent launch (PDL, sm_90): with ``pdl=True`` the edge from a kernel node to the next
+kernel of a PDL family (``Family.pdl``: its kernels call ``griddepcontrol.wait`` before touching any
+buffer) is made programmatic while it is captured (``make_programmatic``). The driver then launches the
+next kernel as soon as every block of the one before has called ``griddepcontrol.launch_dependents``;
+its blocks take SMs as they free up, set up, prefetch their weights into L2 and wait for the previous
+grid to complete. The bubble between two kernels (drain, launch, ramp-up) shrinks to the wait.
 """
 
 from __future__ import annotations
@@ -51,19 +58,52 @@ def _check(result: tuple, what: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-class CapturedForward:
-    """One static-shape forward captured as a CUDA graph: static inputs, the output, the graph."""
+def make_programmatic(stream_handle: int) -> bool:
+    """While ``stream_handle`` is being captured, before a PDL kernel's launch: when the next node would
+    depend on exactly one node and that is a kernel, the dependency becomes a programmatic edge (the next
+    kernel may start once every block of that kernel has called launch_dependents, and waits for it in
+    griddepcontrol.wait). Returns whether it did; bindings older than CUDA 12.3 (no edge data) never do."""
+    driver = _driver()
+    stream = driver.CUstream(stream_handle)
+    get_info = getattr(driver, "cuStreamGetCaptureInfo_v3", None) or driver.cuStreamGetCaptureInfo
+    update = getattr(driver, "cuStreamUpdateCaptureDependencies_v2", None) or driver.cuStreamUpdateCaptureDependencies
+    info = get_info(stream)
+    if len(info) != 7:  # (err, status, id, graph, nodes, edge data, count) from 12.3 on
+        return False
+    err, status, _id, _graph, nodes, _edges, count = info
+    active = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    if err != driver.CUresult.CUDA_SUCCESS or status != active or count != 1:
+        return False
+    node = nodes[0]
+    kind = _check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+    if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return False
+    edge = driver.CUgraphEdgeData()
+    edge.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    edge.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    flags = driver.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES
+    _check(update(stream, [node], [edge], 1, flags), "cuStreamUpdateCaptureDependencies")
+    return True
 
-    def __init__(self, backend, fn: Callable[..., Tensor], inputs: tuple[Tensor | None, ...]) -> None:
+
+class CapturedForward:
+    """One static-shape forward captured as a CUDA graph: static inputs, the output, the graph.
+
+    ``programmatic_edges`` counts the kernel-to-kernel edges captured as programmatic (``pdl=True``)."""
+
+    def __init__(
+        self, backend, fn: Callable[..., Tensor], inputs: tuple[Tensor | None, ...], pdl: bool = False
+    ) -> None:
         driver = _driver()
         self.backend = backend
         self._graph = self._exec = None
+        self.programmatic_edges = 0
         # Static inputs live outside the capture (they are copied into before each replay).
         self.inputs = tuple(None if t is None else t.clone() for t in inputs)
         backend.synchronize()
         stream = driver.CUstream(backend.stream_handle)
         self._stream = stream
-        with backend.keep_allocations() as kept:
+        with backend.keep_allocations() as kept, backend.capturing(make_programmatic if pdl else None) as edges:
             mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
             _check(driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
             try:
@@ -75,6 +115,7 @@ class CapturedForward:
                 raise
             self._graph = _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
         self._kept = kept
+        self.programmatic_edges = edges[0]
         self.output = output
         try:
             self._exec = _check(driver.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")

@@ -36,6 +36,7 @@ from kernelmill.runtime.nn import (
     TransformerEncoderLayer,
 )
 from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor, numpy_dtype
+from kernelmill.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,7 @@ class Model:
         server: str | None = None,
         graphs: bool = True,
         warmup: int = 1,
+        pdl: bool | None = None,
     ) -> None:
         device = "cuda" if str(device).startswith("cuda") else str(device)
         if device not in ("cpu", "cuda"):
@@ -259,6 +261,9 @@ class Model:
         self.registry = registry
         self.module = module.to(device, dtype)
         self.graphs_enabled = graphs and device == "cuda"
+        #: Graphs launch PDL kernels early (runtime/graph.py); default KERNELMILL_PDL. A graph is captured per
+        #: input signature and setting, so flipping it between forwards compares the two.
+        self.pdl = get_settings().pdl if pdl is None else bool(pdl)
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
         self._calls: dict[tuple, int] = {}
@@ -279,7 +284,7 @@ class Model:
             self._remember(seen)
             self.last_run = "cpu"
             return out
-        key = tuple(None if t is None else (t.shape, t.dtype) for t in prepared)
+        key = (*(None if t is None else (t.shape, t.dtype) for t in prepared), self.pdl)
         graph = self._graphs.get(key)
         if graph is not None and graph is not _NO_GRAPH:
             self.last_run = "graph"
@@ -300,14 +305,26 @@ class Model:
     def _capture(self, key: tuple, prepared: tuple) -> Any:
         from kernelmill.runtime.graph import CapturedForward
 
-        shapes = ", ".join("-" if k is None else format_shape(k[0]) for k in key)
-        try:
-            graph = CapturedForward(self.backend, self.module.forward_prepared, prepared)
-        except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
-            log.warning("runtime: CUDA graph capture failed for inputs %s (%s); running plain launches", shapes, exc)
+        shapes = ", ".join("-" if k is None else format_shape(k[0]) for k in key[:-1])
+        graph, failures = None, []
+        for pdl in (True, False) if self.pdl else (False,):
+            try:
+                graph = CapturedForward(self.backend, self.module.forward_prepared, prepared, pdl=pdl)
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
+                failures.append(f"{'with' if pdl else 'without'} PDL: {exc}")
+        if failures:
+            log.warning("runtime: CUDA graph capture failed for inputs %s (%s)", shapes, "; ".join(failures))
+        if graph is None:
+            log.warning("runtime: running plain launches for inputs %s", shapes)
             self._graphs[key] = _NO_GRAPH
             return _NO_GRAPH
-        log.info("runtime: captured a CUDA graph of %d nodes for inputs %s", graph.nodes, shapes)
+        log.info(
+            "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s",
+            graph.nodes,
+            graph.programmatic_edges,
+            shapes,
+        )
         self._graphs[key] = graph
         return graph
 
@@ -453,7 +470,9 @@ def load_model(
     server: str | None = None,
     registry: Any = None,
     graphs: bool = True,
+    pdl: bool | None = None,
 ) -> Model:
     """Loads a model for ``device`` ("cuda" or "cpu"); dtype defaults to float16 on cuda, float32 on cpu
-    (the CPU always computes in float32). ``act``: an MLP file's activation (default relu)."""
-    return Model(load_module(path, act), device, dtype, registry=registry, server=server, graphs=graphs)
+    (the CPU always computes in float32). ``act``: an MLP file's activation (default relu). ``pdl``: graphs
+    launch PDL kernels early (default KERNELMILL_PDL, on)."""
+    return Model(load_module(path, act), device, dtype, registry=registry, server=server, graphs=graphs, pdl=pdl)

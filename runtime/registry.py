@@ -69,6 +69,8 @@ class KernelEntry:
     speedup: float | None = None
     median_ms: float | None = None
     note: str = ""
+    #: Its kernels wait for the previous grid (Family.pdl): a graph may launch them early.
+    pdl: bool = False
     calls: int = 0
     _bound: list[tuple[Any, Launch]] | None = field(default=None, repr=False)
     _ws: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -90,6 +92,7 @@ class KernelEntry:
         buffers.update(self._ws)
         for kernel, launch in self._bound:
             args = [buffers[a] if isinstance(a, str) else a for a in launch.args]
+            backend.before_launch(self.pdl)
             kernel.launch(launch.grid, launch.block, launch.smem_bytes, args, backend.stream)
         self.calls += 1
 
@@ -284,6 +287,7 @@ class KernelRegistry:
             cubin_key=cubin_key,
             launches=fam.launches(shape, params, dtype),
             workspace=fam.workspace(shape, params, dtype),
+            pdl=fam.pdl,
             **extra,
         )
 

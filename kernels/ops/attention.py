@@ -39,6 +39,7 @@ def smem_bytes(params, head_dim: int) -> int:
 class Fused(Family):
     name = "fused"
     template = "attention/fused.cu.j2"
+    pdl = True
     description = "one kernel: K/V tiles in shared memory, online softmax, P @ V in registers (CUDA cores)"
     params = (
         Param("warps", (1, 2, 4, 8), "warps per block"),

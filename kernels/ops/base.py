@@ -142,8 +142,10 @@ class Family(ABC):
     dtypes: tuple[str, ...] = DTYPES
     #: nvcc arch suffix the family needs ("a" for sm_90a-only instructions).
     arch_suffix: str = ""
-    #: Shape dims over which the family can only serve small values (None: any).
     description: str = ""
+    #: Programmatic dependent launch: every kernel of the family calls km_pdl_wait() (prelude.cuh.j2) before
+    #: it reads or writes a buffer, so a CUDA graph may start it while the kernel before it still runs.
+    pdl: bool = False
 
     def precision(self, dtype: str) -> str:
         """Arithmetic precision that sets the tolerance (e.g. "tf32" for fp32 on tensor cores)."""

@@ -55,6 +55,7 @@ class VecFamily(Family):
 
     name = "vec"
     params = (_VEC, _THREADS)
+    pdl = True
 
     def __init__(self, template: str, entry: str, description: str, args: tuple[str, ...]) -> None:
         self.template = template

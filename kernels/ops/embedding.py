@@ -40,6 +40,7 @@ def unpack_ids(packed: np.ndarray) -> np.ndarray:
 class Gather(Family):
     name = "gather"
     template = "embedding/gather.cu.j2"
+    pdl = True
     description = "one block per token (rows_per_block tokens), vec elements per access along hidden"
     params = (
         Param("threads", (32, 64, 128, 256), "threads per token"),

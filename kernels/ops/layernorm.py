@@ -25,6 +25,7 @@ MAX_FLOATS_PER_THREAD = 32
 
 class RowFamily(Family):
     name = "row"
+    pdl = True
     description = "threads_per_row threads per row (warp or block reductions), rows_per_block rows per block"
     params = (
         Param("threads_per_row", (32, 64, 128, 256, 512, 1024), "threads that cooperate on one row"),

@@ -345,6 +345,7 @@ class WgmmaFamily(Family):
     entry = "matmul_wgmma"
     dtypes = ("float16", "bfloat16")
     arch_suffix = "a"
+    pdl = True
     description = "Hopper wgmma GEMM, TMA ring on mbarriers, warp-specialised (sm_90a; fp16/bf16; K, N % 8 == 0)"
     params = (
         Param("BM", (64, 128, 256), "block tile rows (M)"),

@@ -82,6 +82,7 @@ def pass_elems(lanes: int, params: Mapping[str, Any]) -> int:
 class WarpRow(Family):
     name = "warp_row"
     template = "softmax/warp_row.cu.j2"
+    pdl = True
     description = "one warp per row, several rows per block; best for short rows"
     params = (_VEC, _UNROLL, Param("rows_per_block", (1, 2, 4, 8, 16), "warps (rows) per block"), _FAST_EXP)
 
@@ -109,6 +110,7 @@ class WarpRow(Family):
 class BlockRow(Family):
     name = "block_row"
     template = "softmax/block_row.cu.j2"
+    pdl = True
     description = "one block per row with block-wide reductions; best for long rows"
     params = (_VEC, _UNROLL, Param("threads", (64, 128, 256, 512, 1024), "threads per block (per row)"), _FAST_EXP)
     #: Blocks sharing a row (cluster_row's knob; one here).
@@ -229,6 +231,7 @@ class SmemRow(BlockRow):
 class SplitRow(Family):
     name = "split_row"
     template = "softmax/split_row.cu.j2"
+    pdl = True
     description = "a row split across blocks_per_row blocks: (max, sum) per chunk, then combine and normalise"
     params = (
         Param("blocks_per_row", (2, 4, 8, 16, 32, 64, 128), "blocks sharing one row"),

@@ -100,6 +100,48 @@ def test_bert_graph_replay_equals_plain_launches(bert, registry):
     assert graphed.last_run == "graph"
 
 
+def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert, registry, tmp_path):
+    """Programmatic edges between the kernels of PDL families; many replays queued back to back (no sync in
+    between) must each equal plain launches bit for bit: any kernel touching a buffer before the one
+    before it is done would show here."""
+    pytest.importorskip("cuda.bindings")
+    path, _ = bert
+    plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
+    graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, pdl=True)
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(0, 307, size=(2, 64)) for _ in range(6)]
+    want = [plain.forward(ids).numpy() for ids in batches]
+    graphed.forward(batches[0])  # plain launches, then capture from the second call
+    outs = [graphed.forward(ids) for ids in batches]  # queued on the stream; downloaded after
+    assert graphed.last_run == "graph"
+    for got, expected in zip(outs, want, strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected)
+    graph = next(g for k, g in graphed._graphs.items() if k[-1] is True)
+    assert graph.programmatic_edges > 0
+
+    # An MLP on gemv (batch 1) and wgmma (batch 40) linears, PDL on and off.
+    torch.manual_seed(6)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(256, 704), torch.nn.GELU(), torch.nn.Linear(704, 256)) for _ in range(3)
+    ]
+    torch.save(torch.nn.Sequential(*blocks).state_dict(), tmp_path / "mlp.pt")
+    mlp_plain = runtime.load_model(
+        tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry, graphs=False
+    )
+    mlp = runtime.load_model(tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry)
+    for batch in (1, 40):
+        xs = [np.random.default_rng(batch * 10 + i).standard_normal((batch, 256)).astype(np.float32) for i in range(5)]
+        want = [mlp_plain.forward(x).numpy() for x in xs]
+        for pdl in (True, False):
+            mlp.pdl = pdl
+            mlp.forward(xs[0])
+            outs = [mlp.forward(x) for x in xs]
+            assert mlp.last_run == "graph"
+            for got, expected in zip(outs, want, strict=True):
+                np.testing.assert_array_equal(got.numpy(), expected)
+    assert all(g.programmatic_edges > 0 for k, g in mlp._graphs.items() if k[-1] is True)
+
+
 def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):
     pytest.importorskip("cuda.bindings")
     monkeypatch.setattr(ops, "FUSED_MLP_DEFAULT_MAX_BATCH", 8)  # the fused kernel's atomics in a graph

@@ -45,6 +45,10 @@ class FakeBackend:
         self.arch = "sm_90"
         self.stream = None
         self.stream_handle = 1
+        self.pdl = []  # before_launch's flag for each launch, in order
+
+    def before_launch(self, pdl):
+        self.pdl.append(pdl)
 
     def alloc(self, nbytes):
         buf = Buffer(self._next, nbytes)
@@ -119,6 +123,19 @@ def test_every_op_maps_its_tensors_to_kernel_arguments(fake):
     assert "fused_mlp" not in rows and {"linear"} <= set(rows)
     assert rows["layernorm" if "layernorm" in rows else "add_layernorm"]["attrs"] == {"eps": 1e-5}
     assert all(r["source"] == "default" for r in rows.values())
+
+
+def test_each_launch_says_whether_its_kernel_waits_for_the_one_before(fake, monkeypatch):
+    backend, registry = fake
+    x, w1, b1, w2, b2 = _cuda(4, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
+    ops.linear(x, w1, b1, "gelu")  # gemv: a PDL family
+    ops.softmax(x)
+    monkeypatch.setattr(ops, "FUSED_MLP_DEFAULT_MAX_BATCH", 8)
+    ops.fused_mlp(x, w1, b1, w2, b2, "gelu")  # small_batch: not one
+    flags = dict(zip([launch[0] for launch in backend.launches], backend.pdl, strict=True))
+    assert flags["linear_gemv"] and flags["softmax_warp_row"]
+    assert not any(pdl for entry, pdl in flags.items() if entry.startswith("fused_mlp_"))
+    assert "fused_mlp_small_batch" in flags
 
 
 def test_larger_batches_run_the_mlp_as_two_linears_and_say_so_once(fake, caplog):
