@@ -58,8 +58,6 @@ class GemvFamily(Family):
         Param("unroll", (1, 2, 4, 8), "rows of B per thread (FMA) or 16-row tiles per warp (mma) in flight"),
         Param("pipeline", (1, 2), "groups of unroll tiles in flight per warp (mma): 2 loads the next before the mma"),
     )
-    #: Its kernel waits for the previous grid before touching A or C (templates/common/prelude.cuh.j2).
-    pdl = True
 
     def precision(self, dtype):
         return dtype  # fp32 stays fp32 (FMA engine only); 16-bit inputs accumulate in fp32 either way

@@ -128,12 +128,12 @@ def test_every_op_maps_its_tensors_to_kernel_arguments(fake):
 def test_each_launch_says_whether_its_kernel_waits_for_the_one_before(fake, monkeypatch):
     backend, registry = fake
     x, w1, b1, w2, b2 = _cuda(4, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
-    ops.linear(x, w1, b1, "gelu")  # gemv: a PDL family
-    ops.softmax(x)
+    ops.linear(x, w1, b1, "gelu")  # gemv: not a PDL family
+    ops.softmax(x)  # a PDL family
     monkeypatch.setattr(ops, "FUSED_MLP_DEFAULT_MAX_BATCH", 8)
     ops.fused_mlp(x, w1, b1, w2, b2, "gelu")  # small_batch: not one
     flags = dict(zip([launch[0] for launch in backend.launches], backend.pdl, strict=True))
-    assert flags["linear_gemv"] and flags["softmax_warp_row"]
+    assert flags["softmax_warp_row"] and not flags["linear_gemv"]
     assert not any(pdl for entry, pdl in flags.items() if entry.startswith("fused_mlp_"))
     assert "fused_mlp_small_batch" in flags
 
