@@ -9,9 +9,10 @@ memory the graph writes is never handed to anyone else.
 Programmatic dependent launch (PDL, sm_90): with ``pdl=True`` the edge from a kernel node to the next
 kernel of a PDL family (``Family.pdl``: its kernels call ``griddepcontrol.wait`` before touching any
 buffer) is made programmatic while it is captured (``make_programmatic``). The driver then launches the
-next kernel as soon as every block of the one before has called ``griddepcontrol.launch_dependents``;
-its blocks take SMs as they free up, set up, prefetch their weights into L2 and wait for the previous
-grid to complete. The bubble between two kernels (drain, launch, ramp-up) shrinks to the wait.
+next kernel as soon as every block of the one before has passed its own wait and called
+``griddepcontrol.launch_dependents``; its blocks take SMs as they free up, set up (the wgmma GEMM also
+prefetches its first B stages into L2) and wait for the previous grid to complete, so the launch and the
+set-up overlap the previous kernel's tail.
 """
 
 from __future__ import annotations
