@@ -66,6 +66,7 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args)
 
         return run
 
+    setting = model.pdl
     fns = {"runtime": with_pdl(True), "runtime_no_pdl": with_pdl(False), "eager": eager_fn}
     if compiled_fn is not None:
         start = time.perf_counter()
@@ -74,7 +75,7 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args)
         row["compile_s"] = time.perf_counter() - start
         fns["compiled"] = compiled_fn
     row.update(time_ms(torch, fns, args.warmup, args.iters, args.repeats))
-    model.pdl = True
+    model.pdl = setting
     return row
 
 

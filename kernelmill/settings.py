@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     pdl: bool = Field(
         True,
         description="runtime CUDA graphs launch each kernel of a PDL family early (programmatic dependent launch, "
-        "sm_90): it prefetches its weights while the kernel before it finishes (KERNELMILL_PDL=false: off)",
+        "sm_90): it sets up while the kernel before it finishes (KERNELMILL_PDL=false: off)",
     )
 
     plugins: str = Field(
