@@ -93,9 +93,37 @@ _WGMMA_TILES = [
 ]
 
 
+#: Fewest k tiles (of 64) each block of a split-K cluster keeps.
+_MIN_K_TILES_PER_SPLIT = 2
+
+
+def _k_splits(fam: WgmmaFamily, shape, params: dict[str, Any], sm_count: int) -> int:
+    """Blocks per tile for a one-wave grid of few tiles: the most k_splits that still fit the SMs in one wave.
+    Measured on an H100 (docs/PERFORMANCE.md): BERT-base's 128 x 768 x 3072 linear 19.0 -> 12.2 us with 4,
+    128 x 768 x 768 11.7 -> 9.9 us, 256 x 1024 x 8192 35.5 -> 24.1 us with 2; shapes with more tiles than
+    half the SMs were slower split (the partial sums cost more than the idle SMs)."""
+    if params["ctas"] or params.get("stream_k"):
+        return 1
+    tiles, k_tiles = fam.tiles(shape, params), math.ceil(shape[2] / fam.BK)
+    best = 1
+    for splits in fam.param("k_splits").values:
+        if tiles * splits <= sm_count and k_tiles >= _MIN_K_TILES_PER_SPLIT * splits:
+            best = max(best, splits)
+    return best
+
+
 def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
     """The tile with the best estimated time (waves of tiles times a tile's work over its efficiency),
-    persistent over the SMs when there are several waves."""
+    persistent over the SMs when there are several waves, split over the k of a cluster's blocks when there
+    are too few tiles to fill the SMs."""
+    best = _wgmma_tile(fam, shape, dtype, sm_count)
+    splits = _k_splits(fam, shape, best, sm_count)
+    if splits > 1 and fam.check({**best, "k_splits": splits}, dtype) is None:
+        best = {**best, "k_splits": splits}
+    return best
+
+
+def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
     m, n, _k = shape
     best, best_cost = fam.defaults(dtype), math.inf
     for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:

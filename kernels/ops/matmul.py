@@ -349,11 +349,12 @@ class WgmmaFamily(Family):
     description = "Hopper wgmma GEMM, TMA ring on mbarriers, warp-specialised (sm_90a; fp16/bf16; K, N % 8 == 0)"
     params = (
         Param("BM", (64, 128, 256), "block tile rows (M)"),
-        Param("BN", (64, 128, 192, 256), "block tile columns (N): the wgmma N"),
+        Param("BN", (64, 128, 168, 192, 256), "block tile columns (N): the wgmma N (168: 3 TMA boxes, 132 tiles at N=11008, M=256)"),
         Param("consumers", (1, 2), "MMA warpgroups; each owns BM / consumers rows (64 or 128)"),
         Param("stages", (3, 4, 5, 6), "depth of the TMA shared-memory ring"),
         Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
         Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
+        Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing each tile's k, partial sums added in shared memory"),
     )
     #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
     BK = 64
@@ -372,10 +373,14 @@ class WgmmaFamily(Family):
     def threads(self, params: Mapping[str, Any]) -> int:
         return 128 * (params["consumers"] + 1)
 
+    def bn_loaded(self, params: Mapping[str, Any]) -> int:
+        """Columns of B a ring stage holds: whole 64-column TMA boxes (km_wgmma_bn_loaded)."""
+        return cdiv(params["BN"], 64) * 64
+
     def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
         """km_gemm_wgmma_smem_bytes: the ring, a full and an empty mbarrier per stage, 1 KiB alignment slack."""
         stages = params["stages"]
-        return stages * (params["BM"] + params["BN"]) * self.BK * itemsize(dtype) + 16 * stages + 1024
+        return stages * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype) + 16 * stages + 1024
 
     def acc_regs(self, params: Mapping[str, Any]) -> int:
         """fp32 accumulators per consumer thread: (BM / consumers) x BN over 128 threads."""
@@ -389,11 +394,13 @@ class WgmmaFamily(Family):
         tiles = self.tiles(shape, params)
         if params.get("stream_k"):
             return params["ctas"]  # every block takes a share, also where there are fewer tiles than blocks
+        if params.get("k_splits", 1) > 1:
+            return tiles * params["k_splits"]  # a cluster of k_splits blocks per tile
         return min(tiles, params["ctas"]) if params["ctas"] else tiles
 
     def defaults(self, dtype):
         # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
-        return {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False}
+        return {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False, "k_splits": 1}
 
     def check(self, params, dtype):
         if dtype not in self.dtypes:
@@ -409,6 +416,13 @@ class WgmmaFamily(Family):
             return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES} (227 KiB)"
         if params.get("stream_k") and not params["ctas"]:
             return "stream_k shares the k iterations over a persistent grid: set ctas"
+        splits = params.get("k_splits", 1)
+        if splits > 1:
+            if params["ctas"] or params.get("stream_k"):
+                return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
+            ring = params["stages"] * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype)
+            if params["BM"] * params["BN"] * 4 > ring:
+                return f"the {params['BM']}x{params['BN']} fp32 partial sums of k_splits exceed the {ring}-byte ring"
         return None
 
     def check_shape(self, shape, params, dtype):
@@ -422,6 +436,9 @@ class WgmmaFamily(Family):
                 )
         if cdiv(M, params["BM"]) * cdiv(N, params["BN"]) >= 2**31 // 8:
             return "too many output tiles for the kernel's 32-bit tile index"
+        splits = params.get("k_splits", 1)
+        if cdiv(K, self.BK) < splits:
+            return f"K={K} has {cdiv(K, self.BK)} k tiles of {self.BK}, fewer than k_splits={splits}"
         if params.get("stream_k") and cdiv(M, params["BM"]) > self.stream_k_max_row_tiles:
             return (
                 f"stream_k serves short, wide problems: {cdiv(M, params['BM'])} row tiles > "

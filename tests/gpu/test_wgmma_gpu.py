@@ -23,9 +23,12 @@ DTYPES = ("float16", "bfloat16")
 #: M anything; K and N multiples of 8 (TMA row strides): one row, ragged tiles, K tails and K < 64, a K of one
 #: 8-element chunk, many tiles per persistent block, and the big square case.
 SHAPES = [(1, 8, 8), (255, 136, 104), (300, 200, 512), (129, 264, 72), (64, 64, 8), (2048, 2048, 136)]
+#: Deep K for the split-K points (at least k_splits k tiles), with K tails and ragged M and N.
+DEEP = [(255, 136, 1032), (1, 200, 520), (300, 264, 4104)]
 BIG = (4096, 4096, 4096)
 #: The defaults and points that take the other code paths: one consumer (no setmaxnreg), two m64 rows per
-#: consumer, BN of 64 and 192, a block per tile and persistent grids, shallow and deep rings.
+#: consumer, BN of 64, 168 and 192, a block per tile and persistent grids, shallow and deep rings, stream-K,
+#: split-K over clusters.
 POINTS = [
     {},
     {"BM": 128, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0},
@@ -37,6 +40,14 @@ POINTS = [
     {"BM": 128, "BN": 192, "consumers": 2, "stages": 5, "ctas": 132, "stream_k": True},
     {"BM": 256, "BN": 128, "consumers": 2, "stages": 3, "ctas": 128, "stream_k": True},
     {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 132, "stream_k": True},
+    # a BN that is not a whole number of 64-column boxes (three loaded, 168 used), one tile per block and persistent
+    {"BM": 128, "BN": 168, "consumers": 2, "stages": 4, "ctas": 0},
+    {"BM": 128, "BN": 168, "consumers": 2, "stages": 4, "ctas": 132},
+    # split-K over clusters of 2-4 blocks: one and two consumers, two m64 rows per consumer
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "k_splits": 2},
+    {"BM": 128, "BN": 192, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 3},
+    {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "k_splits": 4},
+    {"BM": 256, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 2},
 ]
 #: Shapes where the family is timed against PyTorch, with the points worth comparing there.
 TIMED = {
@@ -65,15 +76,15 @@ def compiler(tmp_path_factory):
 @pytest.mark.parametrize("point", range(len(POINTS)))
 def test_verifies_on_odd_shapes(device, compiler, dtype, point):
     variant = Variant.create("matmul", "wgmma", dtype, POINTS[point])
-    shapes = SHAPES + ([BIG] if point == 0 else [])
+    shapes = SHAPES + DEEP + ([BIG] if point == 0 else [])
     ran = 0
     for shape in shapes:
         if variant.check_shape(shape):
-            continue  # stream-K at more row tiles than its groups hold
+            continue  # stream-K at more row tiles than its groups hold; split-K at fewer k tiles than splits
         ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
         assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
         ran += 1
-    assert ran >= len(SHAPES) - 1
+    assert ran >= len(SHAPES) - 1 if variant.params["k_splits"] == 1 else ran >= len(DEEP) + 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

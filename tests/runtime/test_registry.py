@@ -209,6 +209,26 @@ def test_default_wgmma_tiles_fill_the_gpu():
     assert tile((4096, 11008, 4096)) == (128, 256, 132)  # many waves: persistent
 
 
+def test_default_wgmma_splits_k_over_clusters_where_tiles_leave_sms_idle():
+    from kernelmill.kernels.ops import OPS
+
+    fam = OPS["linear"].family("wgmma")
+
+    def split(shape):
+        p = default_params(OPS["linear"], fam, shape, "float16", sm_count=132)
+        assert fam.check(p, "float16") is None and fam.check_shape(shape, p, "float16") is None
+        return fam.tiles(shape, p), p["k_splits"]
+
+    assert split((128, 768, 3072)) == (24, 4)  # BERT-base's FFN down at batch 1: 96 blocks, not 24
+    assert split((128, 768, 768)) == (24, 4)
+    assert split((256, 1024, 8192)) == (64, 2)  # 3 x 64 blocks would take two waves
+    assert split((128, 3072, 768)) == (96, 1)  # two blocks a tile would not fit one wave
+    assert split((256, 11008, 4096)) == (116, 1)
+    assert split((128, 768, 192)) == (24, 1)  # 3 k tiles: too few to share
+    assert split((128, 768, 256)) == (24, 2)  # 4 k tiles: 2 each
+    assert default_params(OPS["linear"], fam, (128, 768, 3072), "float16", sm_count=24)["k_splits"] == 1
+
+
 def test_default_family_choice_by_dtype_and_shape(tmp_path):
     reg = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
     from kernelmill.kernels.ops import OPS

@@ -32,10 +32,14 @@ def test_registered_for_sm_90a_half_types_only():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))
-    assert 50 <= len(space) <= 300
+    assert 50 <= len(space) <= 400
     assert WGMMA.defaults(dtype) in space
     for params in space:
         assert WGMMA.check(params, dtype) is None
+        if params["k_splits"] > 1:  # a cluster per tile, its fp32 partial sums in the ring
+            assert params["ctas"] == 0 and not params["stream_k"]
+            ring = params["stages"] * (params["BM"] + WGMMA.bn_loaded(params)) * 64 * 2
+            assert params["BM"] * params["BN"] * 4 <= ring
         rows = params["BM"] // params["consumers"]
         assert rows in (64, 128)
         assert WGMMA.acc_regs(params) <= 128
@@ -46,7 +50,7 @@ def test_space_is_valid_and_moderate(dtype):
 def test_defaults():
     for dtype in DTYPES:
         params = WGMMA.defaults(dtype)
-        assert params == {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False}
+        assert params == {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False, "k_splits": 1}
         assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
         assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
         # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
@@ -61,6 +65,9 @@ def test_defaults():
         ({"BM": 128, "consumers": 1, "BN": 256}, "accumulators"),  # 128 x 256 in one warpgroup
         ({"BM": 256, "BN": 256}, "accumulators"),
         ({"stages": 5}, "shared memory"),  # 5 x 48 KiB
+        ({"k_splits": 2}, "ctas=0"),  # a cluster per tile, not a persistent grid
+        ({"k_splits": 2, "stream_k": True}, "no stream_k"),
+        ({"BN": 168, "stages": 6}, "shared memory"),  # 168 columns load three 64-column boxes: 6 x 40 KiB
     ],
 )
 def test_check_rejects(override, reason):
@@ -81,6 +88,29 @@ def test_check_shape_needs_16_byte_row_strides(dtype):
         assert message is not None and "multiple of 8" in message and "tensorcore" in message
 
 
+def test_split_k_partial_sums_must_fit_the_ring():
+    params = {**WGMMA.defaults("float16"), "stages": 2, "ctas": 0, "k_splits": 2}  # 2 x 48 KiB < 128 KiB
+    assert "exceed" in WGMMA.check(params, "float16")
+
+
+def test_split_k_needs_a_k_tile_per_block_and_launches_a_cluster_per_tile():
+    params = {**WGMMA.defaults("float16"), "BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "k_splits": 4}
+    assert "fewer than k_splits=4" in WGMMA.check_shape((128, 768, 192), params, "float16")  # 3 k tiles
+    assert WGMMA.check_shape((128, 768, 256), params, "float16") is None
+    (launch,) = WGMMA.launches((128, 768, 3072), params, "float16")
+    assert launch.grid == (2 * 12 * 4, 1, 1)  # 24 tiles, 4 blocks (one cluster) each
+    assert WGMMA.workspace((128, 768, 3072), params, "float16") == {}  # partial sums stay in shared memory
+
+
+def test_bn_that_is_not_whole_boxes_loads_whole_boxes():
+    params = {**WGMMA.defaults("float16"), "BN": 168, "ctas": 0}
+    assert WGMMA.bn_loaded(params) == 192 and WGMMA.acc_regs(params) == 84
+    assert WGMMA.smem_bytes(params, "float16") == 4 * (128 + 192) * 64 * 2 + 4 * 16 + 1024
+    assert WGMMA.tiles((256, 11008, 4096), params) == 132  # one block per SM of an H100
+    (launch,) = WGMMA.launches((256, 11008, 4096), params, "float16")
+    assert launch.args[1].box == (64, 64)  # B still comes in 64-column boxes
+
+
 def _points(dtype):
     space = list(WGMMA.space(dtype))
     return [WGMMA.defaults(dtype), *space[::7]]
@@ -91,6 +121,8 @@ def _points(dtype):
 def test_launch_geometry(dtype, shape):
     M, N, K = shape  # noqa: N806
     for params in _points(dtype):
+        if WGMMA.check_shape(shape, params, dtype):
+            continue  # e.g. fewer k tiles than k_splits
         launches = WGMMA.launches(shape, params, dtype)
         launch = launches[-1]
         tiles = cdiv(M, params["BM"]) * cdiv(N, params["BN"])
@@ -103,6 +135,9 @@ def test_launch_geometry(dtype, shape):
             assert launches[0].args == ("sk_flags", tiles * params["consumers"])
             assert grid == params["ctas"]
             extra = ["sk_ws", "sk_flags"]
+        elif params["k_splits"] > 1:
+            # A cluster of k_splits consecutive blocks per tile.
+            assert len(launches) == 1 and grid == tiles * params["k_splits"]
         else:
             # Every tile is owned by exactly one block (block b: tiles b, b + grid, ...), and no block is idle.
             assert len(launches) == 1 and 1 <= grid <= tiles
@@ -147,14 +182,17 @@ def test_tile_order_is_a_bijection(tiles_m, tiles_n):
 
 # -- templates (rendered only) --------------------------------------------------------------------
 
-_KERNEL_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(([^\n]*)\)\n(\w+)\(([^)]*)\)')
+_KERNEL_RE = re.compile(
+    r'extern "C" __global__ void __launch_bounds__\((\d+, \d+)\)(?: __cluster_dims__\((\d+), 1, 1\))?\n(\w+)\(([^)]*)\)'
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rendered_kernel_matches_launch(dtype):
     for params in _points(dtype):
         source = render(WGMMA, params, dtype)
-        ((bounds, entry, arglist),) = _KERNEL_RE.findall(source)
+        ((bounds, cluster, entry, arglist),) = _KERNEL_RE.findall(source)
+        assert int(cluster or 1) == params["k_splits"]
         names = [a.split()[-1] for a in arglist.split(",")]
         assert entry == "matmul_wgmma"
         extra = ["ws", "flags"] if params["stream_k"] else []
