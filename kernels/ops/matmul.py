@@ -349,12 +349,12 @@ class WgmmaFamily(Family):
     description = "Hopper wgmma GEMM, TMA ring on mbarriers, warp-specialised (sm_90a; fp16/bf16; K, N % 8 == 0)"
     params = (
         Param("BM", (64, 128, 256), "block tile rows (M)"),
-        Param("BN", (64, 128, 168, 192, 256), "block tile columns (N): the wgmma N (168: 3 TMA boxes, 132 tiles at N=11008, M=256)"),
+        Param("BN", (64, 128, 168, 192, 256), "block tile columns (N): the wgmma N (168 reads 168 of 3 TMA boxes)"),
         Param("consumers", (1, 2), "MMA warpgroups; each owns BM / consumers rows (64 or 128)"),
         Param("stages", (3, 4, 5, 6), "depth of the TMA shared-memory ring"),
         Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
         Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
-        Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing each tile's k, partial sums added in shared memory"),
+        Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing a tile's k, adding partial sums in shared memory"),
     )
     #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
     BK = 64

@@ -50,7 +50,8 @@ def test_space_is_valid_and_moderate(dtype):
 def test_defaults():
     for dtype in DTYPES:
         params = WGMMA.defaults(dtype)
-        assert params == {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False, "k_splits": 1}
+        tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
+        assert params == {**tile, "ctas": 132, "stream_k": False, "k_splits": 1}
         assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
         assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
         # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
