@@ -97,19 +97,21 @@ _WGMMA_TILES = [
 _MIN_K_TILES_PER_SPLIT = 2
 
 
-def _k_splits(fam: WgmmaFamily, shape, params: dict[str, Any], sm_count: int) -> int:
-    """Blocks per tile for a one-wave grid of few tiles: the most k_splits that still fit the SMs in one wave.
+def _k_splits(fam: WgmmaFamily, shape, params: dict[str, Any], dtype: str, sm_count: int) -> int:
+    """Blocks per tile for a one-wave grid of few tiles: the most k_splits that the family takes with
+    ``params`` and that still fit the SMs in one wave.
     Measured on an H100 (docs/PERFORMANCE.md): BERT-base's 128 x 768 x 3072 linear 19.0 -> 12.2 us with 4,
     128 x 768 x 768 11.7 -> 9.9 us, 256 x 1024 x 8192 35.5 -> 24.1 us with 2; shapes with more tiles than
     half the SMs were slower split (the partial sums cost more than the idle SMs)."""
-    if params["ctas"] or params.get("stream_k"):
-        return 1
     tiles, k_tiles = fam.tiles(shape, params), math.ceil(shape[2] / fam.BK)
-    best = 1
-    for splits in fam.param("k_splits").values:
-        if tiles * splits <= sm_count and k_tiles >= _MIN_K_TILES_PER_SPLIT * splits:
-            best = max(best, splits)
-    return best
+    fitting = [
+        splits
+        for splits in fam.param("k_splits").values
+        if tiles * splits <= sm_count
+        and k_tiles >= _MIN_K_TILES_PER_SPLIT * splits
+        and fam.check({**params, "k_splits": splits}, dtype) is None
+    ]
+    return max(fitting, default=1)
 
 
 def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
@@ -117,10 +119,7 @@ def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[st
     persistent over the SMs when there are several waves, split over the k of a cluster's blocks when there
     are too few tiles to fill the SMs."""
     best = _wgmma_tile(fam, shape, dtype, sm_count)
-    splits = _k_splits(fam, shape, best, sm_count)
-    if splits > 1 and fam.check({**best, "k_splits": splits}, dtype) is None:
-        best = {**best, "k_splits": splits}
-    return best
+    return {**best, "k_splits": _k_splits(fam, shape, best, dtype, sm_count)}
 
 
 def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:

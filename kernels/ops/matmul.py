@@ -377,10 +377,13 @@ class WgmmaFamily(Family):
         """Columns of B a ring stage holds: whole 64-column TMA boxes (km_wgmma_bn_loaded)."""
         return cdiv(params["BN"], 64) * 64
 
+    def ring_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        """The shared ring: stages of A (BM x 64) and B (64 x bn_loaded); split-K's partial sums reuse it."""
+        return params["stages"] * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype)
+
     def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
         """km_gemm_wgmma_smem_bytes: the ring, a full and an empty mbarrier per stage, 1 KiB alignment slack."""
-        stages = params["stages"]
-        return stages * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype) + 16 * stages + 1024
+        return self.ring_bytes(params, dtype) + 16 * params["stages"] + 1024
 
     def acc_regs(self, params: Mapping[str, Any]) -> int:
         """fp32 accumulators per consumer thread: (BM / consumers) x BN over 128 threads."""
@@ -420,7 +423,7 @@ class WgmmaFamily(Family):
         if splits > 1:
             if params["ctas"] or params.get("stream_k"):
                 return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
-            ring = params["stages"] * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype)
+            ring = self.ring_bytes(params, dtype)
             if params["BM"] * params["BN"] * 4 > ring:
                 return f"the {params['BM']}x{params['BN']} fp32 partial sums of k_splits exceed the {ring}-byte ring"
         return None
