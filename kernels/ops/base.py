@@ -143,7 +143,7 @@ class Family(ABC):
     #: nvcc arch suffix the family needs ("a" for sm_90a-only instructions).
     arch_suffix: str = ""
     description: str = ""
-    #: Programmatic dependent launch: every kernel of the family calls km_pdl_wait() (prelude.cuh.j2) before
+    #: Programmatic dependent launch: every kernel of the family calls km_pdl_start() (prelude.cuh.j2) before
     #: it reads or writes a buffer, so a CUDA graph may start it while the kernel before it still runs.
     pdl: bool = False
 

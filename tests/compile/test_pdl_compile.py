@@ -44,3 +44,5 @@ def test_every_kernel_of_a_pdl_family_waits_for_the_previous_grid(tmp_path, op, 
     for name, body in entries.items():
         assert "griddepcontrol.wait" in body, f"{name} never waits for the previous grid"
         assert "griddepcontrol.launch_dependents" in body, f"{name} never lets the next grid launch"
+        wait, launch = body.index("griddepcontrol.wait"), body.index("griddepcontrol.launch_dependents")
+        assert wait < launch, f"{name} lets the next grid launch before its own wait (a cascade)"
