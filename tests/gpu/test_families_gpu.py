@@ -73,6 +73,40 @@ def test_family_verifies_on_odd_shapes(device, compiler, op, family, dtype):
     assert ran > 0, "no shape was in range for this family"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("act", ["relu", "gelu_erf", "gelu_tanh", "silu"])
+def test_activation_forms_hold_over_a_wide_range(device, compiler, act, dtype):
+    # The activation forms of prelude.cuh.j2 (float32: erfcf; 16-bit: an A&S erfc; sigmoids from the MUFU's
+    # 2^x and 1/x) against float64 over [-16, 16], which random GEMM outputs rarely reach: tails included.
+    import numpy as np
+
+    spec = OPS["bias_act"]
+    variant = Variant.create("bias_act", "vec", dtype, spec.family("vec").defaults(dtype), {"act": act})
+    shape = (64, 4096)
+    x = np.linspace(-16.0, 16.0, shape[0] * shape[1]).reshape(shape).astype(dtype)
+    bound = BoundVariant(device, variant, variant.compile(compiler), shape)
+    bound.poison()
+    bound.set_inputs({"X": x, "b": np.zeros(shape[1], dtype)})
+    bound.run()
+    device.synchronize()
+    got = bound.outputs()["Y"].astype(np.float64)
+    want = spec.reference({"X": x, "b": np.zeros(shape[1], dtype)}, {"act": act})["Y"]
+    assert np.isfinite(got).all()
+    if dtype == "float32":
+        err = np.abs(got - want) / np.maximum(1.0, np.abs(x))
+        assert err.max() <= 2e-6, f"{act}: error {err.max():.3g} at x = {x.flat[int(err.argmax())]:.4f}"
+        # Relative precision in the negative tail too, where a float32 check against a small output is strict.
+        normal = np.abs(want) >= 1e-30
+        rel = np.abs(got - want)[normal] / np.abs(want)[normal]
+        assert rel.max() <= 1e-5, (
+            f"{act}: relative error {rel.max():.3g} at x = {x[normal].flat[int(rel.argmax())]:.4f}"
+        )
+    else:
+        # Within a rounding of the float16 result (half an ulp is 2^-11 relative; subnormals step 6e-8).
+        err = np.abs(got - want) / (np.abs(want) * 2.0**-10 + 6e-8)
+        assert err.max() <= 1.0, f"{act}: error {err.max():.3g} roundings at x = {x.flat[int(err.argmax())]:.4f}"
+
+
 class PlantedVariant(Variant):
     """A real variant whose source a test edits: the verifier must catch the damage."""
 
