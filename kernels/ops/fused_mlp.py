@@ -404,12 +404,15 @@ class FusedWgmma(WgmmaFamily):
 # -- the op ------------------------------------------------------------------------
 
 
+# The GELUs without cancellation: 1 + erf(z) = erfc(-z) and 1 + tanh(u) = 2 / (1 + exp(-2u)) keep their
+# relative precision for negative x, where the textbook forms leave float64 rounding noise.
 def gelu_erf(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2.0)))
+    return 0.5 * x * np.vectorize(math.erfc, otypes=[np.float64])(-x / math.sqrt(2.0))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    with np.errstate(over="ignore"):  # exp(-2u) = inf for very negative x: the GELU is -0 there
+        return x / (1.0 + np.exp(-2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def relu(x: np.ndarray) -> np.ndarray:

@@ -95,12 +95,13 @@ def test_activation_forms_hold_over_a_wide_range(device, compiler, act, dtype):
     if dtype == "float32":
         err = np.abs(got - want) / np.maximum(1.0, np.abs(x))
         assert err.max() <= 2e-6, f"{act}: error {err.max():.3g} at x = {x.flat[int(err.argmax())]:.4f}"
-        # Relative precision in the negative tail too, where a float32 check against a small output is strict.
+        # Relative precision in the negative tail too (the textbook forms cancel there), to within the tail's
+        # own conditioning: e^(-x^2 / 2) turns float32 rounding of its argument into ~x^2 eps relative.
         normal = np.abs(want) >= 1e-30
         rel = np.abs(got - want)[normal] / np.abs(want)[normal]
-        assert rel.max() <= 1e-5, (
-            f"{act}: relative error {rel.max():.3g} at x = {x[normal].flat[int(rel.argmax())]:.4f}"
-        )
+        limit = 1e-5 * (1.0 + x[normal].astype(np.float64) ** 2 / 4)
+        worst = int(np.argmax(rel / limit))
+        assert rel[worst] <= limit[worst], f"{act}: relative error {rel[worst]:.3g} at x = {x[normal][worst]:.4f}"
     else:
         # Within a rounding of the float16 result (half an ulp is 2^-11 relative; subnormals step 6e-8).
         err = np.abs(got - want) / (np.abs(want) * 2.0**-10 + 6e-8)
