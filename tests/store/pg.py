@@ -10,6 +10,7 @@ Importable from any conftest (the API suite can use ``fresh_database`` for its o
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,9 +60,30 @@ def fresh_database(base_url: str) -> Iterator[str]:
     try:
         yield base.set(database=name).render_as_string(hide_password=False)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _drop_database(admin, name)
         admin.dispose()
+
+
+#: SQLSTATE insufficient_privilege.
+_INSUFFICIENT_PRIVILEGE = "42501"
+
+
+def _drop_database(admin, name: str, attempts: int = 10) -> None:
+    """DROP DATABASE ... WITH (FORCE) ends the test's own connections, but a test role cannot end a server
+    process such as an autovacuum worker that started on the new database (insufficient_privilege, seen in
+    CI); that worker finishes on its own, so the drop is tried again a few times before it fails."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import ProgrammingError
+
+    for attempt in range(attempts):
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            return
+        except ProgrammingError as exc:
+            if attempt == attempts - 1 or getattr(exc.orig, "sqlstate", None) != _INSUFFICIENT_PRIVILEGE:
+                raise
+            time.sleep(0.1 * (attempt + 1))
 
 
 @contextmanager
