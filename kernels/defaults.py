@@ -13,6 +13,7 @@ from typing import Any
 from kernelmill.kernels.ops.base import Family, itemsize
 from kernelmill.kernels.ops.gemv import GemvFamily
 from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily
+from kernelmill.kernels.ops.mlp_stack import Persistent
 
 #: Streaming multiprocessors assumed when sizing default GEMM tiles without a device (an H100 SXM's).
 DEFAULT_SM_COUNT = 132
@@ -143,6 +144,8 @@ def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT
     shape (waves of blocks over the SMs times the work of a tile, discounted by the tile's efficiency),
     so a small M or N does not leave most of the GPU idle; for gemv the measured best by M."""
     params = dict(fam.defaults(dtype))
+    if isinstance(fam, Persistent):
+        return fam.shape_defaults(shape, dtype)
     if isinstance(fam, WgmmaFamily) and len(shape) == 3:
         return _wgmma_params(fam, shape, dtype, sm_count)
     if isinstance(fam, GemvFamily) and params["mma"] and len(shape) == 3:

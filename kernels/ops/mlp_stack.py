@@ -1,0 +1,193 @@
+"""mlp_stack: ``layers`` MLP blocks in a row, Y = block_{L-1}(... block_0(X)), at decode-sized batches.
+
+block_l(x) = act(x @ W1[l] + b1[l]) @ W2[l] + b2[l], every matrix row-major; X is batch x d_model, W1
+layers x d_model x d_hidden, b1 layers x d_hidden, W2 layers x d_hidden x d_model, b2 layers x d_model.
+
+One family, ``persistent`` (templates/mlp_stack/persistent.cu.j2): the 2 x layers products are phases of one
+persistent grid (one block per SM) separated by grid barriers, so the DRAM stream of weights never stops at
+a kernel boundary; each block streams the next phase's first weights before it waits at a barrier. At
+batch 1 the stack is a pure weight read, and separate kernels pay a ramp-up and a tail each (on an H100, 8
+kernels streaming 90 MB each took 244.5 us against 229.1 us for one streaming the same 721 MB,
+docs/PERFORMANCE.md). The runtime runs a Sequential of such blocks (nn.Linear pairs) as this op.
+
+Its blocks must all be resident at once (the barrier waits for every one): the grid is one block per SM of
+an H100 / H200 (132); on a GPU with fewer SMs the blocks past %nsmid leave at once and the rest split the
+work. A barrier that waits for seconds traps (the launch fails) instead of hanging the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, itemsize, tensor_map_arg
+from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS, torch_activation
+
+#: Blocks launched: one per SM of the largest sm_90 parts (H100 SXM / H200: 132 SMs).
+GRID_BLOCKS = 132
+#: Bytes of one weight load (a column group is 16 bytes of a row; a warp reads 32 of them, a 512-byte strip).
+_LOAD_BYTES = 16
+_STRIP_BYTES = 32 * _LOAD_BYTES
+#: Most shared memory the ring may take (the rest holds the warps' sums, gather lanes and x rows).
+_RING_BYTES = 192 * 1024
+#: Dynamic shared memory a block may use on sm_90.
+MAX_SMEM_BYTES = 227 * 1024
+#: Registers of one SM; registers a thread needs besides accumulators and loads (addresses, task, loop).
+_SM_REGS, _OTHER_REGS = 65536, 32
+#: Activations of the up projections (the first is the default).
+_ACTS = ("gelu_erf", *(a for a in ELEMENTWISE_ACTIVATIONS if a != "gelu_erf"))
+
+
+class Persistent(Family):
+    name = "persistent"
+    template = "mlp_stack/persistent.cu.j2"
+    description = "the whole stack in one persistent grid, grid barriers between its GEMVs; weights streamed once"
+    params = (
+        Param("max_m", (1, 2, 4, 8), "most rows of X a variant serves"),
+        Param("threads", (256, 512, 1024), "consumer threads per block (plus a producer warp; one block per SM)"),
+        Param("rows", (16, 32, 64, 128), "rows of a TMA box (512 bytes wide): one stage of the ring"),
+        Param("stages", (4, 6, 8, 12, 16), "stages of the ring (boxes in flight)"),
+    )
+
+    def defaults(self, dtype):
+        return {"max_m": 1, "threads": 512, "rows": 32, "stages": 8}
+
+    def shape_defaults(self, shape, dtype) -> dict:
+        """The defaults with max_m the batch rounded up, and as deep a ring as shared memory holds."""
+        params = dict(self.defaults(dtype))
+        params["max_m"] = next((m for m in self.param("max_m").values if m >= shape[0]), params["max_m"])
+        if params["max_m"] >= 8:
+            params["threads"] = 256  # 8 x vec accumulators: with 512 threads ptxas 13.0 spilled a few bytes
+        for stages in self.param("stages").values[::-1]:
+            params["stages"] = stages
+            if self.check(params, dtype) is None and self.check_shape(shape, params, dtype) is None:
+                break
+        return params
+
+    @staticmethod
+    def vec(dtype: str) -> int:
+        return _LOAD_BYTES // itemsize(dtype)
+
+    def registers(self, params, dtype) -> int:
+        """Accumulators (max_m x vec floats) + a box row (4 words) + the rest."""
+        return params["max_m"] * self.vec(dtype) + 4 + _OTHER_REGS
+
+    @staticmethod
+    def stage_bytes(params) -> int:
+        return params["rows"] * _STRIP_BYTES
+
+    def check(self, params, dtype):
+        regs = self.registers(params, dtype)
+        threads = params["threads"] + 32
+        if threads > 1024:
+            return f"{params['threads']} consumer threads + a producer warp > 1024 threads per block"
+        if threads * regs > _SM_REGS:
+            return f"{threads} threads x ~{regs} registers exceed an SM's {_SM_REGS}"
+        if params["rows"] % (params["threads"] // 32) and params["rows"] < params["threads"] // 32:
+            return f"rows={params['rows']} leaves consumer warps without a row of a box"
+        ring = params["stages"] * self.stage_bytes(params)
+        if ring > _RING_BYTES:
+            return f"a ring of {ring} bytes > {_RING_BYTES}"
+        return None
+
+    def smem_bytes(self, shape, params, dtype) -> int:
+        """The ring and its mbarriers, the warps' sums of a strip (warps x 32 x vec floats), a float per thread,
+        x rows (max_m x the longer of d_model / d_hidden, T)."""
+        _batch, d_model, d_hidden, _layers = shape
+        ring = params["stages"] * (self.stage_bytes(params) + 16)
+        red = (params["threads"] * self.vec(dtype) + params["threads"]) * 4
+        return ring + red + params["max_m"] * max(d_model, d_hidden) * itemsize(dtype)
+
+    def check_shape(self, shape, params, dtype):
+        batch, d_model, d_hidden, _layers = shape
+        if batch > params["max_m"]:
+            return f"batch={batch} > max_m={params['max_m']}"
+        vec = self.vec(dtype)
+        for name, n in (("d_model", d_model), ("d_hidden", d_hidden)):
+            if n % vec:
+                return f"{name}={n} is not a multiple of {vec} (16-byte loads of {dtype})"
+        smem = self.smem_bytes(shape, params, dtype)
+        if smem > MAX_SMEM_BYTES:
+            return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES}"
+        return None
+
+    def launches(self, shape, params, dtype):
+        batch, d_model, d_hidden, layers = shape
+        box = (_STRIP_BYTES // itemsize(dtype), params["rows"], 1)
+        # Boxes of the stacked weights (layers x K x N), innermost first; built from the buffers at 3 and 5.
+        map_w1 = tensor_map_arg(3, (d_hidden, d_model, layers), box, dtype, swizzle=0)
+        map_w2 = tensor_map_arg(5, (d_model, d_hidden, layers), box, dtype, swizzle=0)
+        buffers = ("X", "W1", "b1", "W2", "b2", "Y", "P0", "P1", "sync")
+        return [
+            Launch("mlp_stack_zero", (1, 1, 1), (32, 1, 1), 0, ("sync",)),
+            Launch(
+                "mlp_stack_persistent",
+                (GRID_BLOCKS, 1, 1),
+                (params["threads"] + 32, 1, 1),
+                self.smem_bytes(shape, params, dtype),
+                (map_w1, map_w2, *buffers, batch, d_model, d_hidden, layers),
+            ),
+        ]
+
+    def workspace(self, shape, params, dtype):
+        """Two buffers of fp32 partial sums (a row per K slice, at most one slice per block) and the barrier."""
+        batch, d_model, d_hidden, _layers = shape
+        partials = GRID_BLOCKS * batch * max(d_model, d_hidden) * 4
+        return {"P0": partials, "P1": partials, "sync": 16}
+
+    def context(self, params, dtype, attrs):
+        return {"act": attrs.get("act", "gelu_erf")}
+
+
+class MlpStack(OpSpec):
+    name = "mlp_stack"
+    dims = ("batch", "d_model", "d_hidden", "layers")
+    inputs = ("X", "W1", "b1", "W2", "b2")
+    outputs = ("Y",)
+    attributes = (Param("act", _ACTS, "activation of each block's up projection"),)
+    families = {f.name: f for f in (Persistent(),)}
+
+    def tensor_shapes(self, shape):
+        batch, d_model, d_hidden, layers = shape
+        return {
+            "X": (batch, d_model),
+            "W1": (layers, d_model, d_hidden),
+            "b1": (layers, d_hidden),
+            "W2": (layers, d_hidden, d_model),
+            "b2": (layers, d_model),
+            "Y": (batch, d_model),
+        }
+
+    def input_scale(self, name, shape):
+        _batch, d_model, d_hidden, _layers = shape
+        # Uniform [-s, s] has variance s^2 / 3: these keep every block's products of order one.
+        return {"W1": math.sqrt(3.0 / d_model), "W2": math.sqrt(3.0 / d_hidden), "b1": 0.5, "b2": 0.5}.get(name, 1.0)
+
+    def reference(self, inputs, attrs):
+        x, w1, b1, w2, b2 = (inputs[n].astype(np.float64) for n in self.inputs)
+        act = ACT_FUNCTIONS[attrs.get("act", "gelu_erf")]
+        for layer in range(w1.shape[0]):
+            x = act(x @ w1[layer] + b1[layer]) @ w2[layer] + b2[layer]
+        return {"Y": x}
+
+    def flops(self, shape):
+        batch, d_model, d_hidden, layers = shape
+        return 4.0 * batch * d_model * d_hidden * layers
+
+    def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
+        import torch
+
+        x, w1, b1, w2, b2 = (tensors[n] for n in self.inputs)
+        fn = torch_activation(attrs.get("act", "gelu_erf"))
+
+        def run():
+            y = x
+            for layer in range(w1.shape[0]):
+                y = torch.addmm(b2[layer], fn(torch.addmm(b1[layer], y, w1[layer])), w2[layer])
+            return y
+
+        return run
+
+
+MLP_STACK = MlpStack()
