@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.elementwise import ELEMENTWISE_ACTIVATIONS
+from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS
 from kernelmill.kernels.ops.embedding import ID_ELEMS, pack_ids
 from kernelmill.kernels.ops.fused_mlp import ACTIVATIONS as FUSED_ACTIVATIONS
 from kernelmill.runtime import ranges
@@ -166,28 +166,33 @@ def _zeros(shape: tuple[int, ...], dtype: str) -> Tensor:
 # -- CPU math ---------------------------------------------------------------------------------------------
 
 
-def erf(x: np.ndarray) -> np.ndarray:
-    """erf to ~1.5e-7 absolute (Abramowitz & Stegun 7.1.26), vectorized; NumPy has none."""
-    x64 = np.asarray(x, dtype=np.float64)
-    s = np.sign(x64)
-    a = np.abs(x64)
+def _erfc_abs(a: np.ndarray) -> np.ndarray:
+    """erfc(a) for a >= 0 (Abramowitz & Stegun 7.1.26, ~1.5e-7 absolute), in float64, without cancellation."""
     t = 1.0 / (1.0 + 0.3275911 * a)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return s * (1.0 - poly * np.exp(-a * a))
+    return poly * np.exp(-a * a)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf to ~1.5e-7 absolute, vectorized; NumPy has none."""
+    x64 = np.asarray(x, dtype=np.float64)
+    return np.sign(x64) * (1.0 - _erfc_abs(np.abs(x64)))
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """erfc, vectorized, with its relative precision kept in the tail (x > 0)."""
+    x64 = np.asarray(x, dtype=np.float64)
+    h = _erfc_abs(np.abs(x64))
+    return np.where(x64 >= 0, h, 2.0 - h)
 
 
 def _act_np(x: np.ndarray, act: str) -> np.ndarray:
-    if act == "none":
-        return x
-    if act == "relu":
-        return np.maximum(x, 0.0)
-    if act == "gelu_erf":
-        return (0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(np.float32)
-    if act == "gelu_tanh":
-        return (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))).astype(np.float32)
-    if act == "silu":
-        return x / (1.0 + np.exp(-x))
-    raise ValueError(f"unknown activation {act!r}")  # pragma: no cover - canonical_act checked it
+    """act on float32 CPU activations, in the float64 references' forms (kernels/ops: ACT_FUNCTIONS), which do
+    not cancel for negative x; erf GELU uses the vectorized erfc above (its reference calls math.erfc per
+    element, far too slow for a model's activations)."""
+    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x: silu and tanh GELU are -0 there
+        y = 0.5 * x * erfc(-x / math.sqrt(2.0)) if act == "gelu_erf" else ACT_FUNCTIONS[act](x)
+    return np.asarray(y, dtype=np.float32)
 
 
 def _softmax_np(x: np.ndarray) -> np.ndarray:
