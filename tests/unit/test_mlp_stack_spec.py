@@ -96,6 +96,8 @@ def test_check_shape_explains_what_does_not_fit():
 
 
 def test_check_rejects_rings_and_blocks_that_do_not_fit():
-    assert "1024" in PERSISTENT.check({**PERSISTENT.defaults("float16"), "threads": 1024}, "float16")
-    assert "ring" in PERSISTENT.check({**PERSISTENT.defaults("float16"), "rows": 128, "stages": 16}, "float16")
+    base = PERSISTENT.defaults("float16")
+    assert "registers" in PERSISTENT.check({**base, "threads": 768, "max_m": 8}, "float16")
+    assert "without a row" in PERSISTENT.check({**base, "threads": 768, "rows": 16}, "float16")
+    assert "ring" in PERSISTENT.check({**base, "rows": 128, "stages": 16}, "float16")
     assert sum(1 for _ in PERSISTENT.space("float16")) > 10
