@@ -33,7 +33,12 @@ from kernelmill.settings import Settings
 
 CSRF_COOKIE = "kernelmill_csrf"
 GENERAL = "form"  # errors that belong to no one field
-EXAMPLES = {"softmax": "8192x8192", "matmul": "4096x4096x4096", "fused_mlp": "32x4096x16384x4096"}
+EXAMPLES = {
+    "softmax": "8192x8192",
+    "matmul": "4096x4096x4096",
+    "fused_mlp": "32x4096x16384x4096",
+    "mlp_stack": "1x4096x11008x4",
+}
 
 
 def new_csrf_token() -> str:
