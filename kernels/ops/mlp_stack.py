@@ -4,18 +4,19 @@ block_l(x) = act(x @ W1[l] + b1[l]) @ W2[l] + b2[l], every matrix row-major; X i
 layers x d_model x d_hidden, b1 layers x d_hidden, W2 layers x d_hidden x d_model, b2 layers x d_model.
 
 One family, ``persistent`` (templates/mlp_stack/persistent.cu.j2): the 2 x layers products are phases of one
-persistent grid (one block per SM) separated by grid barriers. A producer warp per block streams its
-512-byte strips of the weights with TMA into a ring and never waits for a barrier, so the weight stream need
-not stop at a phase boundary the way it stops between kernels. The blocks' fp32 partial sums per K slice
-meet in a fixed order (deterministic results).
+persistent grid (one block per SM). A producer warp per block streams its 512-byte strips of the weights
+with TMA into a ring and never waits for other blocks, so the weight stream need not stop at a phase
+boundary the way it stops between kernels. The blocks' fp32 partial sums per K slice meet in a fixed order
+(deterministic results); a block waits only for the tasks that wrote the inputs it needs (a done flag per
+task), not for the whole grid.
 
-Measured on an H100 at 1 x 4096 x 11008 x 4 (docs/PERFORMANCE.md): about 297 us, level with PyTorch eager and
-slower than the runtime's eight gemv kernels (272 us), so the runtime does not route to this op; it is
-verified and tunable like any other.
+Measured on an H100 at 1 x 4096 x 11008 x 4 (docs/PERFORMANCE.md): about 289-297 us, level with PyTorch
+eager and slower than the runtime's eight gemv kernels (272 us), so the runtime does not route to this op;
+it is verified and tunable like any other.
 
-Its blocks must all be resident at once (the barrier waits for every one): the grid is one block per SM of
-an H100 / H200 (132); on a GPU with fewer SMs the blocks past %nsmid leave at once and the rest split the
-work. A barrier that waits for seconds traps (the launch fails) instead of hanging the GPU.
+Its blocks must all be resident at once (they wait for each other): the grid is one block per SM of an
+H100 / H200 (132); on a GPU with fewer SMs the blocks past %nsmid leave at once and the rest split the
+work. A wait of seconds traps (the launch fails) instead of hanging the GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, itemsize, tensor_map_arg
+from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, cdiv, itemsize, tensor_map_arg
 from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS, torch_activation
 
 #: Blocks launched: one per SM of the largest sm_90 parts (H100 SXM / H200: 132 SMs).
@@ -45,7 +46,7 @@ _ACTS = ("gelu_erf", *(a for a in ELEMENTWISE_ACTIVATIONS if a != "gelu_erf"))
 class Persistent(Family):
     name = "persistent"
     template = "mlp_stack/persistent.cu.j2"
-    description = "the whole stack in one persistent grid, grid barriers between its GEMVs; weights streamed once"
+    description = "the whole stack in one persistent grid (TMA ring, done flags between its GEMVs); weights read once"
     params = (
         Param("max_m", (1, 2, 4, 8), "most rows of X a variant serves"),
         Param("threads", (256, 512, 768), "consumer threads per block (plus a producer warp; one block per SM)"),
@@ -54,14 +55,14 @@ class Persistent(Family):
     )
 
     def defaults(self, dtype):
-        return {"max_m": 1, "threads": 512, "rows": 32, "stages": 8}
+        return {"max_m": 1, "threads": 768, "rows": 32, "stages": 8}
 
     def shape_defaults(self, shape, dtype) -> dict:
         """The defaults with max_m the batch rounded up, and as deep a ring as shared memory holds."""
         params = dict(self.defaults(dtype))
         params["max_m"] = next((m for m in self.param("max_m").values if m >= shape[0]), params["max_m"])
-        if params["max_m"] >= 8:
-            params["threads"] = 256  # 8 x vec accumulators: with 512 threads ptxas 13.0 spilled a few bytes
+        if params["max_m"] >= 4:
+            params["threads"] = 512 if params["max_m"] == 4 else 256  # 8 x vec accumulators spilled at 512
         for stages in self.param("stages").values[::-1]:
             params["stages"] = stages
             if self.check(params, dtype) is None and self.check_shape(shape, params, dtype) is None:
@@ -117,27 +118,42 @@ class Persistent(Family):
 
     def launches(self, shape, params, dtype):
         batch, d_model, d_hidden, layers = shape
-        box = (_STRIP_BYTES // itemsize(dtype), params["rows"], 1)
+        box = (self.box_cols(dtype), params["rows"], 1)
         # Boxes of the stacked weights (layers x K x N), innermost first; built from the buffers at 3 and 5.
         map_w1 = tensor_map_arg(3, (d_hidden, d_model, layers), box, dtype, swizzle=0)
         map_w2 = tensor_map_arg(5, (d_model, d_hidden, layers), box, dtype, swizzle=0)
-        buffers = ("X", "W1", "b1", "W2", "b2", "Y", "P0", "P1", "sync")
+        flags = self.flag_count(shape, dtype)
         return [
-            Launch("mlp_stack_zero", (1, 1, 1), (32, 1, 1), 0, ("sync",)),
+            Launch("mlp_stack_zero", (1, 1, 1), (256, 1, 1), 0, ("flags", flags)),
             Launch(
                 "mlp_stack_persistent",
                 (GRID_BLOCKS, 1, 1),
                 (params["threads"] + 32, 1, 1),
                 self.smem_bytes(shape, params, dtype),
-                (map_w1, map_w2, *buffers, batch, d_model, d_hidden, layers),
+                (map_w1, map_w2, "X", "W1", "b1", "W2", "b2", "Y", "P", "flags", batch, d_model, d_hidden, layers),
             ),
         ]
 
-    def workspace(self, shape, params, dtype):
-        """Two buffers of fp32 partial sums (a row per K slice, at most one slice per block) and the barrier."""
+    @staticmethod
+    def box_cols(dtype: str) -> int:
+        return _STRIP_BYTES // itemsize(dtype)
+
+    def phase_floats(self, shape, dtype) -> int:
+        """fp32 partial sums of one phase: K slices x N x batch, for the larger kind of phase (as the kernel
+        computes it, with at most GRID_BLOCKS blocks)."""
         batch, d_model, d_hidden, _layers = shape
-        partials = GRID_BLOCKS * batch * max(d_model, d_hidden) * 4
-        return {"P0": partials, "P1": partials, "sync": 16}
+        per = [max(1, GRID_BLOCKS // cdiv(n, self.box_cols(dtype))) * n for n in (d_hidden, d_model)]
+        return batch * max(per)
+
+    def flag_count(self, shape, dtype) -> int:
+        """A done flag per task and phase: tasks are at most max(blocks, strips of the widest row)."""
+        _batch, d_model, d_hidden, layers = shape
+        return 2 * layers * max(GRID_BLOCKS, cdiv(max(d_model, d_hidden), self.box_cols(dtype)))
+
+    def workspace(self, shape, params, dtype):
+        """Every phase's partial sums (a block reads its inputs while others run ahead) and the done flags."""
+        layers = shape[3]
+        return {"P": 2 * layers * self.phase_floats(shape, dtype) * 4, "flags": self.flag_count(shape, dtype) * 4}
 
     def context(self, params, dtype, attrs):
         return {"act": attrs.get("act", "gelu_erf")}

@@ -57,13 +57,14 @@ def test_flops_and_bytes_count_every_layer():
     assert weights < MLP_STACK.min_bytes(shape, "float16") < weights * 1.001
 
 
-def test_launches_zero_the_barrier_then_one_block_per_sm_with_maps_of_the_stacked_weights():
+def test_launches_zero_the_flags_then_one_block_per_sm_with_maps_of_the_stacked_weights():
     shape = (1, 4096, 11008, 4)
     params = default_params(MLP_STACK, PERSISTENT, shape, "float16")
     assert PERSISTENT.check(params, "float16") is None
     assert PERSISTENT.check_shape(shape, params, "float16") is None
     zero, main = PERSISTENT.launches(shape, params, "float16")
-    assert zero.entry == "mlp_stack_zero" and zero.args == ("sync",)
+    flags = 2 * 4 * GRID_BLOCKS  # a flag per task (at most one per block) and phase
+    assert zero.entry == "mlp_stack_zero" and zero.args == ("flags", flags)
     assert main.grid == (GRID_BLOCKS, 1, 1) and main.block == (params["threads"] + 32, 1, 1)
     assert main.smem_bytes == PERSISTENT.smem_bytes(shape, params, "float16") <= MAX_SMEM_BYTES
     map_w1, map_w2 = main.args[:2]
@@ -71,9 +72,18 @@ def test_launches_zero_the_barrier_then_one_block_per_sm_with_maps_of_the_stacke
     assert main.args[map_w1.of] == "W1" and main.args[map_w2.of] == "W2"
     assert map_w1.dims == (11008, 4096, 4) and map_w2.dims == (4096, 11008, 4)
     assert map_w1.box == (256, params["rows"], 1) and map_w1.swizzle == 0
-    assert main.args[-4:] == (1, 4096, 11008, 4)
+    assert main.args[-6:] == ("P", "flags", 1, 4096, 11008, 4)
     ws = PERSISTENT.workspace(shape, params, "float16")
-    assert ws["P0"] == ws["P1"] == GRID_BLOCKS * 11008 * 4 and ws["sync"] >= 4
+    # 11008 columns are 43 strips of 256 in 3 K slices; 4096 are 16 strips in 8: per phase 3 x 11008 floats.
+    assert ws == {"P": 8 * 3 * 11008 * 4, "flags": flags * 4}
+
+
+def test_partial_sums_fit_when_strips_outnumber_blocks():
+    shape = (2, 64, 256 * 200, 1)  # 200 strips > 132 blocks: one slice, tasks looped over the blocks
+    params = {**PERSISTENT.defaults("float32"), "max_m": 2}
+    ws = PERSISTENT.workspace(shape, params, "float32")
+    assert ws["P"] >= 2 * 2 * 256 * 200 * 4
+    assert ws["flags"] == 2 * 1 * 400 * 4  # fp32 strips are 128 columns: 400 of them
 
 
 @pytest.mark.parametrize(
