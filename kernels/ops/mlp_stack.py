@@ -16,7 +16,9 @@ it is verified and tunable like any other.
 
 Its blocks must all be resident at once (they wait for each other): the grid is one block per SM of an
 H100 / H200 (132); on a GPU with fewer SMs the blocks past %nsmid leave at once and the rest split the
-work. A wait of seconds traps (the launch fails) instead of hanging the GPU.
+work. %nsmid counts SM ids, which may exceed the SMs a part has: there some blocks would never be resident,
+a wait times out after seconds and the launch fails (a trap) instead of hanging the GPU. Tested on an H100
+SXM only (132 SMs, %nsmid 132).
 """
 
 from __future__ import annotations
