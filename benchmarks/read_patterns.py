@@ -106,14 +106,14 @@ def main() -> None:
         end.synchronize()
         return end.time_since(start) * 1e3 / args.reps
 
+    cases = [("sweep", "sweep", [buf, n16, out], n16), ("slice", "slice", [buf, n16, out], n16)]
+    for w16 in (11, 32, 64):  # 176-, 512- and 1024-byte strips
+        rows = n16 // (sms * w16)
+        cases.append((f"strip {w16 * 16} B", "strip", [buf, rows, sms * w16, w16, out], rows * sms * w16))
     print(f"{'pattern':34s} {'us':>8s} {'GB/s':>7s}")
     for unroll in (4, 8):
         compiled = Compiler().compile(SOURCE, "sm_90", extra_flags=(f"-DUNROLL={unroll}",))
         module = device.load(compiled.cubin, compiled.key)
-        rows_of = {w16: n16 // (sms * w16) for w16 in (11, 32, 64)}
-        cases = [("sweep", "sweep", [buf, n16, out], n16), ("slice", "slice", [buf, n16, out], n16)]
-        for w16, rows in rows_of.items():
-            cases.append((f"strip {w16 * 16} B", "strip", [buf, rows, sms * w16, w16, out], rows * sms * w16))
         for name, entry, kargs, words in cases:
             t = time_us(module.kernel(entry), kargs)
             print(f"{name + f' (unroll {unroll})':34s} {t:8.1f} {words * 16 / t / 1e3:7.0f}")

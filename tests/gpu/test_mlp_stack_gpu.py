@@ -1,5 +1,5 @@
-"""The persistent mlp_stack kernel on the GPU: verified at the benchmark's shape, deterministic, and its grid
-barrier starts afresh on every launch (marker gpu)."""
+"""The persistent mlp_stack kernel on the GPU: verified at the benchmark's shape, deterministic, and its done
+flags start afresh on every launch (marker gpu)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_stack_verifies_and_repeats_bit_for_bit(device, tmp_path, shape, dtype):
     assert check.ok, check.reason
     bound.set_inputs(MLP_STACK.make_inputs(shape, dtype, seed=11))
     outs = []
-    for _ in range(3):  # the same inputs, launched again and again: the barrier counter is zeroed each time
+    for _ in range(3):  # the same inputs, launched again and again: the done flags are zeroed each time
         bound.poison()
         bound.run()
         device.synchronize()
