@@ -6,7 +6,7 @@ from kernelmill.kernels.ops.elementwise import ADD, BIAS_ACT
 from kernelmill.kernels.ops.embedding import EMBEDDING
 from kernelmill.kernels.ops.fused_mlp import FUSED_MLP
 from kernelmill.kernels.ops.layernorm import ADD_LAYERNORM, LAYERNORM
-from kernelmill.kernels.ops.linear import LINEAR
+from kernelmill.kernels.ops.linear import LINEAR, LINEAR_T
 from kernelmill.kernels.ops.matmul import MATMUL
 from kernelmill.kernels.ops.mlp_stack import MLP_STACK
 from kernelmill.kernels.ops.softmax import SOFTMAX
@@ -15,7 +15,7 @@ OPS: dict[str, OpSpec] = {
     op.name: op
     for op in (SOFTMAX, MATMUL, FUSED_MLP)
     # The tensor runtime's ops (kernelmill.runtime): one template family each, tunable like the rest.
-    + (LINEAR, BIAS_ACT, ADD, LAYERNORM, ADD_LAYERNORM, EMBEDDING, ATTENTION, MLP_STACK)
+    + (LINEAR, LINEAR_T, BIAS_ACT, ADD, LAYERNORM, ADD_LAYERNORM, EMBEDDING, ATTENTION, MLP_STACK)
 }
 
 

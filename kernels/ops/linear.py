@@ -1,4 +1,5 @@
-"""linear: Y[M x N] = act(X[M x K] @ W[K x N] + b[N]), all row-major (W is the transposed nn.Linear weight).
+"""linear: Y[M x N] = act(X[M x K] @ W[K x N] + b[N]), all row-major (W is the transposed nn.Linear weight);
+linear_t: the same with W[N x K] as nn.Linear stores it (Y = act(X @ W^T + b)).
 
 The matmul op's kernels with the bias and the activation fused into their epilogue (or into the
 split-K reduce or the final sum): ``simt`` (exact fp32 FMA, any dtype), ``tensorcore`` (WMMA, 16-bit
@@ -59,8 +60,24 @@ class LinearGemv(GemvFamily):
     bias = True
 
 
+class LinearTWgmma(LinearWgmma):
+    name = "wgmma"
+    entry = "linear_wgmma"
+    description = "Hopper wgmma GEMM on a K-major weight (N x K), TMA ring on mbarriers; bias + activation epilogue"
+    b_kmajor = True
+    # A K-major B box is BN rows of 64 k, so BN need not be a whole number of 64-column boxes (168 x 132 tiles
+    # fill the SMs at 256 x 11008; 88 and 176 at 11008 / 2 and 11008 / 4 rows).
+    params = tuple(
+        Param(p.name, (64, 88, 96, 128, 144, 160, 168, 176, 192, 208, 224, 256), "block tile columns (N): the wgmma N")
+        if p.name == "BN"
+        else p
+        for p in LinearWgmma.params
+    )
+
+
 WGMMA = LinearWgmma()
 GEMV = LinearGemv()
+WGMMA_T = LinearTWgmma()
 
 
 class Linear(OpSpec):
@@ -97,3 +114,30 @@ class Linear(OpSpec):
 
 
 LINEAR = Linear()
+
+
+class LinearT(Linear):
+    """linear with the weight as nn.Linear stores it: W (N, K), K-major. On Hopper the wgmma tiles then take
+    any BN that is a multiple of 8 (the box is BN rows of W), which fills the SMs at shapes where the (K, N)
+    layout's 64-column boxes cannot (256 x 11008 x 4096: 132 tiles of 128 x 168)."""
+
+    name = "linear_t"
+    families = {WGMMA_T.name: WGMMA_T}
+
+    def tensor_shapes(self, shape):
+        M, N, K = shape  # noqa: N806
+        return {"X": (M, K), "W": (N, K), "b": (N,), "Y": (M, N)}
+
+    def reference(self, inputs, attrs):
+        x, w, b = (inputs[n].astype(np.float64) for n in self.inputs)
+        return {"Y": ACT_FUNCTIONS[attrs.get("act", "none")](x @ w.T + b)}
+
+    def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
+        import torch.nn.functional as F  # noqa: N812
+
+        x, w, b = tensors["X"], tensors["W"], tensors["b"]
+        fn = torch_activation(attrs.get("act", "none"))
+        return lambda: fn(F.linear(x, w, b))
+
+
+LINEAR_T = LinearT()

@@ -366,6 +366,9 @@ class WgmmaFamily(Family):
     stride_align_bytes = 16
     #: Buffers of the launch after the two tensor maps (built over the first two): A, B, C [, bias].
     buffers = ("A", "B", "C")
+    #: B given as (N, K), K-major (nn.Linear's weight layout; the linear_t op) instead of (K, N): a stage
+    #: then holds one TMA box of exactly BN rows, so any BN that is a multiple of 8 loads only what it reads.
+    b_kmajor = False
 
     def precision(self, dtype):
         return dtype
@@ -374,8 +377,9 @@ class WgmmaFamily(Family):
         return 128 * (params["consumers"] + 1)
 
     def bn_loaded(self, params: Mapping[str, Any]) -> int:
-        """Columns of B a ring stage holds: whole 64-column TMA boxes (km_wgmma_bn_loaded)."""
-        return cdiv(params["BN"], 64) * 64
+        """Columns of B a ring stage holds: whole 64-column TMA boxes (km_wgmma_bn_loaded), or BN rows of a
+        K-major B."""
+        return params["BN"] if self.b_kmajor else cdiv(params["BN"], 64) * 64
 
     def ring_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
         """The shared ring: stages of A (BM x 64) and B (64 x bn_loaded); split-K's partial sums reuse it."""
@@ -431,11 +435,13 @@ class WgmmaFamily(Family):
     def check_shape(self, shape, params, dtype):
         M, N, K = shape  # noqa: N806
         size = itemsize(dtype)
-        for dim, value in (("K", K), ("N", N)):
+        # Rows of A and of a K-major B are K long; rows of an N-major B are N long.
+        for dim, value in (("K", K),) if self.b_kmajor else (("K", K), ("N", N)):
             if value * size % self.stride_align_bytes:
                 return (
                     f"{dim}={value}: TMA needs row strides that are multiples of {self.stride_align_bytes} bytes "
-                    f"({dim} a multiple of {self.stride_align_bytes // size}); the tensorcore family runs this shape"
+                    f"({dim} a multiple of {self.stride_align_bytes // size})"
+                    + ("" if self.b_kmajor else "; the tensorcore family runs this shape")
                 )
         if cdiv(M, params["BM"]) * cdiv(N, params["BN"]) >= 2**31 // 8:
             return "too many output tiles for the kernel's 32-bit tile index"
@@ -470,7 +476,10 @@ class WgmmaFamily(Family):
         M, N, K = shape  # noqa: N806
         # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
         a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
-        b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
+        if self.b_kmajor:
+            b_map = tensor_map_arg(3, (K, N), (self.BK, params["BN"]), dtype)
+        else:
+            b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
         extra: tuple[str, ...] = ()
         launches = []
         if params.get("stream_k"):
@@ -490,7 +499,7 @@ class WgmmaFamily(Family):
         return launches
 
     def context(self, params, dtype, attrs):
-        return {"smem_bytes": self.smem_bytes(params, dtype)}
+        return {"smem_bytes": self.smem_bytes(params, dtype), "b_kmajor": self.b_kmajor}
 
 
 WGMMA = WgmmaFamily()
