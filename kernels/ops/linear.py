@@ -65,10 +65,10 @@ class LinearTWgmma(LinearWgmma):
     entry = "linear_wgmma"
     description = "Hopper wgmma GEMM on a K-major weight (N x K), TMA ring on mbarriers; bias + activation epilogue"
     b_kmajor = True
-    # A K-major B box is BN rows of 64 k, so BN need not be a whole number of 64-column boxes (168 x 132 tiles
-    # fill the SMs at 256 x 11008; 88 and 176 at 11008 / 2 and 11008 / 4 rows).
+    # A K-major B box is BN rows of 64 k, so BN need not be a whole number of 64-column boxes: 168 makes 132
+    # tiles of 128 x 168 at 256 x 11008 (one per H100 SM), 96 and 176 other tile counts.
     params = tuple(
-        Param(p.name, (64, 88, 96, 128, 144, 160, 168, 176, 192, 208, 224, 256), "block tile columns (N): the wgmma N")
+        Param(p.name, (64, 96, 128, 168, 176, 192, 256), "block tile columns (N): the wgmma N, any multiple of 8")
         if p.name == "BN"
         else p
         for p in LinearWgmma.params
