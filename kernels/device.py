@@ -267,12 +267,25 @@ class Kernel:
             self._tensor_maps[key] = encode_tensor_map(source.ptr, spec)
         return self._tensor_maps[key]
 
+    def _signature_of(self, args: list) -> str:
+        with_maps = any(isinstance(a, TensorMapArg) for a in args)
+        layout = self._module.param_layout(self.name) if with_maps and self._module is not None else None
+        return param_format(args, layout)
+
+    def _values(self, args: list) -> list:
+        return [
+            a.ptr if isinstance(a, Buffer) else self._tensor_map(a, args) if isinstance(a, TensorMapArg) else int(a)
+            for a in args
+        ]
+
+    def param_buffer(self, args: list[int | Buffer | TensorMapArg]) -> bytes:
+        """The parameter buffer a launch with ``args`` passes (what pycuda packs: the same struct format)."""
+        return struct.pack(self._signature_of(args), *self._values(args))
+
     def launch(self, grid, block, smem_bytes: int, args: list[int | Buffer | TensorMapArg], stream: Any = None) -> None:
         """Enqueue one launch; ints are int32 scalars, Buffers are pointers, TensorMapArgs 128-byte maps."""
         cuda = self._device.cuda
-        with_maps = any(isinstance(a, TensorMapArg) for a in args)
-        layout = self._module.param_layout(self.name) if with_maps and self._module is not None else None
-        signature = param_format(args, layout)
+        signature = self._signature_of(args)
         try:
             if signature != self._signature:
                 self._function.prepare(signature)
@@ -280,10 +293,7 @@ class Kernel:
             if smem_bytes > self._smem_limit:
                 self._function.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes)
                 self._smem_limit = smem_bytes
-            values = [
-                a.ptr if isinstance(a, Buffer) else self._tensor_map(a, args) if isinstance(a, TensorMapArg) else int(a)
-                for a in args
-            ]
+            values = self._values(args)
             self._function.prepared_async_call(tuple(grid), tuple(block), stream, *values, shared_size=smem_bytes)
         except cuda.Error as exc:
             where = f"launch of {self.name} grid={tuple(grid)} block={tuple(block)} smem={smem_bytes}"

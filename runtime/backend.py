@@ -3,18 +3,39 @@
 Every kernel launch and every device-side copy of the runtime goes to ``Backend.stream``, so a forward
 pass is one ordered sequence that a CUDA graph can capture. Allocations come from the Device's memory
 pool (no cudaMalloc per op once the pool is warm); while a graph is being captured, every allocation is
-also kept by the graph (``keep_allocations``), so memory the graph writes is never handed out again.
+also kept by the graph (``keep_allocations``), and every launch, copy and fill is logged (``logging_work``)
+so that the graph can later point its kernels at other input and output buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from kernelmill.kernels.device import Buffer, Device, get_device
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchRecord:
+    """One kernel launch queued while a graph was captured: its graph node and everything that packs its
+    parameters again (``Kernel.param_buffer(args)``)."""
+
+    node: Any  # the captured kernel node (a cuda-bindings CUgraphNode), None where it could not be told
+    kernel: Any  # kernels.device.Kernel
+    args: list
+
+
+@dataclass
+class MemRecord:
+    """A copy or fill queued while a graph was captured: the device bytes it writes (and reads)."""
+
+    dst: int
+    nbytes: int
+    src: int | None = None
 
 
 class Backend:
@@ -25,6 +46,8 @@ class Backend:
         self._kept: list[Buffer] | None = None
         self._programmatic = None  # graph.make_programmatic while a PDL graph is being captured
         self._edges: list[int] = [0]
+        self._work: list[LaunchRecord | MemRecord] | None = None  # the capture's log (logging_work)
+        self._node_of = None  # graph.captured_kernel_node while a graph is being captured
 
     @property
     def arch(self) -> str:
@@ -57,10 +80,26 @@ class Backend:
         finally:
             self._programmatic, self._edges = previous, edges
 
+    @contextlib.contextmanager
+    def logging_work(self, node_of):
+        """While a graph is captured: yields the list that collects every launch (with its kernel node,
+        ``node_of(stream_handle)`` right after it is queued), copy and fill, in order."""
+        previous = self._work, self._node_of
+        self._work, self._node_of = [], node_of
+        try:
+            yield self._work
+        finally:
+            self._work, self._node_of = previous
+
     def before_launch(self, pdl: bool) -> None:
         """Called before every kernel launch of the runtime; ``pdl``: the kernel waits for the one before."""
         if pdl and self._programmatic is not None and self._programmatic(self.stream_handle):
             self._edges[0] += 1
+
+    def after_launch(self, kernel: Any, args: list) -> None:
+        """Called after every kernel launch of the runtime, with what ``kernel.launch`` was given."""
+        if self._work is not None:
+            self._work.append(LaunchRecord(self._node_of(self.stream_handle), kernel, list(args)))
 
     def upload(self, ptr: int, host: Any) -> None:
         """Host -> device, after the stream's queued work (a synchronous copy; never during a capture)."""
@@ -80,10 +119,14 @@ class Backend:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
+            if self._work is not None:
+                self._work.append(MemRecord(dst, nbytes, src))
             self.cuda.memcpy_dtod_async(dst, src, nbytes, self.stream)
 
     def fill(self, ptr: int, byte: int, nbytes: int) -> None:
         if nbytes:
+            if self._work is not None:
+                self._work.append(MemRecord(ptr, nbytes))
             self.cuda.memset_d8_async(ptr, byte, nbytes, self.stream)
 
     def synchronize(self) -> None:

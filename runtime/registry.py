@@ -94,6 +94,7 @@ class KernelEntry:
             args = [buffers[a] if isinstance(a, str) else a for a in launch.args]
             backend.before_launch(self.pdl)
             kernel.launch(launch.grid, launch.block, launch.smem_bytes, args, backend.stream)
+            backend.after_launch(kernel, args)
         self.calls += 1
 
     def row(self) -> dict[str, Any]:

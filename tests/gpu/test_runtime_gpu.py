@@ -98,6 +98,9 @@ def test_bert_graph_replay_equals_plain_launches(bert, registry):
     np.testing.assert_array_equal(graphed.forward(other).numpy(), plain.forward(other).numpy())
     np.testing.assert_array_equal(graphed.forward(batches[0]).numpy(), plain.forward(batches[0]).numpy())
     assert graphed.last_run == "graph"
+    # The replays read the token ids where they are and write a fresh output: no copies around them.
+    for graph in graphed._graphs.values():
+        assert graph.rebinding.movable[0] and graph.rebinding.movable[-1], graph.rebinding.movable
 
 
 def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert, registry, tmp_path):
@@ -142,6 +145,47 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
     # gemv is no PDL family (batch 1: no programmatic edge); the wgmma linears at batch 40 are.
     edges = {k[0][0][0]: g.programmatic_edges for k, g in mlp._graphs.items() if k[-1] is True}
     assert edges[1] == 0 and edges[40] > 0
+
+
+def test_graph_replays_read_inputs_and_write_outputs_in_place(tmp_path, registry):
+    """The graph's kernel nodes are pointed at the caller's input and at a fresh output on each replay
+    (batch 1: a gemv reads X by pointer; batch 40: a wgmma reads it through a tensor map, encoded again).
+    Earlier outputs stay intact, the input is read when the replay runs, and an unaligned input is copied
+    into the static buffer instead."""
+    pytest.importorskip("cuda.bindings")
+    torch.manual_seed(7)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(256, 704), torch.nn.GELU(), torch.nn.Linear(704, 256)) for _ in range(2)
+    ]
+    torch.save(torch.nn.Sequential(*blocks).state_dict(), tmp_path / "mlp.pt")
+    load = dict(device="cuda", dtype="float16", act="gelu", registry=registry)
+    plain = runtime.load_model(tmp_path / "mlp.pt", graphs=False, **load)
+    mlp = runtime.load_model(tmp_path / "mlp.pt", **load)
+    for batch in (1, 40):
+        xs = [torch.randn(batch, 256, device="cuda", dtype=torch.float16) for _ in range(4)]
+        torch.cuda.synchronize()
+        want = [plain.forward(from_torch(x)).numpy() for x in xs]
+        mlp.forward(from_torch(xs[0]))  # plain launches; the graph is captured on the next call
+        outs = [mlp.forward(from_torch(x)) for x in xs]
+        assert mlp.last_run == "graph"
+        assert len({out.ptr for out in outs}) == len(outs)  # each replay wrote its own output
+        for got, expected in zip(outs, want, strict=True):
+            np.testing.assert_array_equal(got.numpy(), expected)
+        graph = next(g for k, g in mlp._graphs.items() if k[0][0][0] == batch)
+        assert graph.rebinding.movable == (True, True) and graph.rebinding.nodes
+        assert graph.inputs[0].ptr not in graph._bound  # the static input is no longer read
+        # The live tensor is read when the replay runs.
+        xs[0].mul_(-0.5)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(mlp.forward(from_torch(xs[0])).numpy(), plain.forward(from_torch(xs[0])).numpy())
+        # Not 16-byte aligned: copied into the static input, which the nodes read again.
+        flat = torch.randn(batch * 256 + 1, device="cuda", dtype=torch.float16)
+        torch.cuda.synchronize()
+        view = from_torch(flat[1:].view(batch, 256))
+        assert view.ptr % 16
+        np.testing.assert_array_equal(mlp.forward(view).numpy(), plain.forward(view).numpy())
+        assert mlp.last_run == "graph" and graph._bound[0] == graph.inputs[0].ptr
+        np.testing.assert_array_equal(mlp.forward(from_torch(xs[1])).numpy(), want[1])
 
 
 def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):

@@ -50,6 +50,9 @@ class FakeBackend:
     def before_launch(self, pdl):
         self.pdl.append(pdl)
 
+    def after_launch(self, kernel, args):
+        pass
+
     def alloc(self, nbytes):
         buf = Buffer(self._next, nbytes)
         self._next += (max(nbytes, 1) + 255) // 256 * 256
