@@ -259,7 +259,7 @@ class CapturedForward:
         self.rebinding = plan_rebinding(work, slots)
         self._static = [0 if s is None else s[0] for s in slots]
         self._bound = list(self._static)  # the addresses the instantiated graph's nodes use now
-        self._held: tuple = ()
+        self.pdl = pdl and self.programmatic_edges > 0
 
     def _bind(self, addresses: list[int]) -> None:
         """Points the nodes that touch a movable slot at ``addresses`` (one per slot) where they changed."""
@@ -306,8 +306,9 @@ class CapturedForward:
             return self.replay(inputs, copy_output)
         for static, new in copies:
             static.copy_(new)
+        # The inputs need not be held: pooled memory is handed out again only to work queued behind this
+        # launch on the same stream (or after a synchronize, as uploads do).
         _check(_driver().cuGraphLaunch(self._exec, self._stream), "cuGraphLaunch")
-        self._held = inputs  # read by the launch: alive until the next replay is queued behind it
         if out is not None:
             return out
         return self.output.clone() if copy_output else self.output

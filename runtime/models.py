@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +266,9 @@ class Model:
         #: Graphs launch PDL kernels early (runtime/graph.py); default KERNELMILL_PDL. A graph is captured per
         #: input signature and setting, so flipping it between forwards compares the two.
         self.pdl = get_settings().pdl if pdl is None else bool(pdl)
+        #: With ``pdl``, capture the forward with and without programmatic edges, time a few replays of each
+        #: (taking turns) and keep the faster: which one wins depends on the kernels and the GPU.
+        self.pick_faster_graph = True
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
         self._calls: dict[tuple, int] = {}
@@ -306,27 +311,51 @@ class Model:
         from kernelmill.runtime.graph import CapturedForward
 
         shapes = ", ".join("-" if k is None else format_shape(k[0]) for k in key[:-1])
-        graph, failures = None, []
+        captured, failures = {}, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
-                graph = CapturedForward(self.backend, self.module.forward_prepared, prepared, pdl=pdl)
-                break
+                captured[pdl] = CapturedForward(self.backend, self.module.forward_prepared, prepared, pdl=pdl)
             except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
                 failures.append(f"{'with' if pdl else 'without'} PDL: {exc}")
+            if captured and not (self.pick_faster_graph and captured.get(True) and captured[True].pdl):
+                break  # one graph is all there is to keep
         if failures:
             log.warning("runtime: CUDA graph capture failed for inputs %s (%s)", shapes, "; ".join(failures))
-        if graph is None:
+        if not captured:
             log.warning("runtime: running plain launches for inputs %s", shapes)
             self._graphs[key] = _NO_GRAPH
             return _NO_GRAPH
+        graph = next(iter(captured.values()))
+        timing = ""
+        if len(captured) == 2:
+            times = self._time_graphs(captured, prepared)
+            graph = captured[min(times, key=times.get)]
+            captured[not graph.pdl].close()
+            timing = f"; a replay took {times[True]:.3f} ms with PDL, {times[False]:.3f} ms without: keeping " + (
+                "PDL" if graph.pdl else "plain edges"
+            )
         log.info(
-            "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s",
+            "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s%s",
             graph.nodes,
             graph.programmatic_edges,
             shapes,
+            timing,
         )
         self._graphs[key] = graph
         return graph
+
+    def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 3, replays: int = 5) -> dict:
+        """Milliseconds per replay of each graph, back to back, best of ``rounds`` (the graphs take turns)."""
+        best = dict.fromkeys(graphs, math.inf)
+        for _ in range(rounds):
+            for pdl, graph in graphs.items():
+                self.backend.synchronize()
+                start = time.perf_counter()
+                for _ in range(replays):
+                    graph.replay(prepared, copy_output=False)
+                self.backend.synchronize()
+                best[pdl] = min(best[pdl], (time.perf_counter() - start) * 1e3 / replays)
+        return best
 
     def _remember(self, seen: list) -> None:
         for problem in seen:

@@ -111,6 +111,7 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
     path, _ = bert
     plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
     graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, pdl=True)
+    graphed.pick_faster_graph = False  # keep the PDL graph whichever replays faster
     rng = np.random.default_rng(5)
     batches = [rng.integers(0, 307, size=(2, 64)) for _ in range(6)]
     want = [plain.forward(ids).numpy() for ids in batches]
@@ -132,6 +133,7 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
         tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry, graphs=False
     )
     mlp = runtime.load_model(tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry)
+    mlp.pick_faster_graph = False
     for batch in (1, 40):
         xs = [np.random.default_rng(batch * 10 + i).standard_normal((batch, 256)).astype(np.float32) for i in range(5)]
         want = [mlp_plain.forward(x).numpy() for x in xs]
@@ -186,6 +188,26 @@ def test_graph_replays_read_inputs_and_write_outputs_in_place(tmp_path, registry
         np.testing.assert_array_equal(mlp.forward(view).numpy(), plain.forward(view).numpy())
         assert mlp.last_run == "graph" and graph._bound[0] == graph.inputs[0].ptr
         np.testing.assert_array_equal(mlp.forward(from_torch(xs[1])).numpy(), want[1])
+
+
+def test_model_keeps_the_faster_of_its_pdl_and_plain_graphs(tmp_path, registry, caplog):
+    pytest.importorskip("cuda.bindings")
+    torch.manual_seed(8)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(256, 704), torch.nn.GELU(), torch.nn.Linear(704, 256))]
+    torch.save(torch.nn.Sequential(*blocks).state_dict(), tmp_path / "mlp.pt")
+    load = dict(device="cuda", dtype="float16", act="gelu", registry=registry)
+    plain = runtime.load_model(tmp_path / "mlp.pt", graphs=False, **load)
+    mlp = runtime.load_model(tmp_path / "mlp.pt", pdl=True, **load)
+    x = np.random.default_rng(9).standard_normal((40, 256)).astype(np.float32)  # wgmma linears: a PDL family
+    with caplog.at_level("INFO", logger="kernelmill.runtime.models"):
+        for _ in range(3):
+            out = mlp.forward(x)
+    assert mlp.last_run == "graph"
+    np.testing.assert_array_equal(out.numpy(), plain.forward(x).numpy())
+    (line,) = [r.getMessage() for r in caplog.records if "captured a CUDA graph" in r.getMessage()]
+    assert "with PDL" in line and "without" in line and "keeping" in line
+    (graph,) = mlp._graphs.values()
+    assert ("keeping PDL" in line) == graph.pdl
 
 
 def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):
