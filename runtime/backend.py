@@ -46,6 +46,8 @@ class Backend:
         self._kept: list[Buffer] | None = None
         self._programmatic = None  # graph.make_programmatic while a PDL graph is being captured
         self._edges: list[int] = [0]
+        self._plain: frozenset[int] = frozenset()  # ids of kernel entries whose launches keep plain edges
+        self._pdl_entries: list[Any] = []  # the entries that got a programmatic edge, in first-launch order
         self._work: list[LaunchRecord | MemRecord] | None = None  # the capture's log (logging_work)
         self._node_of = None  # graph.captured_kernel_node while a graph is being captured
 
@@ -69,16 +71,17 @@ class Backend:
             self._kept = previous
 
     @contextlib.contextmanager
-    def capturing(self, programmatic):
+    def capturing(self, programmatic, plain: frozenset[int] = frozenset()):
         """While a graph is captured: ``programmatic(stream_handle)`` (or None) runs before each launch of a
-        PDL kernel (``before_launch``); yields a one-element list that ends up holding how many edges it
-        made programmatic."""
-        previous, self._programmatic = self._programmatic, programmatic
-        edges, self._edges = self._edges, [0]
+        PDL kernel (``before_launch``) but those of the kernel entries whose ids are in ``plain``; yields a
+        one-element list that ends up holding how many edges it made programmatic, and the list of entries
+        that got one."""
+        previous = self._programmatic, self._edges, self._plain, self._pdl_entries
+        self._programmatic, self._edges, self._plain, self._pdl_entries = programmatic, [0], plain, []
         try:
-            yield self._edges
+            yield self._edges, self._pdl_entries
         finally:
-            self._programmatic, self._edges = previous, edges
+            self._programmatic, self._edges, self._plain, self._pdl_entries = previous
 
     @contextlib.contextmanager
     def logging_work(self, node_of):
@@ -91,10 +94,15 @@ class Backend:
         finally:
             self._work, self._node_of = previous
 
-    def before_launch(self, pdl: bool) -> None:
-        """Called before every kernel launch of the runtime; ``pdl``: the kernel waits for the one before."""
-        if pdl and self._programmatic is not None and self._programmatic(self.stream_handle):
+    def before_launch(self, pdl: bool, entry: Any = None) -> None:
+        """Called before every kernel launch of the runtime; ``pdl``: the kernel waits for the one before;
+        ``entry``: the registry's KernelEntry that launches it."""
+        if not pdl or self._programmatic is None or id(entry) in self._plain:
+            return
+        if self._programmatic(self.stream_handle):
             self._edges[0] += 1
+            if entry is not None and all(e is not entry for e in self._pdl_entries):
+                self._pdl_entries.append(entry)
 
     def after_launch(self, kernel: Any, args: list) -> None:
         """Called after every kernel launch of the runtime, with what ``kernel.launch`` was given."""

@@ -215,7 +215,12 @@ class CapturedForward:
     ``rebinding`` says which inputs (and the output) a replay reads (writes) in place."""
 
     def __init__(
-        self, backend, fn: Callable[..., Tensor], inputs: tuple[Tensor | None, ...], pdl: bool = False
+        self,
+        backend,
+        fn: Callable[..., Tensor],
+        inputs: tuple[Tensor | None, ...],
+        pdl: bool = False,
+        plain: frozenset[int] = frozenset(),
     ) -> None:
         driver = _driver()
         self.backend = backend
@@ -228,7 +233,7 @@ class CapturedForward:
         self._stream = stream
         with (
             backend.keep_allocations() as kept,
-            backend.capturing(make_programmatic if pdl else None) as edges,
+            backend.capturing(make_programmatic if pdl else None, plain) as (edges, pdl_entries),
             backend.logging_work(captured_kernel_node) as work,
         ):
             mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
@@ -243,6 +248,8 @@ class CapturedForward:
             self._graph = _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
         self._kept = kept
         self.programmatic_edges = edges[0]
+        #: The kernel entries whose launches got a programmatic edge; ``plain``: ids of those kept plain.
+        self.pdl_entries, self.plain = list(pdl_entries), plain
         self.output = output
         try:
             self._exec = _check(driver.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")

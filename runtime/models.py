@@ -221,6 +221,9 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
 # -- the Model ---------------------------------------------------------------------------------------------
 
 _NO_GRAPH = object()
+#: A graph with some kernels launched on plain edges replaces the one kept so far only when it replays at
+#: least this much faster (timing noise of a few replays is below it).
+_EDGE_MIN_GAIN = 0.01
 
 
 class Model:
@@ -266,8 +269,8 @@ class Model:
         #: Graphs launch PDL kernels early (runtime/graph.py); default KERNELMILL_PDL. A graph is captured per
         #: input signature and setting, so flipping it between forwards compares the two.
         self.pdl = get_settings().pdl if pdl is None else bool(pdl)
-        #: With ``pdl``, capture the forward with and without programmatic edges, time a few replays of each
-        #: (taking turns) and keep the faster: which one wins depends on the kernels and the GPU.
+        #: With ``pdl``, choose per kernel whether it launches early: capture the forward again with each
+        #: kernel's edges plain, time a few replays (taking turns) and keep what is faster (``_tune_edges``).
         self.pick_faster_graph = True
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
@@ -311,50 +314,74 @@ class Model:
         from kernelmill.runtime.graph import CapturedForward
 
         shapes = ", ".join("-" if k is None else format_shape(k[0]) for k in key[:-1])
-        captured, failures = {}, []
+        graph, failures = None, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
-                captured[pdl] = CapturedForward(self.backend, self.module.forward_prepared, prepared, pdl=pdl)
+                graph = CapturedForward(self.backend, self.module.forward_prepared, prepared, pdl=pdl)
+                break
             except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
                 failures.append(f"{'with' if pdl else 'without'} PDL: {exc}")
-            if captured and not (self.pick_faster_graph and captured.get(True) and captured[True].pdl):
-                break  # one graph is all there is to keep
         if failures:
             log.warning("runtime: CUDA graph capture failed for inputs %s (%s)", shapes, "; ".join(failures))
-        if not captured:
+        if graph is None:
             log.warning("runtime: running plain launches for inputs %s", shapes)
             self._graphs[key] = _NO_GRAPH
             return _NO_GRAPH
-        graph = next(iter(captured.values()))
-        timing = ""
-        if len(captured) == 2:
-            times = self._time_graphs(captured, prepared)
-            graph = captured[min(times, key=times.get)]
-            captured[not graph.pdl].close()
-            timing = f"; a replay took {times[True]:.3f} ms with PDL, {times[False]:.3f} ms without: keeping " + (
-                "PDL" if graph.pdl else "plain edges"
-            )
+        tuning = ""
+        if self.pick_faster_graph and graph.pdl_entries:
+            graph, tuning = self._tune_edges(graph, prepared)
         log.info(
             "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s%s",
             graph.nodes,
             graph.programmatic_edges,
             shapes,
-            timing,
+            tuning,
         )
         self._graphs[key] = graph
         return graph
+
+    def _tune_edges(self, graph: Any, prepared: tuple) -> tuple[Any, str]:
+        """PDL per kernel: for each kernel entry whose launches got programmatic edges, capture the forward
+        again with that entry's edges plain and keep the graph if it replays faster (taking turns with the
+        graph kept so far). Early launch helps where a kernel sets up while the one before finishes, and
+        can hurt where the early blocks change how the kernel before them runs (measured: docs/PERFORMANCE.md)."""
+        from kernelmill.runtime.graph import CapturedForward
+
+        first_ms = kept_ms = None
+        plain_names = []
+        for entry in graph.pdl_entries:
+            try:
+                trial = CapturedForward(
+                    self.backend, self.module.forward_prepared, prepared, pdl=True, plain=graph.plain | {id(entry)}
+                )
+            except Exception as exc:  # noqa: BLE001 - keep what was captured
+                log.info("runtime: capture with plain edges into %s failed (%s)", entry.op, exc)
+                continue
+            times = self._time_graphs({"kept": graph, "trial": trial}, prepared)
+            first_ms = first_ms or times["kept"]
+            if times["trial"] < times["kept"] * (1 - _EDGE_MIN_GAIN):
+                graph.close()
+                graph, kept_ms = trial, times["trial"]
+                plain_names.append(f"{entry.op} {format_shape(entry.shape)}")
+            else:
+                trial.close()
+                kept_ms = times["kept"]
+        if first_ms is None:
+            return graph, ""
+        which = f"plain edges into {', '.join(plain_names)}" if plain_names else "PDL for every kernel that has it"
+        return graph, f"; a replay {kept_ms:.3f} ms ({first_ms:.3f} with PDL everywhere): {which}"
 
     def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 3, replays: int = 5) -> dict:
         """Milliseconds per replay of each graph, back to back, best of ``rounds`` (the graphs take turns)."""
         best = dict.fromkeys(graphs, math.inf)
         for _ in range(rounds):
-            for pdl, graph in graphs.items():
+            for name, graph in graphs.items():
                 self.backend.synchronize()
                 start = time.perf_counter()
                 for _ in range(replays):
                     graph.replay(prepared, copy_output=False)
                 self.backend.synchronize()
-                best[pdl] = min(best[pdl], (time.perf_counter() - start) * 1e3 / replays)
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3 / replays)
         return best
 
     def _remember(self, seen: list) -> None:

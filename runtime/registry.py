@@ -92,7 +92,7 @@ class KernelEntry:
         buffers.update(self._ws)
         for kernel, launch in self._bound:
             args = [buffers[a] if isinstance(a, str) else a for a in launch.args]
-            backend.before_launch(self.pdl)
+            backend.before_launch(self.pdl, self)
             kernel.launch(launch.grid, launch.block, launch.smem_bytes, args, backend.stream)
             backend.after_launch(kernel, args)
         self.calls += 1

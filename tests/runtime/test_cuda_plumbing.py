@@ -47,7 +47,7 @@ class FakeBackend:
         self.stream_handle = 1
         self.pdl = []  # before_launch's flag for each launch, in order
 
-    def before_launch(self, pdl):
+    def before_launch(self, pdl, entry=None):
         self.pdl.append(pdl)
 
     def after_launch(self, kernel, args):
