@@ -271,7 +271,7 @@ class Model:
         self.pdl = get_settings().pdl if pdl is None else bool(pdl)
         #: With ``pdl``, choose per kernel whether it launches early: capture the forward again with each
         #: kernel's edges plain, time a few replays (taking turns) and keep what is faster (``_tune_edges``).
-        self.pick_faster_graph = True
+        self.tune_pdl = True
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
         self._calls: dict[tuple, int] = {}
@@ -328,8 +328,10 @@ class Model:
             self._graphs[key] = _NO_GRAPH
             return _NO_GRAPH
         tuning = ""
-        if self.pick_faster_graph and graph.pdl_entries:
+        if self.tune_pdl and graph.pdl_entries:
+            start = time.perf_counter()
             graph, tuning = self._tune_edges(graph, prepared)
+            tuning += f" (chosen in {time.perf_counter() - start:.2f} s)" if tuning else ""
         log.info(
             "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s%s",
             graph.nodes,

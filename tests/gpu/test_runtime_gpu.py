@@ -111,7 +111,7 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
     path, _ = bert
     plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
     graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, pdl=True)
-    graphed.pick_faster_graph = False  # keep the PDL graph whichever replays faster
+    graphed.tune_pdl = False  # keep the PDL graph whichever replays faster
     rng = np.random.default_rng(5)
     batches = [rng.integers(0, 307, size=(2, 64)) for _ in range(6)]
     want = [plain.forward(ids).numpy() for ids in batches]
@@ -133,7 +133,7 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
         tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry, graphs=False
     )
     mlp = runtime.load_model(tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry)
-    mlp.pick_faster_graph = False
+    mlp.tune_pdl = False
     for batch in (1, 40):
         xs = [np.random.default_rng(batch * 10 + i).standard_normal((batch, 256)).astype(np.float32) for i in range(5)]
         want = [mlp_plain.forward(x).numpy() for x in xs]
