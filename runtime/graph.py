@@ -281,7 +281,12 @@ class CapturedForward:
             args = list(rec.args)
             for k, slot, offset in refs:
                 args[k] = Buffer(addresses[slot] + offset, 0)
-            _set_kernel_params(self._exec, rec.node, rec.kernel.param_buffer(args))
+            try:
+                _set_kernel_params(self._exec, rec.node, rec.kernel.param_buffer(args))
+            except GraphUnavailable:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a tensor map the driver refuses, bindings without int()
+                raise GraphUnavailable(f"re-pointing {rec.kernel.name}: {exc}") from None
         self._bound = list(addresses)
 
     def replay(self, inputs: tuple[Tensor | None, ...], copy_output: bool = True) -> Tensor:

@@ -27,6 +27,7 @@ import numpy as np
 
 from kernelmill.kernels.ops.base import format_shape
 from kernelmill.runtime import ops
+from kernelmill.runtime.graph import GraphUnavailable
 from kernelmill.runtime.nn import (
     MLP,
     Embeddings,
@@ -295,8 +296,15 @@ class Model:
         key = (*(None if t is None else (t.shape, t.dtype) for t in prepared), self.pdl)
         graph = self._graphs.get(key)
         if graph is not None and graph is not _NO_GRAPH:
-            self.last_run = "graph"
-            return graph.replay(prepared)
+            try:
+                out = graph.replay(prepared)
+            except GraphUnavailable as exc:
+                log.warning("runtime: dropping the CUDA graph for these inputs (%s); plain launches from now on", exc)
+                graph.close()
+                self._graphs[key] = graph = _NO_GRAPH
+            else:
+                self.last_run = "graph"
+                return out
         with ops.using_registry(self.registry):
             self._calls[key] = self._calls.get(key, 0) + 1
             if graph is None and self.graphs_enabled and self._calls[key] > self.warmup:

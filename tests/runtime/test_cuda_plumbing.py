@@ -192,3 +192,32 @@ def test_bert_runs_on_the_gpu_path_and_falls_back_from_graphs(fake, caplog):
     report = model.kernel_report()
     assert {r["op"] for r in report} == {"embedding", "layernorm", "linear", "attention", "add_layernorm", "fused_mlp"}
     assert "default" in model.format_kernel_report()
+
+
+def test_a_graph_the_driver_stops_accepting_is_dropped_for_plain_launches(fake, caplog):
+    from kernelmill.runtime.graph import GraphUnavailable
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    x = np.ones((3, 32), np.float32)
+    model.forward(x)
+    (key,) = model._calls
+
+    class Refusing:
+        closed = False
+
+        def replay(self, inputs):
+            raise GraphUnavailable("cuGraphExecKernelNodeSetParams failed: CUresult 1")
+
+        def close(self):
+            Refusing.closed = True
+
+    model._graphs[key] = Refusing()
+    per_forward = len(backend.launches)
+    with caplog.at_level(logging.WARNING):
+        out = model.forward(x)
+        model.forward(x)
+    assert out.shape == (3, 32) and model.last_run == "plain" and Refusing.closed
+    assert caplog.text.count("dropping the CUDA graph") == 1 and "CUresult 1" in caplog.text
+    assert len(backend.launches) == 3 * per_forward  # both ran as plain launches
