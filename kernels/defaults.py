@@ -65,21 +65,24 @@ def _gemms(spec, fam: Family, shape) -> tuple[str, list[tuple[int, int]]] | None
 
 #: gemv (mma engine) defaults by the largest M they serve: the best of sweeps over the family's space at
 #: 1 and 16 x 4096 x 4096 / 4096 x 11008 / 11008 x 4096 on an H100 and an H200 (2026-11-22,
-#: docs/PERFORMANCE.md). M <= 8 with few column strips (N <= 96 x 64) splits K 8 ways and keeps two
-#: groups of loads in flight (pipeline 2); with more strips 4-way splits already fill the SMs.
+#: docs/PERFORMANCE.md). K is split 4 ways where N has many column strips and 8 ways where it has few (N <=
+#: 96 x 64), with two groups of loads in flight at M <= 8 then (pipeline 2). At M = 16 and N = 11008 the
+#: 4-way split took 37.5-38.4 us against 44.6-45.3 us for 8 ways on an H100 and 30.4 against 34.2 us on an
+#: H200 (2026-11-24).
 _GEMV_MMA_DEFAULTS = {
     8: {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1},
-    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 8, "unroll": 1, "pipeline": 1},
+    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1},
 }
 _GEMV_FEW_STRIPS = 96
-_GEMV_FEW_STRIPS_M8 = {"k_splits": 8, "pipeline": 2}
+_GEMV_FEW_STRIPS_CHANGES = {8: {"k_splits": 8, "pipeline": 2}, 16: {"k_splits": 8}}
 
 
 def _gemv_params(params: dict[str, Any], shape) -> dict[str, Any]:
     m, n, _k = shape
-    chosen = {**params, **_GEMV_MMA_DEFAULTS[8 if m <= 8 else 16]}
-    if m <= 8 and math.ceil(n / chosen["block_cols"]) <= _GEMV_FEW_STRIPS:
-        chosen.update(_GEMV_FEW_STRIPS_M8)
+    rows = 8 if m <= 8 else 16
+    chosen = {**params, **_GEMV_MMA_DEFAULTS[rows]}
+    if math.ceil(n / chosen["block_cols"]) <= _GEMV_FEW_STRIPS:
+        chosen.update(_GEMV_FEW_STRIPS_CHANGES[rows])
     return chosen
 
 
