@@ -367,7 +367,12 @@ class Model:
             except Exception as exc:  # noqa: BLE001 - keep what was captured
                 log.info("runtime: capture with plain edges into %s failed (%s)", entry.op, exc)
                 continue
-            times = self._time_graphs({"kept": graph, "trial": trial}, prepared)
+            try:
+                times = self._time_graphs({"kept": graph, "trial": trial}, prepared)
+            except GraphUnavailable as exc:  # a replay the driver refused: keep the graph as it is
+                log.info("runtime: timing the graph with plain edges into %s failed (%s)", entry.op, exc)
+                trial.close()
+                break
             first_ms = first_ms or times["kept"]
             if times["trial"] < times["kept"] * (1 - _EDGE_MIN_GAIN):
                 graph.close()
