@@ -415,9 +415,22 @@ class Model:
         self._graphs.clear()
         self._calls.clear()
 
+    def _launch_modes(self) -> dict[int, str]:
+        """By kernel entry id, how the model's CUDA graphs launch it: "early" (a programmatic edge, PDL) or
+        "plain" (a PDL kernel kept on plain edges because that replayed faster)."""
+        modes: dict[int, str] = {}
+        for graph in self._graphs.values():
+            for entry in getattr(graph, "pdl_entries", ()):
+                plain = id(entry) in graph.plain
+                if modes.get(id(entry)) != "early":
+                    modes[id(entry)] = "plain" if plain else "early"
+        return modes
+
     def kernel_report(self) -> list[dict[str, Any]]:
         """One row per problem this model met: op, shape, dtype, attrs, family, params, source
-        (tuned / nearest / default; "numpy" on the CPU), the speedup the service recorded."""
+        (tuned / nearest / default; "numpy" on the CPU), the speedup the service recorded, and how its
+        graphs launch it ("launch": early / plain, None where no graph has a choice to make)."""
+        modes = self._launch_modes()
         rows = []
         by_key = {}
         if self.registry is not None:
@@ -429,7 +442,7 @@ class Model:
             key = (op, shape, dtype, json.dumps(_canonical_attrs(op, attrs), sort_keys=True, default=str))
             entry = by_key.get(key)
             if entry is not None:
-                rows.append(entry.row())
+                rows.append({**entry.row(), "launch": modes.get(id(entry))})
             else:
                 # No kernel of its own: the CPU path, or (fused_mlp, nothing tuned) its two linears' rows.
                 split = self.device != "cpu" and op == "fused_mlp"
@@ -447,6 +460,7 @@ class Model:
                         "speedup": None,
                         "calls": None,
                         "note": "nothing tuned: ran as its two linears" if split else "",
+                        "launch": None,
                     }
                 )
         return rows
@@ -454,7 +468,7 @@ class Model:
     def format_kernel_report(self) -> str:
         """The report as a text table."""
         rows = self.kernel_report()
-        header = ("op", "shape", "dtype", "source", "family", "speedup", "note")
+        header = ("op", "shape", "dtype", "source", "family", "speedup", "launch", "note")
         lines = [
             (
                 r["op"] + "".join(f" {k}={v}" for k, v in sorted((r["attrs"] or {}).items())),
@@ -463,6 +477,7 @@ class Model:
                 r["source"],
                 r["family"] or "-",
                 f"{r['speedup']:.2f}x" if r.get("speedup") else "-",
+                r.get("launch") or "-",
                 r.get("note") or "",
             )
             for r in rows

@@ -221,3 +221,18 @@ def test_a_graph_the_driver_stops_accepting_is_dropped_for_plain_launches(fake, 
     assert out.shape == (3, 32) and model.last_run == "plain" and Refusing.closed
     assert caplog.text.count("dropping the CUDA graph") == 1 and "CUresult 1" in caplog.text
     assert len(backend.launches) == 3 * per_forward  # both ran as plain launches
+
+
+def test_the_kernel_report_says_how_graphs_launch_each_kernel(fake):
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    model.forward(np.ones((3, 32), np.float32))
+    up, down = registry.entries()
+    assert {r["launch"] for r in model.kernel_report()} == {None}  # no graph yet
+    # A captured graph (as CapturedForward records it): the down linear early, the up kept on plain edges.
+    model._graphs[("key",)] = SimpleNamespace(pdl_entries=[down, up], plain=frozenset({id(up)}))
+    report = {r["shape"]: r["launch"] for r in model.kernel_report() if r["op"] == "linear"}
+    assert report == {"3x64x32": "plain", "3x32x64": "early"}
+    assert "launch" in model.format_kernel_report().splitlines()[0]
