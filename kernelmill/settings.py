@@ -38,6 +38,11 @@ class Settings(BaseSettings):
         description="runtime CUDA graphs launch each kernel of a PDL family early (programmatic dependent launch, "
         "sm_90): it sets up while the kernel before it finishes (KERNELMILL_PDL=false: off)",
     )
+    pdl_tune: bool = Field(
+        True,
+        description="with pdl, a captured forward is recaptured with each PDL kernel on plain edges and the "
+        "faster graph kept, once per input shape (KERNELMILL_PDL_TUNE=false: PDL for every such kernel)",
+    )
 
     plugins: str = Field(
         "",

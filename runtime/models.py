@@ -271,8 +271,9 @@ class Model:
         #: input signature and setting, so flipping it between forwards compares the two.
         self.pdl = get_settings().pdl if pdl is None else bool(pdl)
         #: With ``pdl``, choose per kernel whether it launches early: capture the forward again with each
-        #: kernel's edges plain, time a few replays (taking turns) and keep what is faster (``_tune_edges``).
-        self.tune_pdl = True
+        #: kernel's edges plain, time a few replays (taking turns) and keep what is faster (``_tune_edges``);
+        #: default KERNELMILL_PDL_TUNE.
+        self.tune_pdl = get_settings().pdl_tune
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
         self._calls: dict[tuple, int] = {}

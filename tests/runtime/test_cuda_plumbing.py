@@ -236,3 +236,19 @@ def test_the_kernel_report_says_how_graphs_launch_each_kernel(fake):
     report = {r["shape"]: r["launch"] for r in model.kernel_report() if r["op"] == "linear"}
     assert report == {"3x64x32": "plain", "3x32x64": "early"}
     assert "launch" in model.format_kernel_report().splitlines()[0]
+
+
+def test_the_per_kernel_pdl_choice_follows_its_setting(fake, monkeypatch):
+    from kernelmill.runtime.nn import MLP
+    from kernelmill.settings import reset_settings
+
+    _backend, registry = fake
+    monkeypatch.setenv("KERNELMILL_PDL_TUNE", "false")
+    reset_settings()
+    try:
+        assert not runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry).tune_pdl
+        monkeypatch.delenv("KERNELMILL_PDL_TUNE")
+        reset_settings()
+        assert runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry).tune_pdl
+    finally:
+        reset_settings()
