@@ -266,7 +266,6 @@ class CapturedForward:
         self.rebinding = plan_rebinding(work, slots)
         self._static = [0 if s is None else s[0] for s in slots]
         self._bound = list(self._static)  # the addresses the instantiated graph's nodes use now
-        self.pdl = pdl and self.programmatic_edges > 0
 
     def _bind(self, addresses: list[int]) -> None:
         """Points the nodes that touch a movable slot at ``addresses`` (one per slot) where they changed."""

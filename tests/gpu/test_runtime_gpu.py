@@ -103,6 +103,16 @@ def test_bert_graph_replay_equals_plain_launches(bert, registry):
         assert graph.rebinding.movable[0] and graph.rebinding.movable[-1], graph.rebinding.movable
 
 
+def _save_mlp(path, layers: int, seed: int, d: int = 256, hidden: int = 704) -> None:
+    """A torch MLP stack (Linear -> GELU -> Linear per layer, random weights) saved as a state_dict."""
+    torch.manual_seed(seed)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d))
+        for _ in range(layers)
+    ]
+    torch.save(torch.nn.Sequential(*blocks).state_dict(), path)
+
+
 def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert, registry, tmp_path):
     """Programmatic edges between the kernels of PDL families; many replays queued back to back (no sync in
     between) must each equal plain launches bit for bit: any kernel touching a buffer before the one
@@ -124,11 +134,7 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
     assert graph.programmatic_edges > 0
 
     # An MLP on gemv (batch 1) and wgmma (batch 40) linears, PDL on and off.
-    torch.manual_seed(6)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(256, 704), torch.nn.GELU(), torch.nn.Linear(704, 256)) for _ in range(3)
-    ]
-    torch.save(torch.nn.Sequential(*blocks).state_dict(), tmp_path / "mlp.pt")
+    _save_mlp(tmp_path / "mlp.pt", layers=3, seed=6)
     mlp_plain = runtime.load_model(
         tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry, graphs=False
     )
@@ -155,11 +161,7 @@ def test_graph_replays_read_inputs_and_write_outputs_in_place(tmp_path, registry
     Earlier outputs stay intact, the input is read when the replay runs, and an unaligned input is copied
     into the static buffer instead."""
     pytest.importorskip("cuda.bindings")
-    torch.manual_seed(7)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(256, 704), torch.nn.GELU(), torch.nn.Linear(704, 256)) for _ in range(2)
-    ]
-    torch.save(torch.nn.Sequential(*blocks).state_dict(), tmp_path / "mlp.pt")
+    _save_mlp(tmp_path / "mlp.pt", layers=2, seed=7)
     load = dict(device="cuda", dtype="float16", act="gelu", registry=registry)
     plain = runtime.load_model(tmp_path / "mlp.pt", graphs=False, **load)
     mlp = runtime.load_model(tmp_path / "mlp.pt", **load)
@@ -192,9 +194,7 @@ def test_graph_replays_read_inputs_and_write_outputs_in_place(tmp_path, registry
 
 def test_model_chooses_pdl_per_kernel_by_replay_time(tmp_path, registry, caplog):
     pytest.importorskip("cuda.bindings")
-    torch.manual_seed(8)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(256, 704), torch.nn.GELU(), torch.nn.Linear(704, 256))]
-    torch.save(torch.nn.Sequential(*blocks).state_dict(), tmp_path / "mlp.pt")
+    _save_mlp(tmp_path / "mlp.pt", layers=1, seed=8)
     load = dict(device="cuda", dtype="float16", act="gelu", registry=registry)
     plain = runtime.load_model(tmp_path / "mlp.pt", graphs=False, **load)
     mlp = runtime.load_model(tmp_path / "mlp.pt", pdl=True, **load)
