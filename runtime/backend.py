@@ -48,6 +48,7 @@ class Backend:
         self._edges: list[int] = [0]
         self._plain: frozenset[int] = frozenset()  # ids of kernel entries whose launches keep plain edges
         self._pdl_entries: list[Any] = []  # the entries that got a programmatic edge, in first-launch order
+        self._constants: frozenset[int] = frozenset()  # addresses the capture under way vouches are read-only
         self._work: list[LaunchRecord | MemRecord] | None = None  # the capture's log (logging_work)
         self._node_of = None  # graph.captured_kernel_node while a graph is being captured
 
@@ -71,17 +72,23 @@ class Backend:
             self._kept = previous
 
     @contextlib.contextmanager
-    def capturing(self, programmatic, plain: frozenset[int] = frozenset()):
+    def capturing(self, programmatic, plain: frozenset[int] = frozenset(), constants: frozenset[int] = frozenset()):
         """While a graph is captured: ``programmatic(stream_handle)`` (or None) runs before each launch of a
         PDL kernel (``before_launch``) but those of the kernel entries whose ids are in ``plain``; yields a
         one-element list that ends up holding how many edges it made programmatic, and the list of entries
-        that got one."""
-        previous = self._programmatic, self._edges, self._plain, self._pdl_entries
+        that got one. ``constants``: addresses of tensors no kernel of the capture writes (the model's
+        parameters), which kernels may read before their PDL wait (``is_constant``)."""
+        previous = self._programmatic, self._edges, self._plain, self._pdl_entries, self._constants
         self._programmatic, self._edges, self._plain, self._pdl_entries = programmatic, [0], plain, []
+        self._constants = constants
         try:
             yield self._edges, self._pdl_entries
         finally:
-            self._programmatic, self._edges, self._plain, self._pdl_entries = previous
+            self._programmatic, self._edges, self._plain, self._pdl_entries, self._constants = previous
+
+    def is_constant(self, ptr: int) -> bool:
+        """Whether the capture under way vouches that no kernel writes the tensor at ``ptr``."""
+        return ptr in self._constants
 
     @contextlib.contextmanager
     def logging_work(self, node_of):

@@ -221,6 +221,7 @@ class CapturedForward:
         inputs: tuple[Tensor | None, ...],
         pdl: bool = False,
         plain: frozenset[int] = frozenset(),
+        constants: frozenset[int] = frozenset(),
     ) -> None:
         driver = _driver()
         self.backend = backend
@@ -233,7 +234,7 @@ class CapturedForward:
         self._stream = stream
         with (
             backend.keep_allocations() as kept,
-            backend.capturing(make_programmatic if pdl else None, plain) as (edges, pdl_entries),
+            backend.capturing(make_programmatic if pdl else None, plain, constants) as (edges, pdl_entries),
             backend.logging_work(captured_kernel_node) as work,
         ):
             mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED

@@ -326,7 +326,9 @@ class Model:
         graph, failures = None, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
-                graph = CapturedForward(self.backend, self.module.forward_prepared, prepared, pdl=pdl)
+                graph = CapturedForward(
+                    self.backend, self.module.forward_prepared, prepared, pdl=pdl, constants=self._constants()
+                )
                 break
             except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
                 failures.append(f"{'with' if pdl else 'without'} PDL: {exc}")
@@ -351,6 +353,11 @@ class Model:
         self._graphs[key] = graph
         return graph
 
+    def _constants(self) -> frozenset[int]:
+        """Addresses of the module's parameters on the GPU: no kernel of a forward writes them, so kernels
+        that read weights before their PDL wait (Family.pdl_early_reads) may launch early on them."""
+        return frozenset(t.ptr for _, t in self.module.named_tensors() if t.device == "cuda")
+
     def _tune_edges(self, graph: Any, prepared: tuple) -> tuple[Any, str]:
         """PDL per kernel: for each kernel entry whose launches got programmatic edges, capture the forward
         again with that entry's edges plain and keep the graph if it replays faster (taking turns with the
@@ -363,7 +370,12 @@ class Model:
         for entry in graph.pdl_entries:
             try:
                 trial = CapturedForward(
-                    self.backend, self.module.forward_prepared, prepared, pdl=True, plain=graph.plain | {id(entry)}
+                    self.backend,
+                    self.module.forward_prepared,
+                    prepared,
+                    pdl=True,
+                    plain=graph.plain | {id(entry)},
+                    constants=self._constants(),
                 )
             except Exception as exc:  # noqa: BLE001 - keep what was captured
                 log.info("runtime: capture with plain edges into %s failed (%s)", entry.op, exc)

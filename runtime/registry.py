@@ -71,6 +71,8 @@ class KernelEntry:
     note: str = ""
     #: Its kernels wait for the previous grid (Family.pdl): a graph may launch them early.
     pdl: bool = False
+    #: Tensors its kernels read before that wait (Family.pdl_early_reads): early only where they are constants.
+    early_reads: tuple[str, ...] = ()
     calls: int = 0
     _bound: list[tuple[Any, Launch]] | None = field(default=None, repr=False)
     _ws: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -90,9 +92,11 @@ class KernelEntry:
         self.bind(backend)
         buffers = {name: Buffer(ptr, 0) for name, ptr in pointers.items()}
         buffers.update(self._ws)
+        # A kernel that reads some tensors before its PDL wait may launch early only if no kernel writes them.
+        pdl = self.pdl and all(backend.is_constant(pointers[name]) for name in self.early_reads)
         for kernel, launch in self._bound:
             args = [buffers[a] if isinstance(a, str) else a for a in launch.args]
-            backend.before_launch(self.pdl, self)
+            backend.before_launch(pdl, self)
             kernel.launch(launch.grid, launch.block, launch.smem_bytes, args, backend.stream)
             backend.after_launch(kernel, args)
         self.calls += 1
@@ -289,6 +293,7 @@ class KernelRegistry:
             launches=fam.launches(shape, params, dtype),
             workspace=fam.workspace(shape, params, dtype),
             pdl=fam.pdl,
+            early_reads=fam.pdl_early_reads,
             **extra,
         )
 

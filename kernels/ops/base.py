@@ -146,6 +146,9 @@ class Family(ABC):
     #: Programmatic dependent launch: every kernel of the family calls km_pdl_start() (prelude.cuh.j2) before
     #: it reads or writes a buffer, so a CUDA graph may start it while the kernel before it still runs.
     pdl: bool = False
+    #: Buffers the kernel reads BEFORE km_pdl_start() (weights): launched early only where the caller
+    #: vouches that no kernel writes them (the runtime: a model's parameters), else with a full dependency.
+    pdl_early_reads: tuple[str, ...] = ()
 
     def precision(self, dtype: str) -> str:
         """Arithmetic precision that sets the tolerance (e.g. "tf32" for fp32 on tensor cores)."""

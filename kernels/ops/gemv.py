@@ -167,6 +167,8 @@ class GemvFamily(Family):
             "entry": self.entry,
             "bias": self.bias,
             "act": attrs.get("act", "none"),
+            "pdl": self.pdl,
+            "early_b": "W" in self.pdl_early_reads or "B" in self.pdl_early_reads,
         }
 
 

@@ -58,6 +58,11 @@ class LinearGemv(GemvFamily):
     description = GemvFamily.description + "; bias + activation in the final sum"
     buffers = ("X", "W", "Y", "b")
     bias = True
+    # In a graph its blocks may start while the kernel before finishes and load their first weights (the
+    # mma engine: a group of k16 steps per warp) before they wait for it; the runtime launches it so only
+    # where W is one of the model's parameters.
+    pdl = True
+    pdl_early_reads = ("W",)
 
 
 class LinearTWgmma(LinearWgmma):

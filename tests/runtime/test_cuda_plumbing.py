@@ -46,9 +46,13 @@ class FakeBackend:
         self.stream = None
         self.stream_handle = 1
         self.pdl = []  # before_launch's flag for each launch, in order
+        self.constants = frozenset()  # what a capture would vouch for (Backend.capturing's constants)
 
     def before_launch(self, pdl, entry=None):
         self.pdl.append(pdl)
+
+    def is_constant(self, ptr):
+        return ptr in self.constants
 
     def after_launch(self, kernel, args):
         pass
@@ -131,14 +135,29 @@ def test_every_op_maps_its_tensors_to_kernel_arguments(fake):
 def test_each_launch_says_whether_its_kernel_waits_for_the_one_before(fake, monkeypatch):
     backend, registry = fake
     x, w1, b1, w2, b2 = _cuda(4, 32), _cuda(32, 48), _cuda(48), _cuda(48, 32), _cuda(32)
-    ops.linear(x, w1, b1, "gelu")  # gemv: not a PDL family
+    ops.linear(x, w1, b1, "gelu")  # gemv reads W before its wait: early only where W is vouched for
+    ops.matmul(x, w1)  # the matmul op's gemv: not a PDL family (its B may be computed)
     ops.softmax(x)  # a PDL family
     monkeypatch.setattr(ops, "FUSED_MLP_DEFAULT_MAX_BATCH", 8)
     ops.fused_mlp(x, w1, b1, w2, b2, "gelu")  # small_batch: not one
     flags = dict(zip([launch[0] for launch in backend.launches], backend.pdl, strict=True))
-    assert flags["softmax_warp_row"] and not flags["linear_gemv"]
+    assert flags["softmax_warp_row"] and not flags["linear_gemv"] and not flags["matmul_gemv"]
     assert not any(pdl for entry, pdl in flags.items() if entry.startswith("fused_mlp_"))
     assert "fused_mlp_small_batch" in flags
+    backend.constants = frozenset({w1.ptr})
+    ops.linear(x, w1, b1, "gelu")
+    ops.linear(x, w1.clone(), b1, "gelu")  # the same kernel on a weight nobody vouched for
+    assert backend.launches[-2][0] == backend.launches[-1][0] == "linear_gemv"
+    assert backend.pdl[-2:] == [True, False]
+
+
+def test_a_model_vouches_for_its_parameters_when_it_captures(fake):
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    params = {t.ptr for _, t in model.module.named_tensors()}
+    assert model._constants() == params and len(params) == 4
 
 
 def test_larger_batches_run_the_mlp_as_two_linears_and_say_so_once(fake, caplog):
