@@ -168,7 +168,7 @@ class GemvFamily(Family):
             "bias": self.bias,
             "act": attrs.get("act", "none"),
             "pdl": self.pdl,
-            "early_b": "W" in self.pdl_early_reads or "B" in self.pdl_early_reads,
+            "early_b": self.buffers[1] in self.pdl_early_reads,  # B (the weights) read before the PDL wait
         }
 
 
