@@ -381,6 +381,12 @@ class WgmmaFamily(Family):
         K-major B."""
         return params["BN"] if self.b_kmajor else cdiv(params["BN"], 64) * 64
 
+    @staticmethod
+    def staged_row_floats(params: Mapping[str, Any]) -> int:
+        """Row stride (floats) of the fp32 tile an epilogue stages in the ring: BN rounded up so that it is 8
+        mod 32, which keeps the fragment writes free of bank conflicts (the template's RS)."""
+        return params["BN"] + (8 - params["BN"] % 32) % 32
+
     def ring_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
         """The shared ring: stages of A (BM x 64) and B (64 x bn_loaded); split-K's partial sums reuse it."""
         return params["stages"] * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype)
@@ -427,9 +433,10 @@ class WgmmaFamily(Family):
         if splits > 1:
             if params["ctas"] or params.get("stream_k"):
                 return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
-            ring = self.ring_bytes(params, dtype)
-            if params["BM"] * params["BN"] * 4 > ring:
-                return f"the {params['BM']}x{params['BN']} fp32 partial sums of k_splits exceed the {ring}-byte ring"
+            ring, staged = self.ring_bytes(params, dtype), params["BM"] * self.staged_row_floats(params) * 4
+            if staged > ring:
+                tile = f"{params['BM']}x{params['BN']}"
+                return f"the {tile} fp32 partial sums of k_splits ({staged} bytes) exceed the {ring}-byte ring"
         return None
 
     def check_shape(self, shape, params, dtype):

@@ -36,10 +36,11 @@ def test_space_is_valid_and_moderate(dtype):
     assert WGMMA.defaults(dtype) in space
     for params in space:
         assert WGMMA.check(params, dtype) is None
-        if params["k_splits"] > 1:  # a cluster per tile, its fp32 partial sums in the ring
+        if params["k_splits"] > 1:  # a cluster per tile, its fp32 partial sums staged in the ring
             assert params["ctas"] == 0 and not params["stream_k"]
             ring = params["stages"] * (params["BM"] + WGMMA.bn_loaded(params)) * 64 * 2
-            assert params["BM"] * params["BN"] * 4 <= ring
+            rs = WGMMA.staged_row_floats(params)
+            assert rs >= params["BN"] and rs % 32 == 8 and params["BM"] * rs * 4 <= ring
         rows = params["BM"] // params["consumers"]
         assert rows in (64, 128)
         assert WGMMA.acc_regs(params) <= 128
