@@ -355,6 +355,7 @@ class WgmmaFamily(Family):
         Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
         Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
         Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing a tile's k, adding partial sums in shared memory"),
+        Param("swap_ab", (False, True), "B as wgmma's A (C^T = B^T A^T): BM tiles N, BN tiles M; for short M"),
     )
     #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
     BK = 64
@@ -377,15 +378,25 @@ class WgmmaFamily(Family):
         return 128 * (params["consumers"] + 1)
 
     def bn_loaded(self, params: Mapping[str, Any]) -> int:
-        """Columns of B a ring stage holds: whole 64-column TMA boxes (km_wgmma_bn_loaded), or BN rows of a
-        K-major B."""
-        return params["BN"] if self.b_kmajor else cdiv(params["BN"], 64) * 64
+        """Columns of wgmma's B a ring stage holds: whole 64-column TMA boxes (km_wgmma_bn_loaded), or BN rows
+        of a K-major B (a K-major weight, or A itself with swap_ab)."""
+        if self.b_kmajor or params.get("swap_ab"):
+            return params["BN"]
+        return cdiv(params["BN"], 64) * 64
 
     @staticmethod
     def staged_row_floats(params: Mapping[str, Any]) -> int:
-        """Row stride (floats) of the fp32 tile an epilogue stages in the ring: BN rounded up so that it is 8
-        mod 32, which keeps the fragment writes free of bank conflicts (the template's RS)."""
+        """Row stride (floats) of the fp32 tile an epilogue stages in the ring (the template's RS): BN rounded
+        up so that it is 8 mod 32; with swap_ab the tile is staged transposed and its rows are BM rounded up
+        so that it is 4 mod 32. Either keeps the fragment writes free of bank conflicts."""
+        if params.get("swap_ab"):
+            return params["BM"] + (4 - params["BM"] % 32) % 32
         return params["BN"] + (8 - params["BN"] % 32) % 32
+
+    def staged_bytes(self, params: Mapping[str, Any]) -> int:
+        """The fp32 tile an epilogue stages in the ring: [BM][RS], or [BN][RS] with swap_ab."""
+        rows = params["BN"] if params.get("swap_ab") else params["BM"]
+        return rows * self.staged_row_floats(params) * 4
 
     def ring_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
         """The shared ring: stages of A (BM x 64) and B (64 x bn_loaded); split-K's partial sums reuse it."""
@@ -401,6 +412,8 @@ class WgmmaFamily(Family):
 
     def tiles(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
         M, N, _ = shape  # noqa: N806
+        if params.get("swap_ab"):
+            M, N = N, M  # noqa: N806 (the tiles of C^T)
         return cdiv(M, params["BM"]) * cdiv(N, params["BN"])
 
     def grid(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
@@ -413,7 +426,9 @@ class WgmmaFamily(Family):
 
     def defaults(self, dtype):
         # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
-        return {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False, "k_splits": 1}
+        return {
+            "BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False,
+        }
 
     def check(self, params, dtype):
         if dtype not in self.dtypes:
@@ -430,13 +445,15 @@ class WgmmaFamily(Family):
         if params.get("stream_k") and not params["ctas"]:
             return "stream_k shares the k iterations over a persistent grid: set ctas"
         splits = params.get("k_splits", 1)
-        if splits > 1:
-            if params["ctas"] or params.get("stream_k"):
-                return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
-            ring, staged = self.ring_bytes(params, dtype), params["BM"] * self.staged_row_floats(params) * 4
+        if splits > 1 and (params["ctas"] or params.get("stream_k")):
+            return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
+        if params.get("swap_ab") and (params["ctas"] or params.get("stream_k")):
+            return "swap_ab stores through the staged tile of a block per tile: use ctas=0 and no stream_k"
+        if splits > 1 or params.get("swap_ab"):
+            ring, staged = self.ring_bytes(params, dtype), self.staged_bytes(params)
             if staged > ring:
                 tile = f"{params['BM']}x{params['BN']}"
-                return f"the {tile} fp32 partial sums of k_splits ({staged} bytes) exceed the {ring}-byte ring"
+                return f"the {tile} fp32 tile staged for the epilogue ({staged} bytes) exceeds the {ring}-byte ring"
         return None
 
     def check_shape(self, shape, params, dtype):
@@ -455,7 +472,7 @@ class WgmmaFamily(Family):
         splits = params.get("k_splits", 1)
         if cdiv(K, self.BK) < splits:
             return f"K={K} has {cdiv(K, self.BK)} k tiles of {self.BK}, fewer than k_splits={splits}"
-        if params.get("stream_k") and cdiv(M, params["BM"]) > self.stream_k_max_row_tiles:
+        if params.get("stream_k") and cdiv(M, params["BM"]) > self.stream_k_max_row_tiles:  # (never swap_ab)
             return (
                 f"stream_k serves short, wide problems: {cdiv(M, params['BM'])} row tiles > "
                 f"{self.stream_k_max_row_tiles} (a block per row tile walks each share in lockstep)"
@@ -482,11 +499,19 @@ class WgmmaFamily(Family):
         (M, N, K): with stream_k a launch that zeroes the arrival counts first."""
         M, N, K = shape  # noqa: N806
         # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
-        a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
-        if self.b_kmajor:
-            b_map = tensor_map_arg(3, (K, N), (self.BK, params["BN"]), dtype)
+        # With swap_ab wgmma's A is B (position 3) and its B is A (position 2), K-major.
+        if params.get("swap_ab"):
+            if self.b_kmajor:
+                a_map = tensor_map_arg(3, (K, N), (self.BK, params["BM"]), dtype)
+            else:
+                a_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
+            b_map = tensor_map_arg(2, (K, M), (self.BK, params["BN"]), dtype)
         else:
-            b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
+            a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
+            if self.b_kmajor:
+                b_map = tensor_map_arg(3, (K, N), (self.BK, params["BN"]), dtype)
+            else:
+                b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
         extra: tuple[str, ...] = ()
         launches = []
         if params.get("stream_k"):
@@ -506,7 +531,7 @@ class WgmmaFamily(Family):
         return launches
 
     def context(self, params, dtype, attrs):
-        return {"smem_bytes": self.smem_bytes(params, dtype), "b_kmajor": self.b_kmajor}
+        return {"smem_bytes": self.smem_bytes(params, dtype), "b_kmajor": self.b_kmajor, "swap_ab": params.get("swap_ab", False)}
 
 
 WGMMA = WgmmaFamily()

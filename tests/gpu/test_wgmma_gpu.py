@@ -48,6 +48,12 @@ POINTS = [
     {"BM": 128, "BN": 192, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 3},
     {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "k_splits": 4},
     {"BM": 256, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 2},
+    # swapped operands (B as wgmma's A, M-major; A as a K-major B; C stored from the transposed staged tile):
+    # one consumer with two m64 rows, a BN of 168 (a K-major box of 168 rows of A), split-K clusters
+    {"BM": 128, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "swap_ab": True},
+    {"BM": 64, "BN": 168, "consumers": 1, "stages": 5, "ctas": 0, "swap_ab": True},
+    {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 4, "swap_ab": True},
+    {"BM": 256, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 2, "swap_ab": True},
 ]
 #: Shapes where the family is timed against PyTorch, with the points worth comparing there.
 TIMED = {
@@ -85,6 +91,33 @@ def test_verifies_on_odd_shapes(device, compiler, dtype, point):
         assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
         ran += 1
     assert ran >= len(SHAPES) - 1 if variant.params["k_splits"] == 1 else ran >= len(DEEP) + 1
+
+
+#: Swapped operands in the ops with a bias (along C's rows, so along the staged tile's columns) and an
+#: activation: the (K, N) weight as an M-major wgmma A (linear, both GEMMs of fused_mlp), the (N, K) one as a
+#: K-major A (linear_t).
+SWAPPED = {
+    "linear": [(255, 136, 104), (17, 264, 136), (3, 200, 520), (256, 1032, 1032)],
+    "linear_t": [(255, 136, 104), (17, 61, 136), (3, 200, 520), (256, 1000, 1032)],
+    "fused_mlp": [(3, 136, 256, 64), (17, 256, 520, 136)],
+}
+SWAPPED_POINTS = [
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "k_splits": 2, "swap_ab": True},
+    {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "swap_ab": True},
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", sorted(SWAPPED))
+def test_swapped_linears_verify(device, compiler, op, dtype):
+    spec = get_op(op)
+    for i, params in enumerate(SWAPPED_POINTS):
+        for act in spec.attributes[0].values if i == 0 else ("gelu_erf",):
+            variant = Variant.create(op, "wgmma", dtype, params, {"act": act})
+            for shape in SWAPPED[op]:
+                assert not variant.check_shape(shape), f"{variant.describe()} rejects {shape}"
+                ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+                assert ev.ok, f"{variant.describe()} {act} at {shape}: {ev.status}: {ev.reason}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -32,14 +32,18 @@ def test_registered_for_sm_90a_half_types_only():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))
-    assert 50 <= len(space) <= 400
+    assert 50 <= len(space) <= 700
     assert WGMMA.defaults(dtype) in space
     for params in space:
         assert WGMMA.check(params, dtype) is None
-        if params["k_splits"] > 1:  # a cluster per tile, its fp32 partial sums staged in the ring
+        ring = params["stages"] * (params["BM"] + WGMMA.bn_loaded(params)) * 64 * 2
+        rs = WGMMA.staged_row_floats(params)
+        if params["swap_ab"]:  # a block per tile, C stored from the tile staged transposed, [BN][RS]
             assert params["ctas"] == 0 and not params["stream_k"]
-            ring = params["stages"] * (params["BM"] + WGMMA.bn_loaded(params)) * 64 * 2
-            rs = WGMMA.staged_row_floats(params)
+            assert WGMMA.bn_loaded(params) == params["BN"]  # A's rows: one K-major box of BN rows
+            assert rs >= params["BM"] and rs % 32 == 4 and params["BN"] * rs * 4 <= ring
+        elif params["k_splits"] > 1:  # a cluster per tile, its fp32 partial sums staged in the ring
+            assert params["ctas"] == 0 and not params["stream_k"]
             assert rs >= params["BN"] and rs % 32 == 8 and params["BM"] * rs * 4 <= ring
         rows = params["BM"] // params["consumers"]
         assert rows in (64, 128)
@@ -52,7 +56,7 @@ def test_defaults():
     for dtype in DTYPES:
         params = WGMMA.defaults(dtype)
         tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
-        assert params == {**tile, "ctas": 132, "stream_k": False, "k_splits": 1}
+        assert params == {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False}
         assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
         assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
         # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
@@ -92,7 +96,7 @@ def test_check_shape_needs_16_byte_row_strides(dtype):
 
 def test_split_k_partial_sums_must_fit_the_ring():
     params = {**WGMMA.defaults("float16"), "stages": 2, "ctas": 0, "k_splits": 2}  # 2 x 48 KiB < 128 KiB
-    assert "exceed" in WGMMA.check(params, "float16")
+    assert "exceeds" in WGMMA.check(params, "float16")
 
 
 def test_split_k_needs_a_k_tile_per_block_and_launches_a_cluster_per_tile():
@@ -102,6 +106,20 @@ def test_split_k_needs_a_k_tile_per_block_and_launches_a_cluster_per_tile():
     (launch,) = WGMMA.launches((128, 768, 3072), params, "float16")
     assert launch.grid == (2 * 12 * 4, 1, 1)  # 24 tiles, 4 blocks (one cluster) each
     assert WGMMA.workspace((128, 768, 3072), params, "float16") == {}  # partial sums stay in shared memory
+
+
+def test_swapped_operands_tile_c_transposed_and_stage_it():
+    params = {**WGMMA.defaults("float16"), "ctas": 0, "k_splits": 4, "swap_ab": True}  # 128 x 256 tiles of C^T
+    assert WGMMA.check(params, "float16") is None
+    assert WGMMA.bn_loaded(params) == 256  # A's rows, one K-major box: no 64-column rounding
+    assert WGMMA.tiles((256, 4096, 11008), params) == 32  # 4096 / 128 along N, one tile along M
+    (launch,) = WGMMA.launches((256, 4096, 11008), params, "float16")
+    assert launch.grid == (32 * 4, 1, 1)
+    # C^T's 128 x 256 tile staged as [256][132] floats (132 = 4 mod 32): 135 KiB of the 192 KiB ring.
+    assert WGMMA.staged_row_floats(params) == 132 and WGMMA.staged_bytes(params) == 256 * 132 * 4
+    for override, reason in (({"ctas": 132, "k_splits": 1}, "ctas=0"), ({"ctas": 132, "k_splits": 1, "stream_k": True}, "no stream_k")):
+        assert reason in WGMMA.check({**params, **override}, "float16")
+    assert "exceeds" in WGMMA.check({**params, "stages": 2}, "float16")  # 135 KiB staged > 2 x 48 KiB
 
 
 def test_bn_that_is_not_whole_boxes_loads_whole_boxes():
@@ -127,7 +145,8 @@ def test_launch_geometry(dtype, shape):
             continue  # e.g. fewer k tiles than k_splits
         launches = WGMMA.launches(shape, params, dtype)
         launch = launches[-1]
-        tiles = cdiv(M, params["BM"]) * cdiv(N, params["BN"])
+        swap = params["swap_ab"]  # the tiles of C^T: BM along N, BN along M
+        tiles = cdiv(N, params["BM"]) * cdiv(M, params["BN"]) if swap else cdiv(M, params["BM"]) * cdiv(N, params["BN"])
         grid = launch.grid[0]
         assert launch.grid[1:] == (1, 1)
         extra = []
@@ -148,11 +167,16 @@ def test_launch_geometry(dtype, shape):
         assert launch.smem_bytes == WGMMA.smem_bytes(params, dtype)
         a_map, b_map, *rest = launch.args
         assert rest == ["A", "B", "C", *extra, M, N, K]
-        # The maps describe the buffers at positions 2 and 3: A (M x K) and B (K x N), innermost dim first.
+        # The maps describe the buffers at positions 2 and 3: A (M x K) and B (K x N), innermost dim first;
+        # swapped, B's map feeds wgmma's A (64 x 64 boxes, BM / 64 of them a stage) and A's its B (BN rows).
         assert isinstance(a_map, TensorMapArg) and isinstance(b_map, TensorMapArg)
+        if swap:
+            a_map, b_map = b_map, a_map
+            assert b_map.box == (64, 64) and a_map.box == (64, params["BN"])
+        else:
+            assert a_map.box == (64, params["BM"]) and b_map.box == (64, 64)
         assert launch.args[a_map.of] == "A" and launch.args[b_map.of] == "B"
-        assert a_map.dims == (K, M) and a_map.box == (64, params["BM"])
-        assert b_map.dims == (N, K) and b_map.box == (64, 64)
+        assert a_map.dims == (K, M) and b_map.dims == (N, K)
         assert a_map.dtype == b_map.dtype == dtype and a_map.swizzle == b_map.swizzle == 128
         assert a_map.kind == b_map.kind == "tensor_map"
         assert set(WGMMA.workspace(shape, params, dtype)) == set(extra)
@@ -204,8 +228,9 @@ def test_rendered_kernel_matches_launch(dtype):
         assert f"== {WGMMA.smem_bytes(params, dtype)}, " in source  # static_assert against the C++ size
         kind = "f16" if dtype == "float16" else "bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{params['BN']}k16.f32.{kind}.{kind}" in source
-        # B is N-major in shared memory (row-major K x N): imm-trans-b = 1, A K-major: imm-trans-a = 0.
-        assert "p, 1, 1, 0, 1;" in source
+        # B is N-major in shared memory (row-major K x N): imm-trans-b = 1, A K-major: imm-trans-a = 0;
+        # swapped, B is wgmma's A, M-major (imm-trans-a = 1), and A its B, K-major (imm-trans-b = 0).
+        assert ("p, 1, 1, 1, 0;" if params["swap_ab"] else "p, 1, 1, 0, 1;") in source
         assert len(WGMMA.launches((17, 32, 64), params, dtype)[-1].args) == len(names)
 
 
