@@ -304,7 +304,9 @@ class KernelRegistry:
             resolved = fam.resolve(params, dtype)
         except SpecError as exc:
             return f"served kernel is not valid in this version: {exc}"
-        if resolved != dict(params):
+        # Each served value must resolve to itself; a parameter the served kernel predates takes this version's
+        # default, which keeps the kernel it was (new parameters default to the old behaviour).
+        if any(resolved[name] != value for name, value in params.items()):
             return "served parameters differ from this version's family"
         if not _same_attrs(spec.resolve_attrs(served_attrs or {}), attrs):
             return f"served kernel has attrs {served_attrs}, this problem needs {attrs}"

@@ -138,6 +138,22 @@ def test_nearest_kernel_used_only_when_its_family_accepts_the_shape(tmp_path):
         reg.get("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"})
 
 
+def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
+    # A wgmma linear tuned before swap_ab existed: its params lack the knob, which defaults to the kernel it was.
+    old = {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "stream_k": False, "k_splits": 2}
+    kernel = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, family="wgmma", params=old)
+    reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    entry = reg.get("linear", (256, 4096, 4096), "float16", {"act": "none"})
+    assert entry.source == NEAREST and entry.cubin == b"served-cubin"
+    assert entry.launches[-1].grid == (2 * 32 * 2, 1, 1)  # 2 x 32 tiles of 128 x 128, clusters of 2: not swapped
+    # A value this version would change (an unknown knob, a value out of its range) is not served.
+    for params in ({**old, "unroll": 3}, {**old, "BN": 100}):
+        bad = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, family="wgmma", params=params)
+        strict = KernelRegistry(client=_mock_service(bad, []), arch="sm_90", cache_dir=tmp_path / "s", compiler=_NoCompile())
+        with pytest.raises(_Compiled):
+            strict.get("linear", (256, 4096, 4096), "float16", {"act": "none"})
+
+
 def test_find_returns_only_tuned_kernels_and_never_compiles(tmp_path):
     calls: list = []
     reg = KernelRegistry(
