@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,11 @@ class KernelEntry:
             "calls": self.calls,
             "note": self.note,
         }
+
+
+def _close(tuned: Sequence[int], wanted: Sequence[int]) -> bool:
+    """Every dimension within a factor of two."""
+    return all(max(a, 1) <= 2 * max(b, 1) and max(b, 1) <= 2 * max(a, 1) for a, b in zip(tuned, wanted, strict=True))
 
 
 class KernelRegistry:
@@ -434,6 +439,13 @@ class KernelRegistry:
     def _use_served(self, spec, shape, dtype, attrs, served: dict[str, Any], notes: list[str]) -> KernelEntry | None:
         exact = bool(served.get("exact"))
         reason = self._usable(spec, shape, dtype, attrs, served["family"], served["params"], served.get("attrs"))
+        if not reason and not exact and not _close(served["shape"], shape):
+            # Tuned at a shape more than twice as large or small in some dimension, a kernel stands in only for a
+            # problem of the same kind: not, say, a wgmma GEMM tuned at M = 256 for a batch-1 product, which the
+            # gemv family serves (kernels/defaults.py).
+            default_family = self.default_choice(spec, shape, dtype, attrs)[0].name
+            if served["family"] != default_family:
+                reason = f"family {served['family']}, where this shape's default family is {default_family}"
         if reason:
             where = "" if exact else f" (tuned at {format_shape(served['shape'])})"
             notes.append(f"served kernel #{served['id']}{where} not used: {reason}")

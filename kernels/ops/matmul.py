@@ -426,9 +426,8 @@ class WgmmaFamily(Family):
 
     def defaults(self, dtype):
         # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
-        return {
-            "BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False,
-        }
+        tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
+        return {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False}
 
     def check(self, params, dtype):
         if dtype not in self.dtypes:
@@ -531,7 +530,8 @@ class WgmmaFamily(Family):
         return launches
 
     def context(self, params, dtype, attrs):
-        return {"smem_bytes": self.smem_bytes(params, dtype), "b_kmajor": self.b_kmajor, "swap_ab": params.get("swap_ab", False)}
+        swap = params.get("swap_ab", False)
+        return {"smem_bytes": self.smem_bytes(params, dtype), "b_kmajor": self.b_kmajor, "swap_ab": swap}
 
 
 WGMMA = WgmmaFamily()

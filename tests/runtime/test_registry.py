@@ -149,9 +149,25 @@ def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
     # A value this version would change (an unknown knob, a value out of its range) is not served.
     for params in ({**old, "unroll": 3}, {**old, "BN": 100}):
         bad = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, family="wgmma", params=params)
-        strict = KernelRegistry(client=_mock_service(bad, []), arch="sm_90", cache_dir=tmp_path / "s", compiler=_NoCompile())
+        client = _mock_service(bad, [])
+        strict = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path / "s", compiler=_NoCompile())
         with pytest.raises(_Compiled):
             strict.get("linear", (256, 4096, 4096), "float16", {"act": "none"})
+
+
+def test_a_nearest_kernel_of_another_kind_does_not_stand_in(tmp_path, caplog):
+    # A wgmma linear tuned at M = 256 serves M = 128 (wgmma's regime too) but not the batch-1 product (gemv's).
+    params = {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "stream_k": False, "k_splits": 2}
+    kernel = _fused_kernel(op="linear", shape=[256, 4096, 11008], attrs={"act": "none"}, family="wgmma", params=params)
+    reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    assert reg.get("linear", (128, 4096, 11008), "float16", {"act": "none"}).source == NEAREST
+    assert reg.find("linear", (1, 4096, 11008), "float16", {"act": "none"}) is None
+    compiling = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path / "c")
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.registry"):
+        entry = compiling.get("linear", (1, 4096, 11008), "float16", {"act": "none"})
+    assert entry.source == DEFAULT and entry.family == "gemv"
+    assert "served kernel #7 (tuned at 256x4096x11008) not used: family wgmma" in entry.note
+    assert "default family is gemv" in caplog.text
 
 
 def test_find_returns_only_tuned_kernels_and_never_compiles(tmp_path):

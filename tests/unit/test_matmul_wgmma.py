@@ -117,7 +117,8 @@ def test_swapped_operands_tile_c_transposed_and_stage_it():
     assert launch.grid == (32 * 4, 1, 1)
     # C^T's 128 x 256 tile staged as [256][132] floats (132 = 4 mod 32): 135 KiB of the 192 KiB ring.
     assert WGMMA.staged_row_floats(params) == 132 and WGMMA.staged_bytes(params) == 256 * 132 * 4
-    for override, reason in (({"ctas": 132, "k_splits": 1}, "ctas=0"), ({"ctas": 132, "k_splits": 1, "stream_k": True}, "no stream_k")):
+    persistent = {"ctas": 132, "k_splits": 1}
+    for override, reason in ((persistent, "ctas=0"), ({**persistent, "stream_k": True}, "no stream_k")):
         assert reason in WGMMA.check({**params, **override}, "float16")
     assert "exceeds" in WGMMA.check({**params, "stages": 2}, "float16")  # 135 KiB staged > 2 x 48 KiB
 
