@@ -152,10 +152,13 @@ def run_job(
             baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs)
             recorder.record_baseline(key, baseline, facts.name)
         strategy = get_strategy(plan.strategy, seed=plan.job_id)
+        shape_space = space.for_shape(tuple(shape))
+        if not len(shape_space):
+            log.warning("job %s %s: no variant of %s accepts this shape", plan.job_id, key, plan.op)
         best = min((o.median_ms for o in history if o.ok), default=None)
         since_gain = 0
-        warm = [c for c in recorder.warm_start(key) if c in space] if plan.warm_start else []
-        warm += shape_defaults(space, tuple(shape), facts)
+        warm = [c for c in recorder.warm_start(key) if c in shape_space] if plan.warm_start else []
+        warm += shape_defaults(shape_space, tuple(shape), facts)
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"
@@ -172,7 +175,7 @@ def run_job(
             if len(batch) < n:
                 picked = {c.key for c in batch}
                 # Ask for n: a strategy may propose what the seeds already hold (a family's default).
-                proposed = [c for c in strategy.propose(space, history, n) if c.key not in picked]
+                proposed = [c for c in strategy.propose(shape_space, history, n) if c.key not in picked]
                 batch += proposed[: n - len(batch)]
             if not batch:
                 break

@@ -62,6 +62,17 @@ class Space:
         ]
         self._index = {c.key: c for c in self.candidates}
 
+    def for_shape(self, shape: tuple[int, ...]) -> Space:
+        """The candidates whose family accepts ``shape`` (``Family.check_shape``): the rest could only be
+        recorded as unsupported trials, so a search at one shape never spends its budget on them."""
+        view = object.__new__(Space)
+        view.op, view.dtype, view.families = self.op, self.dtype, self.families
+        view.candidates = [
+            c for c in self.candidates if self.families[c.family].check_shape(shape, c.params, self.dtype) is None
+        ]
+        view._index = {c.key: c for c in view.candidates}
+        return view
+
     def __len__(self) -> int:
         return len(self.candidates)
 
@@ -69,8 +80,9 @@ class Space:
         return candidate.key in self._index
 
     def defaults(self) -> list[Candidate]:
-        """Each family's default point: where every search starts."""
-        return [Candidate.of(name, fam.defaults(self.dtype)) for name, fam in self.families.items()]
+        """Each family's default point that is in the space: where every search starts."""
+        points = [Candidate.of(name, fam.defaults(self.dtype)) for name, fam in self.families.items()]
+        return [c for c in points if c in self]
 
     def valid(self, family: str, params: Mapping[str, Any]) -> Candidate | None:
         """The candidate for these params if it is in the space, else None."""

@@ -168,6 +168,23 @@ def test_the_runtime_default_for_the_shape_is_among_the_first_trials():
     assert all(r.note == "default for this shape" for r in first if r.candidate.params == gemv)
 
 
+def test_a_search_never_spends_trials_on_variants_that_reject_its_shape():
+    from kernelmill.kernels.ops import get_op
+
+    spec = get_op("linear")
+    space = Space(spec, "float16")
+    at_256 = space.for_shape((256, 4096, 4096))
+    gemv = [c for c in space.candidates if c.family == "gemv"]
+    assert gemv and not any(c.family == "gemv" for c in at_256.candidates)  # gemv serves M <= max_m <= 32
+    assert 0 < len(at_256) < len(space) and all(c in space for c in at_256.candidates)
+    assert all(c.family != "gemv" for c in at_256.defaults())
+    rec = MemoryRecorder()
+    job = plan(op="linear", shapes=[(256, 4096, 4096)], budget_trials=40, batch_size=8)
+    run_job(job, FakeEvaluator(fail_every=0), rec)
+    trials = rec.trials["256x4096x4096"]
+    assert len(trials) == 40 and all(r.candidate.family != "gemv" for r in trials)
+
+
 def test_top_trials_are_profiled_after_the_search():
     rec = MemoryRecorder()
     run_job(plan(shapes=[(256, 256)], budget_trials=12, profile_top_k=2), FakeEvaluator(fail_every=0), rec)
