@@ -7,6 +7,7 @@ Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, 4 no profil
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -31,8 +32,19 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+#: Columns of tables written to a pipe or a file (a log, `| tee`), where rich would otherwise assume 80 and
+#: cut the cells of wide tables (`kernelmill kernels`) to "line…"; a terminal, or COLUMNS, sets its own.
+PIPED_WIDTH = 160
+
+
+def _console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, width=PIPED_WIDTH if piped else None)
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 EXIT_USAGE = 2  # bad input
 EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc)
