@@ -99,19 +99,35 @@ _WGMMA_TILES = [
 
 #: Fewest k tiles (of 64) each block of a split-K cluster keeps.
 _MIN_K_TILES_PER_SPLIT = 2
+#: Shared memory of an sm_90 SM, and what the hardware reserves per resident block.
+_SM_SMEM_BYTES, _BLOCK_RESERVED_SMEM_BYTES = 228 * 1024, 1024
+#: Share of an SM's block slots that clusters of each size can fill at once: a cluster is placed on one GPC,
+#: and GPC sizes do not divide by 3 or 4. cuOccupancyMaxActiveClusters on an H100 (132 SMs, 2026-11-24): at
+#: one block per SM 66 / 39 / 30 clusters of 2 / 3 / 4 (132 / 117 / 120 blocks), at two 132 / 79 / 62 (264 /
+#: 237 / 248). A grid past that runs a second wave: 128 x 256 tiles split 4 ways at 256 x 4096 x 11008 (128
+#: blocks) took 80-83 us against 49-51 us split 3 ways (96 blocks) on an H100 and an H200.
+_CLUSTER_SLOTS = {1: {1: 1.0, 2: 1.0, 3: 117 / 132, 4: 120 / 132}, 2: {1: 1.0, 2: 1.0, 3: 237 / 264, 4: 248 / 264}}
+
+
+def _cluster_blocks(splits: int, blocks_per_sm: int, sm_count: int) -> int:
+    """Blocks that clusters of ``splits`` blocks can hold at once."""
+    share = _CLUSTER_SLOTS[min(blocks_per_sm, 2)].get(splits, 0.75)
+    return int(sm_count * blocks_per_sm * share) // splits * splits
 
 
 def _k_splits(fam: WgmmaFamily, shape, params: dict[str, Any], dtype: str, sm_count: int) -> int:
     """Blocks per tile for a one-wave grid of few tiles: the most k_splits that the family takes with
-    ``params`` and that still fit the SMs in one wave.
+    ``params`` and whose clusters still fit the SMs in one wave (at most one block per SM, and no more
+    clusters than the GPCs place at once: ``_CLUSTER_SLOTS``).
     Measured on an H100 (docs/PERFORMANCE.md): BERT-base's 128 x 768 x 3072 linear 19.0 -> 12.2 us with 4,
     128 x 768 x 768 11.7 -> 9.9 us, 256 x 1024 x 8192 35.5 -> 24.1 us with 2; shapes with more tiles than
     half the SMs were slower split (the partial sums cost more than the idle SMs)."""
     tiles, k_tiles = fam.tiles(shape, params), math.ceil(shape[2] / fam.BK)
+    per_sm = max(1, _SM_SMEM_BYTES // (fam.smem_bytes(params, dtype) + _BLOCK_RESERVED_SMEM_BYTES))
     fitting = [
         splits
         for splits in fam.param("k_splits").values
-        if tiles * splits <= sm_count
+        if tiles * splits <= min(sm_count, _cluster_blocks(splits, per_sm, sm_count))
         and k_tiles >= _MIN_K_TILES_PER_SPLIT * splits
         and fam.check({**params, "k_splits": splits}, dtype) is None
     ]

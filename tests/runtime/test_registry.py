@@ -261,6 +261,21 @@ def test_default_wgmma_splits_k_over_clusters_where_tiles_leave_sms_idle():
     assert default_params(OPS["linear"], fam, (128, 768, 3072), "float16", sm_count=24)["k_splits"] == 1
 
 
+def test_default_splits_count_the_clusters_the_gpcs_place_at_once():
+    from kernelmill.kernels.defaults import _k_splits
+    from kernelmill.kernels.ops import OPS
+
+    fam = OPS["linear"].family("wgmma")
+    # 128 x 256 tiles take a whole SM's shared memory; clusters of 4 fill only 120 of an H100's 132 SMs.
+    wide = {**fam.defaults("float16"), "ctas": 0}
+    shape = (256, 4096, 11008)
+    assert fam.tiles(shape, wide) == 32
+    assert _k_splits(fam, shape, wide, "float16", 132) == 3  # 96 blocks in one wave, not 128 in two
+    # 64 x 64 tiles fit two blocks an SM: 32 tiles x 4 = 128 blocks is one wave.
+    small = {**wide, "BM": 64, "BN": 64, "consumers": 1, "stages": 6}
+    assert fam.tiles((64, 2048, 4096), small) == 32 and _k_splits(fam, (64, 2048, 4096), small, "float16", 132) == 4
+
+
 def test_default_family_choice_by_dtype_and_shape(tmp_path):
     reg = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
     from kernelmill.kernels.ops import OPS
