@@ -443,7 +443,10 @@ class KernelRegistry:
             # Tuned at a shape more than twice as large or small in some dimension, a kernel stands in only for a
             # problem of the same kind: not, say, a wgmma GEMM tuned at M = 256 for a batch-1 product, which the
             # gemv family serves (kernels/defaults.py).
-            default_family = self.default_choice(spec, shape, dtype, attrs)[0].name
+            try:
+                default_family = self.default_choice(spec, shape, dtype, attrs)[0].name
+            except SpecError:  # no default runs this shape: the served kernel is all there is
+                default_family = served["family"]
             if served["family"] != default_family:
                 reason = f"family {served['family']}, where this shape's default family is {default_family}"
         if reason:
