@@ -143,8 +143,15 @@ def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[st
 
 
 def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
+    costed = _costed_wgmma_tiles(fam, shape, dtype, sm_count)
+    return min(costed, key=lambda c: c[0])[1] if costed else fam.defaults(dtype)
+
+
+def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> list[tuple[float, dict[str, Any]]]:
+    """(estimated cost, params) of the valid tiles of ``_WGMMA_TILES``, in the table's order: waves of tiles
+    times a tile's work over its efficiency."""
     m, n, _k = shape
-    best, best_cost = fam.defaults(dtype), math.inf
+    costed = []
     for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         params = {**fam.defaults(dtype), "BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
@@ -152,10 +159,34 @@ def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str,
             params["ctas"] = sm_count
         if fam.check(params, dtype) is not None:
             continue
-        cost = math.ceil(tiles / sm_count) * bm * bn / efficiency
-        if cost < best_cost:
-            best, best_cost = params, cost
-    return best
+        costed.append((math.ceil(tiles / sm_count) * bm * bn / efficiency, params))
+    return costed
+
+
+def wgmma_seeds(fam: WgmmaFamily, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT, top: int = 3) -> list[dict]:
+    """Starting points for a search beyond the shape default: the ``top`` tiles by estimated time once split as
+    ``_k_splits`` splits them (a split tile's waves over its splits), each as it is and, where M is the
+    shorter side, with swapped operands (``swap_ab``, a block per tile, split for its own tiles). The shape
+    default ranks tiles unsplit, as measured on an H100; on an H200 the best 256 x 4096 x 11008 down
+    projection is 128 x 128 split 2 ways and swapped (docs/PERFORMANCE.md), which this ranking puts first."""
+    ranked = []
+    for cost, tile in _costed_wgmma_tiles(fam, shape, dtype, sm_count):
+        splits = _k_splits(fam, shape, tile, dtype, sm_count)
+        waves = math.ceil(fam.tiles(shape, tile) * splits / sm_count)
+        unsplit_waves = math.ceil(fam.tiles(shape, tile) / sm_count)
+        ranked.append((cost * waves / unsplit_waves / splits, {**tile, "k_splits": splits}))
+    seeds: list[dict[str, Any]] = []
+    short_m = shape[0] < shape[1]  # swapped operands put M on wgmma's N: for the short side
+    for _cost, tile in sorted(ranked, key=lambda c: c[0])[:top]:
+        for swap in (False, True) if short_m else (False,):
+            params = {**tile, "swap_ab": swap, **({"ctas": 0, "k_splits": 1} if swap else {})}
+            if fam.check(params, dtype) is not None:
+                continue
+            if swap:
+                params["k_splits"] = _k_splits(fam, shape, params, dtype, sm_count)
+            if params not in seeds:
+                seeds.append(params)
+    return seeds
 
 
 def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> dict[str, Any]:

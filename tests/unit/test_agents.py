@@ -168,6 +168,17 @@ def test_the_runtime_default_for_the_shape_is_among_the_first_trials():
     assert all(r.note == "default for this shape" for r in first if r.candidate.params == gemv)
 
 
+def test_split_and_swapped_wgmma_tiles_are_tried_early():
+    rec = MemoryRecorder()
+    job = plan(op="linear", shapes=[(256, 4096, 11008)], budget_trials=16, batch_size=8)
+    run_job(job, FakeEvaluator(fail_every=0), rec)
+    first = [r for r in rec.trials["256x4096x11008"][:8] if r.candidate.family == "wgmma"]  # the seeds
+    tiles = {(p["BM"], p["BN"], p["k_splits"], p["swap_ab"]) for p in (r.candidate.params for r in first)}
+    assert (128, 64, 1, False) in tiles  # the shape default
+    assert {(128, 128, 2, False), (128, 128, 2, True)} <= tiles  # the H200's best down projection, split 2 ways
+    assert all(r.note in ("default for this shape", "a split or swapped tile for this shape") for r in first)
+
+
 def test_a_search_never_spends_trials_on_variants_that_reject_its_shape():
     from kernelmill.kernels.ops import get_op
 
