@@ -117,8 +117,8 @@ def _cluster_blocks(splits: int, blocks_per_sm: int, sm_count: int) -> int:
 
 def _k_splits(fam: WgmmaFamily, shape, params: dict[str, Any], dtype: str, sm_count: int) -> int:
     """Blocks per tile for a one-wave grid of few tiles: the most k_splits that the family takes with
-    ``params`` and whose clusters still fit the SMs in one wave (at most one block per SM, and no more
-    clusters than the GPCs place at once: ``_CLUSTER_SLOTS``).
+    ``params`` and whose clusters still fit in one wave (no more blocks than SMs, and no more clusters than
+    the GPCs place at once: ``_CLUSTER_SLOTS``).
     Measured on an H100 (docs/PERFORMANCE.md): BERT-base's 128 x 768 x 3072 linear 19.0 -> 12.2 us with 4,
     128 x 768 x 768 11.7 -> 9.9 us, 256 x 1024 x 8192 35.5 -> 24.1 us with 2; shapes with more tiles than
     half the SMs were slower split (the partial sums cost more than the idle SMs)."""
