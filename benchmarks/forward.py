@@ -4,8 +4,10 @@
 (b) a BERT-base-sized encoder (12 layers, hidden 768, 12 heads, random weights), sequence 128, batch 1 and 8.
 All in float16. The runtime loads the same weights (a torch state_dict / a save_pretrained directory)
 and runs its registry's kernels (tuned ones where KERNELMILL_SERVER or --server serves them, else the
-template defaults) with CUDA-graph replay, with programmatic dependent launch (PDL) and without. The
-contenders' timed repeats take turns. Prints a table and writes JSON.
+template defaults) with CUDA-graph replay, with programmatic dependent launch (PDL) and without. Next to eager,
+the same eager forward captured in a CUDA graph (torch.cuda.CUDAGraph) and replayed: PyTorch's own kernels
+without its per-launch cost, which tells kernel speed apart from launch overhead. The contenders' timed
+repeats take turns. Prints a table and writes JSON.
 
     python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile]
 """
@@ -51,8 +53,33 @@ def rel_err(torch, out, ref) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
+def torch_graphed(torch, fn):
+    """``fn`` (eager PyTorch on static inputs) captured in a CUDA graph, as a function that replays it; None
+    (with a line on stderr) where capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # lazy initialisation (cuBLAS handles and workspaces) before the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    except Exception as exc:  # noqa: BLE001 - a contender that cannot be captured is left out, not fatal
+        print(f"eager in a CUDA graph: capture failed ({type(exc).__name__}: {exc}); left out", file=sys.stderr)
+        return None
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args) -> dict:
-    """Times the runtime's graphs with PDL (the default) and without, eager and torch.compile, taking turns."""
+    """Times the runtime's graphs with PDL (the default) and without, eager, eager in a CUDA graph and
+    torch.compile, taking turns."""
     row: dict = {"case": name, "batch": batch}
     out_rt = runtime_fn()
     out_eager = eager_fn()
@@ -68,6 +95,10 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args)
 
     setting = model.pdl
     fns = {"runtime": with_pdl(True), "runtime_no_pdl": with_pdl(False), "eager": eager_fn}
+    graphed = torch_graphed(torch, eager_fn)
+    if graphed is not None:
+        row["rel_err_eager_graph"] = rel_err(torch, graphed(), out_eager)
+        fns["eager_graph"] = graphed
     if compiled_fn is not None:
         start = time.perf_counter()
         compiled_fn()  # compiles
@@ -156,8 +187,8 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'no PDL ms':>11}{'eager ms':>10}{'compile ms':>12}"
-    header += f"{'vs eager':>10}{'vs compile':>11}{'rel err':>10}  run"
+    header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'no PDL ms':>11}{'eager ms':>10}{'graphed ms':>12}"
+    header += f"{'compile ms':>12}{'vs eager':>10}{'vs graphed':>11}{'vs compile':>11}{'rel err':>10}  run"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -166,9 +197,12 @@ def print_table(rows: list[dict]) -> None:
         comp = r.get("compiled", {}).get("median_ms")
         comp_s = f"{comp:>12.3f}" if comp else f"{'-':>12}"
         vs_comp = f"{comp / rt:>10.2f}x" if comp else f"{'-':>11}"
+        graphed = r.get("eager_graph", {}).get("median_ms")
+        graphed_s = f"{graphed:>12.3f}" if graphed else f"{'-':>12}"
+        vs_graphed = f"{graphed / rt:>10.2f}x" if graphed else f"{'-':>11}"
         print(
-            f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{no_pdl:>11.3f}{eager:>10.3f}{comp_s}"
-            f"{eager / rt:>9.2f}x{vs_comp}"
+            f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{no_pdl:>11.3f}{eager:>10.3f}{graphed_s}{comp_s}"
+            f"{eager / rt:>9.2f}x{vs_graphed}{vs_comp}"
             f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']}"
         )
 
