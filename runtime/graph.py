@@ -249,8 +249,9 @@ class CapturedForward:
             self._graph = _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
         self._kept = kept
         self.programmatic_edges = edges[0]
-        #: The kernel entries whose launches got a programmatic edge; ``plain``: ids of those kept plain.
-        self.pdl_entries, self.plain = list(pdl_entries), plain
+        #: The kernel entries whose launches got a programmatic edge; ``plain``: ids of those kept plain;
+        #: ``constants``: the addresses the capture vouched for (re-captures reuse them).
+        self.pdl_entries, self.plain, self.constants = list(pdl_entries), plain, constants
         self.output = output
         try:
             self._exec = _check(driver.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")

@@ -375,7 +375,7 @@ class Model:
                     prepared,
                     pdl=True,
                     plain=graph.plain | {id(entry)},
-                    constants=self._constants(),
+                    constants=graph.constants,
                 )
             except Exception as exc:  # noqa: BLE001 - keep what was captured
                 log.info("runtime: capture with plain edges into %s failed (%s)", entry.op, exc)
