@@ -111,7 +111,7 @@ _CLUSTER_SLOTS = {1: {1: 1.0, 2: 1.0, 3: 117 / 132, 4: 120 / 132}, 2: {1: 1.0, 2
 
 def _cluster_blocks(splits: int, blocks_per_sm: int, sm_count: int) -> int:
     """Blocks that clusters of ``splits`` blocks can hold at once."""
-    share = _CLUSTER_SLOTS[min(blocks_per_sm, 2)].get(splits, 0.75)
+    share = _CLUSTER_SLOTS[min(blocks_per_sm, 2)][splits]
     return int(sm_count * blocks_per_sm * share) // splits * splits
 
 
