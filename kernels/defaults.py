@@ -69,12 +69,14 @@ def _gemms(spec, fam: Family, shape) -> tuple[str, list[tuple[int, int]]] | None
 #: 96 x 64), with two groups of loads in flight at M <= 8 then (pipeline 2). At M = 16 and N = 11008 the
 #: 4-way split took 37.5-38.4 us against 44.6-45.3 us for 8 ways on an H100 and 30.4 against 34.2 us on an
 #: H200 (2026-11-24).
+#: A's fragments come by vector loads (a_vec) everywhere: at 16 x 4096 x 11008 on an H200 32.8 -> 31.2 us, and
+#: 28.4 us with two k16 steps a group (one 16-byte load of A per row for both); level at M = 1 (2026-11-25).
 _GEMV_MMA_DEFAULTS = {
-    8: {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1},
-    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1},
+    8: {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1, "a_vec": True},
+    16: {"max_m": 16, "block_cols": 64, "threads": 128, "k_splits": 4, "unroll": 1, "pipeline": 1, "a_vec": True},
 }
 _GEMV_FEW_STRIPS = 96
-_GEMV_FEW_STRIPS_CHANGES = {8: {"k_splits": 8, "pipeline": 2}, 16: {"k_splits": 8}}
+_GEMV_FEW_STRIPS_CHANGES = {8: {"k_splits": 8, "pipeline": 2}, 16: {"k_splits": 8, "unroll": 2}}
 
 
 def _gemv_params(params: dict[str, Any], shape) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class GemvFamily(Family):
         Param("k_splits", (1, 2, 4, 8), "blocks (a cluster) sharing a column strip, one K slice each"),
         Param("unroll", (1, 2, 4, 8), "rows of B per thread (FMA) or 16-row tiles per warp (mma) in flight"),
         Param("pipeline", (1, 2), "groups of unroll tiles in flight per warp (mma): 2 loads the next before the mma"),
+        Param("a_vec", (False, True), "A's fragments by one 8- or 16-byte load per row, k reordered to match (mma)"),
     )
 
     def precision(self, dtype):
@@ -105,9 +106,9 @@ class GemvFamily(Family):
         if itemsize(dtype) == 2:
             # 8 warps of 64-column tiles, 2 tiles in flight (8 x 16 bytes a lane); M up to 16; clusters of 4.
             mma = {"mma": True, "vec": 8, "block_cols": 64, "threads": 256, "k_splits": 4, "unroll": 2}
-            return {"max_m": 16, **mma, "pipeline": 1}
+            return {"max_m": 16, **mma, "pipeline": 1, "a_vec": True}
         fma = {"mma": False, "vec": 4, "block_cols": 32, "threads": 256, "k_splits": 4, "unroll": 4}
-        return {"max_m": 16, **fma, "pipeline": 1}
+        return {"max_m": 16, **fma, "pipeline": 1, "a_vec": False}
 
     def check(self, params, dtype):
         size = itemsize(dtype)
@@ -126,6 +127,8 @@ class GemvFamily(Family):
         else:
             if params["pipeline"] != 1:
                 return "pipeline applies to the mma engine (the FMA engine keeps unroll rows in flight)"
+            if params.get("a_vec"):
+                return "a_vec applies to the mma engine (the FMA engine loads A in runs of unroll values)"
             if vec * size > 16:
                 return f"vec={vec} x {size} bytes exceeds a 16-byte access"
             lanes = bn // vec

@@ -113,6 +113,36 @@ def test_activation_forms_hold_over_a_wide_range(device, compiler, act, dtype):
         assert err.max() <= 1.0, f"{act}: error {err.max():.3g} roundings at x = {x.flat[int(err.argmax())]:.4f}"
 
 
+#: gemv's mma engine with A's fragments as vector loads (a_vec): one or two steps per load (odd and even
+#: unroll), M in one or two 8-row halves, one or two groups in flight, split K; the shapes have partial
+#: groups at the end of a K slice, K not a multiple of 4 or 8 (the element-wise fallback) and M below max_m.
+A_VEC_POINTS = [
+    {"max_m": 8, "unroll": 1, "pipeline": 1, "k_splits": 4, "threads": 128},
+    {"max_m": 8, "unroll": 2, "pipeline": 2, "k_splits": 8, "threads": 128},
+    {"max_m": 16, "unroll": 1, "pipeline": 1, "k_splits": 4, "threads": 128},
+    {"max_m": 16, "unroll": 2, "pipeline": 1, "k_splits": 2, "threads": 256},
+    {"max_m": 16, "unroll": 4, "pipeline": 1, "k_splits": 1, "threads": 128},
+]
+A_VEC_SHAPES = [(1, 64, 16), (1, 4096, 512), (5, 4100, 257), (8, 200, 1000), (13, 136, 1002), (16, 520, 4100)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["matmul", "linear"])
+def test_gemv_vector_loads_of_a_keep_the_k_order(device, compiler, op, dtype):
+    fam = OPS[op].family("gemv")
+    ran = 0
+    for point in A_VEC_POINTS:
+        params = {**fam.defaults(dtype), "block_cols": 64, **point, "a_vec": True}
+        variant = Variant.create(op, "gemv", dtype, params, {"act": "gelu_erf"} if op == "linear" else {})
+        for shape in A_VEC_SHAPES:
+            if variant.check_shape(shape):
+                continue
+            ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+            assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+            ran += 1
+    assert ran == sum(shape[0] <= point["max_m"] for point in A_VEC_POINTS for shape in A_VEC_SHAPES)
+
+
 class PlantedVariant(Variant):
     """A real variant whose source a test edits: the verifier must catch the damage."""
 

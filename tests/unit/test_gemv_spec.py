@@ -45,6 +45,7 @@ def test_defaults():
             "k_splits": 4,
             "unroll": 2,
             "pipeline": 1,
+            "a_vec": True,
         }
     assert GEMV.defaults("float32") == {
         "max_m": 16,
@@ -55,6 +56,7 @@ def test_defaults():
         "k_splits": 4,
         "unroll": 4,
         "pipeline": 1,
+        "a_vec": False,
     }
     assert [GEMV.precision(d) for d in DTYPES] == list(DTYPES)  # fp32 is exact FMA, never TF32
 
@@ -66,7 +68,8 @@ def test_defaults():
         ({"mma": True, "vec": 4}, "float16", "16 bytes"),
         ({"mma": True, "max_m": 4}, "float16", "max_m >= 8"),
         ({"mma": False, "vec": 8}, "float32", "16-byte"),
-        ({"mma": False, "vec": 8, "block_cols": 512 // 2}, "float16", "registers"),  # 16 x 8 accumulators
+        ({"mma": False, "vec": 8, "block_cols": 512 // 2, "a_vec": False}, "float16", "registers"),  # 16 x 8 acc.
+        ({"mma": False, "vec": 8, "a_vec": True}, "float16", "a_vec applies to the mma engine"),
         ({"mma": False, "vec": 2, "block_cols": 128}, "float32", "lanes along N"),  # 64 lanes
         ({"mma": False, "vec": 4, "max_m": 32, "unroll": 2, "block_cols": 32}, "float32", "registers"),
         ({"mma": False, "vec": 1, "max_m": 32, "unroll": 4, "block_cols": 32}, "float32", "values of A"),
@@ -220,14 +223,23 @@ def _mma(d, a, b):
 
 def _model_mma(A, B, params):  # noqa: N803
     """The mma engine: warp (cw, kw) takes 64 columns and every KW-th group of UNROLL k16 steps; lane (g, t)
-    loads 8 columns (col = strip + 8g) of rows 2t, 2t+1, 2t+8, 2t+9 and pairs them into n-tile i's b0/b1."""
+    loads 8 columns (col = strip + 8g) of rows 2t, 2t+1, 2t+8, 2t+9 and pairs them into n-tile i's b0/b1.
+    With a_vec the fragment slots of lane t hold the k 4Pt + 4(s % P) + {0, 1, 2, 3} of each pack of P steps
+    (P = 2 for even unroll, else 1) instead, in A and in B alike (km_b_row)."""
     M, K = A.shape  # noqa: N806
     N = B.shape[1]  # noqa: N806
     bn, u = params["block_cols"], params["unroll"]
     colw = bn // 64
     kwarps = params["threads"] // 32 // colw
     mt_n, mr = cdiv(params["max_m"], 16), params["max_m"]
+    pack = 2 if u % 2 == 0 else 1
     C = np.full((M, N), np.nan)  # noqa: N806
+
+    def k_of(k, s, t, half, q):
+        """Row of B (and column of A) behind fragment k slot 2t + half + 8q of step s of the group at k."""
+        if params.get("a_vec"):
+            return k + 16 * pack * (s // pack) + 4 * pack * t + 4 * (s % pack) + 2 * q + half
+        return k + 16 * s + 2 * t + half + 8 * q
 
     def a_val(m, k, ke):
         return A[m, k] if m < M and k < ke else 0.0
@@ -250,12 +262,11 @@ def _model_mma(A, B, params):  # noqa: N803
                     d = np.zeros((mt_n, 8, 32, 4))
                     for k in range(kb + kw * 16 * u, ke, kwarps * 16 * u):
                         for s in range(u):
-                            k16 = k + 16 * s
                             rows = np.zeros((32, 4, 8))  # lane, q (row 2t + q % 2 + 8 (q // 2)), 8 columns
                             for lane in range(32):
                                 g, t = lane // 4, lane % 4
                                 for q in range(4):
-                                    kr = k16 + 2 * t + q % 2 + 8 * (q // 2)
+                                    kr = k_of(k, s, t, q % 2, q // 2)
                                     rows[lane, q] = b_row(kr, n0 + cw * 64 + 8 * g, ke)
                                     if kr < ke:
                                         seen[kr, cw * 64 + 8 * g : cw * 64 + 8 * g + 8] += 1
@@ -263,11 +274,11 @@ def _model_mma(A, B, params):  # noqa: N803
                             for mt in range(mt_n):
                                 for lane in range(32):
                                     g, t = lane // 4, lane % 4
-                                    for q, (dm, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-                                        m, kk = 16 * mt + g + dm, k16 + 2 * t + dk
+                                    for q, (dm, kq) in enumerate(((0, 0), (8, 0), (0, 1), (8, 1))):
+                                        m = 16 * mt + g + dm
                                         if dm and params["max_m"] <= 8:
                                             continue  # constant zeros
-                                        a[mt, lane, q] = [a_val(m, kk, ke), a_val(m, kk + 1, ke)]
+                                        a[mt, lane, q] = [a_val(m, k_of(k, s, t, h, kq), ke) for h in (0, 1)]
                             for i in range(8):
                                 b = np.zeros((32, 2, 2))
                                 for lane in range(32):
@@ -301,6 +312,7 @@ MMA_CASES = [
     ((16, 136, 70), {"max_m": 16, "block_cols": 128, "threads": 128, "k_splits": 1, "unroll": 1}),
     ((17, 64, 33), {"max_m": 32, "block_cols": 64, "threads": 64, "k_splits": 4, "unroll": 1}),
     ((5, 70, 100), {"max_m": 8, "block_cols": 64, "threads": 128, "k_splits": 1, "unroll": 2}),
+    ((13, 64, 230), {"max_m": 16, "block_cols": 64, "threads": 64, "k_splits": 2, "unroll": 4}),
 ]
 
 
@@ -320,10 +332,11 @@ def test_model_of_the_fma_engine(shape, params):
     np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("a_vec", [False, True])
 @pytest.mark.parametrize(("shape", "params"), MMA_CASES)
-def test_model_of_the_mma_engine(shape, params):
+def test_model_of_the_mma_engine(shape, params, a_vec):
     a, b = _inputs(shape)
-    params = {**params, "mma": True, "vec": 8, "pipeline": 1}
+    params = {**params, "mma": True, "vec": 8, "pipeline": 1, "a_vec": a_vec}
     assert GEMV.check(params, "float16") is None and GEMV.check_shape(shape, params, "float16") is None
     c = _model_mma(a, b, params)
     assert not np.isnan(c).any(), "every element of C is written"
@@ -331,19 +344,20 @@ def test_model_of_the_mma_engine(shape, params):
 
 
 @pytest.mark.parametrize(
-    ("shape", "k_splits", "pipeline"),
+    ("shape", "k_splits", "pipeline", "unroll"),
     [
-        ((1, 4096, 11008), 8, 2),  # few column strips (64): the deep split, two groups in flight
-        ((1, 11008, 4096), 4, 1),
-        ((16, 11008, 4096), 4, 1),  # 172 strips: 4-way (37.5-38.4 against 44.6-45.3 us on an H100)
-        ((16, 4096, 11008), 8, 1),
+        ((1, 4096, 11008), 8, 2, 1),  # few column strips (64): the deep split, two groups in flight
+        ((1, 11008, 4096), 4, 1, 1),
+        ((16, 11008, 4096), 4, 1, 1),  # 172 strips: 4-way (37.5-38.4 against 44.6-45.3 us on an H100)
+        ((16, 4096, 11008), 8, 1, 2),  # two k16 steps a group: one 16-byte load of A per row covers both
     ],
 )
-def test_shape_defaults_split_k_by_column_strips(shape, k_splits, pipeline):
+def test_shape_defaults_split_k_by_column_strips(shape, k_splits, pipeline, unroll):
     from kernelmill.kernels.defaults import default_params
     from kernelmill.kernels.ops import get_op
 
     spec = get_op("linear")
     params = default_params(spec, spec.family("gemv"), shape, "float16")
     assert params["max_m"] == (8 if shape[0] <= 8 else 16) and params["mma"]
-    assert (params["k_splits"], params["pipeline"]) == (k_splits, pipeline)
+    assert (params["k_splits"], params["pipeline"], params["unroll"]) == (k_splits, pipeline, unroll)
+    assert params["a_vec"]
