@@ -531,7 +531,12 @@ class WgmmaFamily(Family):
 
     def context(self, params, dtype, attrs):
         swap = params.get("swap_ab", False)
-        return {"smem_bytes": self.smem_bytes(params, dtype), "b_kmajor": self.b_kmajor, "swap_ab": swap}
+        return {
+            "smem_bytes": self.smem_bytes(params, dtype),
+            "staged_row_floats": self.staged_row_floats(params),
+            "b_kmajor": self.b_kmajor,
+            "swap_ab": swap,
+        }
 
 
 WGMMA = WgmmaFamily()

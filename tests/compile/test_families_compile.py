@@ -54,6 +54,20 @@ def test_planted_syntax_error_gives_compile_error_with_log(compiler):
     assert "error" in info.value.log and "kernel.cu" in info.value.log
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_wgmma_staged_row_stride_is_tied_to_the_python_formula(compiler, swap_ab):
+    # WgmmaFamily.staged_row_floats sizes the staged fp32 tile that check() fits into the ring; the kernel has
+    # its own constexpr. A template told a different stride must not compile.
+    params = {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "k_splits": 2, "swap_ab": swap_ab}
+    source = Variant.create("linear", "wgmma", "float16", params).source
+    stride = OPS["linear"].family("wgmma").staged_row_floats(params)
+    assert f"== {stride},\n" in source
+    compiler.compile(source, "sm_90a")
+    with pytest.raises(CompileError) as info:
+        compiler.compile(source.replace(f"== {stride},\n", f"== {stride + 4},\n", 1), "sm_90a")
+    assert "staged-tile row stride differs" in info.value.log
+
+
 def test_second_compile_hits_the_cache(tmp_path):
     compiler = Compiler(cache_dir=tmp_path)
     source = Variant.create("softmax", "block_row", "float32", {"threads": 128}).source

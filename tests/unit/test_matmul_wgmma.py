@@ -227,6 +227,7 @@ def test_rendered_kernel_matches_launch(dtype):
         assert "const __grid_constant__ KmTensorMap tma_a" in arglist
         assert bounds == f"{WGMMA.threads(params)}, 1"
         assert f"== {WGMMA.smem_bytes(params, dtype)}, " in source  # static_assert against the C++ size
+        assert f"== {WGMMA.staged_row_floats(params)},\n" in source  # and against the C++ staged row stride
         kind = "f16" if dtype == "float16" else "bf16"
         assert f"wgmma.mma_async.sync.aligned.m64n{params['BN']}k16.f32.{kind}.{kind}" in source
         # B is N-major in shared memory (row-major K x N): imm-trans-b = 1, A K-major: imm-trans-a = 0;
