@@ -1,6 +1,7 @@
 """Model.forward of the kernelmill runtime against PyTorch eager and torch.compile, one process, one GPU.
 
-(a) an MLP stack, 4 blocks of Linear(4096, 11008) -> GELU -> Linear(11008, 4096), batch 1, 16 and 256;
+(a) an MLP stack, 4 blocks of Linear(4096, 11008) -> GELU -> Linear(11008, 4096), batch 1, 16 and 256
+    (--mlp-batches for others);
 (b) a BERT-base-sized encoder (12 layers, hidden 768, 12 heads, random weights), sequence 128, batch 1 and 8.
 All in float16. The runtime loads the same weights (a torch state_dict / a save_pretrained directory)
 and runs its registry's kernels (tuned ones where KERNELMILL_SERVER or --server serves them, else the
@@ -125,7 +126,7 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
     rows = []
-    for batch in (1, 16, 256):
+    for batch in args.mlp_batches:
         x = torch.randn(batch, d, device="cuda", dtype=torch.float16)
         xt = runtime.from_torch(x)
         with torch.no_grad():
@@ -207,12 +208,25 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated batch sizes, e.g. 1,16,256") from None
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes are positive integers")
+    return batches
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="forward.json", help="JSON results")
     parser.add_argument("--server", default=None, help="kernelmill service for tuned kernels (else KERNELMILL_SERVER)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     parser.add_argument("--only", choices=("mlp", "bert"), default=None)
+    parser.add_argument(
+        "--mlp-batches", type=_batches, default=(1, 16, 256), help="comma-separated MLP batch sizes (default 1,16,256)"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)

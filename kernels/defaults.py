@@ -149,12 +149,25 @@ def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str,
     return min(costed, key=lambda c: c[0])[1] if costed else fam.defaults(dtype)
 
 
+#: Bytes of an H100's or H200's L2: weights larger than this stream from DRAM on every pass over them.
+_L2_BYTES = 50 * 2**20
+
+
 def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> list[tuple[float, dict[str, Any]]]:
     """(estimated cost, params) of the valid tiles of ``_WGMMA_TILES``, in the table's order: waves of tiles
-    times a tile's work over its efficiency."""
-    m, n, _k = shape
+    times a tile's work over its efficiency.
+
+    Where the weights (K x N) outgrow L2 and the largest tile's rows cover M, tiles that split M over several
+    row tiles are left out: each row tile streams all of the weights again. At 128 x 4096 x 11008 64 x 64
+    tiles (two row tiles) took 42.1 us (H200) and 43.6 us (H100) against 32.2 and 39.9 us for 128 x 64 split
+    2 ways (torch 34.6 and 40.0; 2026-11-25, docs/PERFORMANCE.md)."""
+    m, n, k = shape
+    one_row_tile = max(bm for (bm, *_rest), _eff in _WGMMA_TILES)
+    streamed = m <= one_row_tile and n * k * itemsize(dtype) > _L2_BYTES
     costed = []
     for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
+        if streamed and bm < m:
+            continue
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         params = {**fam.defaults(dtype), "BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
         if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:
