@@ -10,7 +10,7 @@ the same eager forward captured in a CUDA graph (torch.cuda.CUDAGraph) and repla
 without its per-launch cost, which tells kernel speed apart from launch overhead. The contenders' timed
 repeats take turns. Prints a table and writes JSON.
 
-    python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile]
+    python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile] [--tune-kernels]
 """
 
 from __future__ import annotations
@@ -121,7 +121,9 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     ref_cpu = torch.nn.Sequential(*blocks).eval()
     path = tmp / "mlp.pt"
     torch.save(ref_cpu.state_dict(), path)
-    model = runtime.load_model(path, device="cuda", dtype="float16", act="gelu", server=args.server)
+    model = runtime.load_model(
+        path, device="cuda", dtype="float16", act="gelu", server=args.server, tune_kernels=args.tune_kernels or None
+    )
     ref = ref_cpu.half().cuda()
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
@@ -161,7 +163,9 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     ref_cpu = transformers.BertModel(config, add_pooling_layer=False).eval()
     path = tmp / "bert-base"
     ref_cpu.save_pretrained(path)
-    model = runtime.load_model(path, device="cuda", dtype="float16", server=args.server)
+    model = runtime.load_model(
+        path, device="cuda", dtype="float16", server=args.server, tune_kernels=args.tune_kernels or None
+    )
     ref = ref_cpu.half().cuda()
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
@@ -225,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     parser.add_argument("--only", choices=("mlp", "bert"), default=None)
     parser.add_argument(
+        "--tune-kernels",
+        action="store_true",
+        help="the runtime times the defaults' runners-up in its graphs and keeps the faster (KERNELMILL_KERNEL_TUNE)",
+    )
+    parser.add_argument(
         "--mlp-batches", type=_batches, default=(1, 16, 256), help="comma-separated MLP batch sizes (default 1,16,256)"
     )
     parser.add_argument("--warmup", type=int, default=5)
@@ -253,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "dtype": "float16",
+        "tune_kernels": args.tune_kernels,
         "timing": f"wall time per forward, {args.iters} calls after {args.warmup} warm-up, median of {args.repeats}"
         " (contenders take turns)",
         "rows": rows,

@@ -43,6 +43,12 @@ class Settings(BaseSettings):
         description="with pdl, a captured forward is recaptured with each PDL kernel on plain edges and the "
         "faster graph kept, once per input shape (KERNELMILL_PDL_TUNE=false: PDL for every such kernel)",
     )
+    kernel_tune: bool = Field(
+        False,
+        description="a captured forward is recaptured with the defaults' runners-up in place of each untuned "
+        "kernel that has them (wgmma tiles), outputs checked, and the faster graph kept, once per input shape; "
+        "costs their compiles on first use (KERNELMILL_KERNEL_TUNE=true: on)",
+    )
 
     plugins: str = Field(
         "",

@@ -204,6 +204,18 @@ def wgmma_seeds(fam: WgmmaFamily, shape, dtype: str, sm_count: int = DEFAULT_SM_
     return seeds
 
 
+def default_alternatives(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> list[dict]:
+    """Runners-up to ``default_params`` worth timing where the problem can be measured in place (the runtime's
+    capture-time choice, ``Model.tune_kernels``): for the wgmma GEMMs the search's seeds (the cost model's best
+    tiles once split, and their swapped forms where M is short), which the shape default ranks below its own
+    tile although some GPUs run them faster (docs/PERFORMANCE.md: at 256 x 4096 x 11008 128 x 128 split 2 ways
+    on an H200, the default 128 x 64 on an H100); none for other families."""
+    if not (isinstance(fam, WgmmaFamily) and len(shape) == 3):
+        return []
+    default = default_params(spec, fam, shape, dtype, sm_count)
+    return [p for p in wgmma_seeds(fam, shape, dtype, sm_count) if p != default]
+
+
 def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT) -> dict[str, Any]:
     """The family's defaults; for GEMM families the block tile with the best estimated time for this
     shape (waves of blocks over the SMs times the work of a tile, discounted by the tile's efficiency),

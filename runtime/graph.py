@@ -252,6 +252,7 @@ class CapturedForward:
         #: The kernel entries whose launches got a programmatic edge; ``plain``: ids of those kept plain;
         #: ``constants``: the addresses the capture vouched for (re-captures reuse them).
         self.pdl_entries, self.plain, self.constants = list(pdl_entries), plain, constants
+        self.pdl = pdl
         self.output = output
         try:
             self._exec = _check(driver.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import format_shape
+from kernelmill.kernels.ops.base import TOLERANCES, format_shape
 from kernelmill.runtime import ops
 from kernelmill.runtime.graph import GraphUnavailable
 from kernelmill.runtime.nn import (
@@ -225,6 +225,22 @@ _NO_GRAPH = object()
 #: A graph with some kernels launched on plain edges replaces the one kept so far only when it replays at
 #: least this much faster (timing noise of a few replays is below it).
 _EDGE_MIN_GAIN = 0.01
+#: A stand-in for a default kernel replaces it only if the forward replays this much faster with it.
+_KERNEL_MIN_GAIN = 0.02
+
+
+def _knobs(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def _host_output(graph: Any, prepared: tuple) -> np.ndarray:
+    """The graph's output for ``prepared`` in float64 on the host."""
+    return np.asarray(graph.replay(prepared, copy_output=False).numpy(), dtype=np.float64)
+
+
+def _rel_diff(got: np.ndarray, want: np.ndarray) -> float:
+    scale = float(np.linalg.norm(want))
+    return float(np.linalg.norm(got - want)) / scale if scale else float(np.linalg.norm(got))
 
 
 class Model:
@@ -244,6 +260,7 @@ class Model:
         graphs: bool = True,
         warmup: int = 1,
         pdl: bool | None = None,
+        tune_kernels: bool | None = None,
     ) -> None:
         device = "cuda" if str(device).startswith("cuda") else str(device)
         if device not in ("cpu", "cuda"):
@@ -274,6 +291,10 @@ class Model:
         #: kernel's edges plain, time a few replays (taking turns) and keep what is faster (``_tune_edges``);
         #: default KERNELMILL_PDL_TUNE.
         self.tune_pdl = get_settings().pdl_tune
+        #: Before that, choose among the defaults' runners-up for each untuned kernel that has them: capture the
+        #: forward with each in its place, check the output, time replays and keep the faster
+        #: (``_tune_kernels``); default KERNELMILL_KERNEL_TUNE (off: it compiles the runners-up first).
+        self.tune_kernels = get_settings().kernel_tune if tune_kernels is None else bool(tune_kernels)
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
         self._calls: dict[tuple, int] = {}
@@ -326,9 +347,10 @@ class Model:
         graph, failures = None, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
-                graph = CapturedForward(
-                    self.backend, self.module.forward_prepared, prepared, pdl=pdl, constants=self._constants()
-                )
+                with ops.recording() as problems:
+                    graph = CapturedForward(
+                        self.backend, self.module.forward_prepared, prepared, pdl=pdl, constants=self._constants()
+                    )
                 break
             except Exception as exc:  # noqa: BLE001 - any failure means plain launches, said once
                 failures.append(f"{'with' if pdl else 'without'} PDL: {exc}")
@@ -339,10 +361,14 @@ class Model:
             self._graphs[key] = _NO_GRAPH
             return _NO_GRAPH
         tuning = ""
+        if self.tune_kernels:
+            start = time.perf_counter()
+            graph, picked = self._tune_kernels(graph, prepared, problems)
+            tuning += f"; {picked} (chosen in {time.perf_counter() - start:.2f} s)" if picked else ""
         if self.tune_pdl and graph.pdl_entries:
             start = time.perf_counter()
-            graph, tuning = self._tune_edges(graph, prepared)
-            tuning += f" (chosen in {time.perf_counter() - start:.2f} s)" if tuning else ""
+            graph, edges = self._tune_edges(graph, prepared)
+            tuning += f"{edges} (chosen in {time.perf_counter() - start:.2f} s)" if edges else ""
         log.info(
             "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s%s",
             graph.nodes,
@@ -398,6 +424,52 @@ class Model:
             return graph, ""
         which = f"plain edges into {', '.join(plain_names)}" if plain_names else "PDL for every kernel that has it"
         return graph, f"; a replay {kept_ms:.3f} ms ({first_ms:.3f} with PDL everywhere): {which}"
+
+    def _tune_kernels(self, graph: Any, prepared: tuple, problems: list) -> tuple[Any, str]:
+        """For each problem of the forward whose kernel is an untuned default, try the stand-ins the registry
+        compiles for it (``KernelRegistry.alternatives``): capture the forward with one in its place, check the
+        output against the first graph's (within the dtype's verification tolerance), time replays taking turns
+        and keep the faster by more than ``_KERNEL_MIN_GAIN``. The registry keeps the choice for later
+        captures."""
+        from kernelmill.runtime.graph import CapturedForward
+
+        reference = None
+        picked = []
+        for problem in problems:
+            entry = original = self.registry.get(*problem)
+            for stand_in in self.registry.alternatives(entry):
+                what = f"{entry.op} {format_shape(entry.shape)} {stand_in.family} {_knobs(stand_in.params)}"
+                self.registry.put(stand_in)
+                trial = None
+                try:
+                    trial = CapturedForward(
+                        self.backend, self.module.forward_prepared, prepared, pdl=graph.pdl, constants=graph.constants
+                    )
+                    if reference is None:
+                        reference = _host_output(graph, prepared)
+                    diff = _rel_diff(_host_output(trial, prepared), reference)
+                    if not diff <= TOLERANCES[self.dtype]:
+                        log.warning("runtime: %s changed the forward's output by %.3g; not used", what, diff)
+                        times = None
+                    else:
+                        times = self._time_graphs({"kept": graph, "trial": trial}, prepared)
+                except GraphUnavailable as exc:  # a replay the driver refused: keep the graph as it is
+                    log.info("runtime: timing the forward with %s failed (%s)", what, exc)
+                    times = None
+                except Exception as exc:  # noqa: BLE001 - the stand-in is not used; the kept graph stays
+                    log.info("runtime: capturing the forward with %s failed (%s)", what, exc)
+                    times = None
+                if times is not None and times["trial"] < times["kept"] * (1 - _KERNEL_MIN_GAIN):
+                    stand_in.note = f"chosen at capture over {original.family} {_knobs(original.params)}"
+                    graph.close()
+                    graph, entry = trial, stand_in
+                else:
+                    if trial is not None:
+                        trial.close()
+                    self.registry.put(entry)
+            if entry is not original:
+                picked.append(f"{entry.op} {format_shape(entry.shape)}: {entry.family} {_knobs(entry.params)}")
+        return graph, ("runners-up kept: " + ", ".join(picked)) if picked else ""
 
     def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 3, replays: int = 5) -> dict:
         """Milliseconds per replay of each graph, back to back, best of ``rounds`` (the graphs take turns)."""
@@ -570,8 +642,19 @@ def load_model(
     registry: Any = None,
     graphs: bool = True,
     pdl: bool | None = None,
+    tune_kernels: bool | None = None,
 ) -> Model:
     """Loads a model for ``device`` ("cuda" or "cpu"); dtype defaults to float16 on cuda, float32 on cpu
     (the CPU always computes in float32). ``act``: an MLP file's activation (default relu). ``pdl``: graphs
-    launch PDL kernels early (default KERNELMILL_PDL, on)."""
-    return Model(load_module(path, act), device, dtype, registry=registry, server=server, graphs=graphs, pdl=pdl)
+    launch PDL kernels early (default KERNELMILL_PDL, on); ``tune_kernels``: graphs choose among the defaults'
+    runners-up by replay time (default KERNELMILL_KERNEL_TUNE, off)."""
+    return Model(
+        load_module(path, act),
+        device,
+        dtype,
+        registry=registry,
+        server=server,
+        graphs=graphs,
+        pdl=pdl,
+        tune_kernels=tune_kernels,
+    )

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelmill.kernels.compile import Compiler, normalize_arch
-from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_params, default_rank
+from kernelmill.kernels.compile import CompileError, Compiler, normalize_arch
+from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params, default_rank
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
 from kernelmill.kernels.render import render
@@ -506,6 +506,55 @@ class KernelRegistry:
                 return fam, params
             reasons.append(f"{fam.name}: {why}")
         raise SpecError(f"no {spec.name} family can run {format_shape(shape)} {dtype}: {'; '.join(reasons)}")
+
+    def alternatives(self, entry: KernelEntry, limit: int = 4) -> list[KernelEntry]:
+        """Compiled stand-ins for a default kernel, to time against it where its problem runs (``Model``'s
+        capture-time choice): up to ``limit`` other parameter sets of its family that the defaults rank next
+        (``default_alternatives``), compiled in parallel. None for tuned or nearest kernels: a tuning job
+        measured those."""
+        if entry.source != DEFAULT:
+            return []
+        spec = get_op(entry.op)
+        fam = spec.family(entry.family)
+        options = [
+            p
+            for p in default_alternatives(spec, fam, entry.shape, entry.dtype, self._sm_count())
+            if p != entry.params and fam.check_shape(entry.shape, p, entry.dtype) is None
+        ][:limit]
+        sources = [render(fam, p, entry.dtype, entry.attrs) for p in options]
+        found = []
+        for params, result in zip(options, self.compiler.compile_many(sources, entry.arch), strict=True):
+            if isinstance(result, CompileError):
+                log.info(
+                    "runtime: %s %s: %s %s does not compile (%s)",
+                    entry.op,
+                    format_shape(entry.shape),
+                    fam.name,
+                    params,
+                    result,
+                )
+                continue
+            found.append(
+                self._build(
+                    spec,
+                    entry.shape,
+                    entry.dtype,
+                    entry.attrs,
+                    fam.name,
+                    params,
+                    DEFAULT,
+                    result.cubin,
+                    result.key,
+                    entry.arch,
+                )
+            )
+        return found
+
+    def put(self, entry: KernelEntry) -> None:
+        """Makes ``entry`` the kernel of its problem from now on (a stand-in ``alternatives`` compiled)."""
+        _spec, _shape, _attrs, key = self._problem(entry.op, entry.shape, entry.dtype, entry.attrs)
+        with self._lock:
+            self._entries[key] = entry
 
     def _sm_count(self) -> int:
         if self.backend is not None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kernelmill import runtime
+from kernelmill.kernels.ops import OPS as OPS_BY_NAME
 from kernelmill.runtime import Tensor, from_torch, ops, to_torch
 from kernelmill.runtime.registry import TUNED, KernelRegistry
 
@@ -212,6 +213,73 @@ def test_model_chooses_pdl_per_kernel_by_replay_time(tmp_path, registry, caplog)
     ops_plain = {e.op for e in graph.pdl_entries if id(e) in graph.plain}
     assert ("plain edges into linear" in line) == bool(ops_plain) and ops_plain <= {"linear"}
     assert graph.plain or graph.programmatic_edges > 0
+
+
+def test_model_chooses_among_the_defaults_runners_up_by_replay_time(tmp_path, registry, backend, caplog):
+    pytest.importorskip("cuda.bindings")
+    from kernelmill.kernels.render import render
+
+    _save_mlp(tmp_path / "mlp.pt", layers=2, seed=10)
+    load = dict(device="cuda", dtype="float16", act="gelu")
+    plain = runtime.load_model(
+        tmp_path / "mlp.pt",
+        graphs=False,
+        registry=KernelRegistry(backend=backend, use_service=False, cache_dir=tmp_path / "plain"),
+        **load,
+    )
+    # A stand-in that computes something else (ReLU for GELU) must be caught by the output check.
+    real = registry.alternatives
+    wrong = []
+
+    def alternatives(entry, limit=4):
+        found = real(entry, limit=2)
+        if found and not wrong:
+            spec = OPS_BY_NAME[entry.op]
+            fam = spec.family(entry.family)
+            act = entry.attrs.get("act", "none")
+            attrs = {**entry.attrs, "act": "relu"} if act not in ("none", "relu") else None  # the up projection
+            if attrs is not None:
+                bad = registry.compiler.compile(render(fam, entry.params, entry.dtype, attrs), entry.arch)
+                wrong.append(
+                    registry._build(
+                        spec,
+                        entry.shape,
+                        entry.dtype,
+                        entry.attrs,
+                        fam.name,
+                        entry.params,
+                        entry.source,
+                        bad.cubin,
+                        bad.key,
+                        entry.arch,
+                    )
+                )
+                found = [wrong[0], *found]
+        return found
+
+    registry.alternatives = alternatives
+    mlp = runtime.load_model(tmp_path / "mlp.pt", registry=registry, tune_kernels=True, **load)
+    mlp.tune_pdl = False
+    x = np.random.default_rng(11).standard_normal((40, 256)).astype(np.float32)  # wgmma linears
+    with caplog.at_level("INFO", logger="kernelmill.runtime.models"):
+        for _ in range(3):
+            out = mlp.forward(x)
+    assert mlp.last_run == "graph" and wrong
+    assert rel_err(out.numpy(), plain.forward(x).numpy()) < 1e-2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("changed the forward's output" in m and "not used" in m for m in messages)
+    (line,) = [m for m in messages if "captured a CUDA graph" in m]
+    kept = [e for e in registry.entries() if e.op == "linear" and "chosen at capture" in e.note]
+    assert wrong[0] not in registry.entries()
+    assert ("runners-up kept" in line) == bool(kept), line
+    # The choice holds for the model's later captures.
+    linears = {e.shape: e for e in registry.entries() if e.op == "linear"}
+    mlp.reset_graphs()
+    mlp.tune_kernels = False
+    for _ in range(3):
+        again = mlp.forward(x)
+    np.testing.assert_array_equal(again.numpy(), out.numpy())
+    assert {e.shape: e for e in registry.entries() if e.op == "linear"} == linears
 
 
 def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):

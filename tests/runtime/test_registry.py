@@ -317,6 +317,30 @@ def test_default_kernels_are_compiled_on_first_use(tmp_path, caplog):
     assert (tmp_path / "cubin").exists()  # the compile cache under the registry's folder
 
 
+@pytest.mark.nvcc
+def test_alternatives_compile_the_defaults_runners_up_for_a_default_kernel(tmp_path):
+    from kernelmill.kernels.defaults import default_alternatives
+    from kernelmill.kernels.ops import OPS
+
+    reg = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
+    shape = (256, 4096, 11008)
+    entry = reg.get("linear", shape, "float16", {"act": "none"})
+    assert entry.source == DEFAULT and entry.family == "wgmma"
+    fam = OPS["linear"].family("wgmma")
+    ranked = default_alternatives(OPS["linear"], fam, shape, "float16")
+    assert ranked and entry.params not in ranked  # (128 x 128 split 2 ways first: the H200's best measured)
+    (stand_in,) = reg.alternatives(entry, limit=1)
+    assert stand_in.params == ranked[0] and stand_in.family == "wgmma" and stand_in.source == DEFAULT
+    assert stand_in.cubin and stand_in.cubin_key != entry.cubin_key and stand_in.arch == "sm_90a"
+    assert stand_in.launches == fam.launches(shape, stand_in.params, "float16")
+    reg.put(stand_in)
+    assert reg.get("linear", shape, "float16", {"act": "none"}) is stand_in
+    # Families without runners-up, and kernels a tuning job measured, get none.
+    assert reg.alternatives(reg.get("add", (1000,), "float16")) == []
+    entry.source = TUNED
+    assert reg.alternatives(entry) == []
+
+
 def test_tune_model_submits_one_job_per_op_and_attrs(service):
     config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     config.update({"intermediate_size": 64, "max_position_embeddings": 16})
