@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -227,6 +227,8 @@ _NO_GRAPH = object()
 _EDGE_MIN_GAIN = 0.01
 #: A stand-in for a default kernel replaces it only if the forward replays this much faster with it.
 _KERNEL_MIN_GAIN = 0.02
+#: Seconds each graph replays before a timing (after a capture or compile the GPU may idle at low clocks).
+_WARMUP_S = 0.05
 
 
 def _knobs(params: dict[str, Any]) -> str:
@@ -471,9 +473,16 @@ class Model:
                 picked.append(f"{entry.op} {format_shape(entry.shape)}: {entry.family} {_knobs(entry.params)}")
         return graph, ("runners-up kept: " + ", ".join(picked)) if picked else ""
 
-    def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 3, replays: int = 5) -> dict:
-        """Milliseconds per replay of each graph, back to back, best of ``rounds`` (the graphs take turns)."""
-        best = dict.fromkeys(graphs, math.inf)
+    def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 5, replays: int = 10) -> dict:
+        """Milliseconds per replay of each graph, back to back, median of ``rounds`` (the graphs take turns),
+        after each graph has replayed for ``_WARMUP_S`` (clocks that dropped while compiles ran come back up)."""
+        for graph in graphs.values():
+            start = time.perf_counter()
+            while time.perf_counter() - start < _WARMUP_S:
+                for _ in range(replays):
+                    graph.replay(prepared, copy_output=False)
+                self.backend.synchronize()
+        samples: dict = {name: [] for name in graphs}
         for _ in range(rounds):
             for name, graph in graphs.items():
                 self.backend.synchronize()
@@ -481,8 +490,8 @@ class Model:
                 for _ in range(replays):
                     graph.replay(prepared, copy_output=False)
                 self.backend.synchronize()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3 / replays)
-        return best
+                samples[name].append((time.perf_counter() - start) * 1e3 / replays)
+        return {name: statistics.median(times) for name, times in samples.items()}
 
     def _remember(self, seen: list) -> None:
         for problem in seen:
