@@ -438,7 +438,9 @@ class Model:
         reference = None
         picked = []
         for problem in problems:
-            entry = original = self.registry.get(*problem)
+            entry = original = self.registry.resolved(*problem)
+            if entry is None:  # e.g. a fused_mlp that ran as its two linears
+                continue
             for stand_in in self.registry.alternatives(entry):
                 what = f"{entry.op} {format_shape(entry.shape)} {stand_in.family} {_knobs(stand_in.params)}"
                 self.registry.put(stand_in)

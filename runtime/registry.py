@@ -183,6 +183,15 @@ class KernelRegistry:
                 self._log(entry)
             return entry
 
+    def resolved(
+        self, op: str, shape: tuple[int, ...], dtype: str, attrs: Mapping[str, Any] | None = None
+    ) -> KernelEntry | None:
+        """The kernel this problem already got, or None (never resolves: a fused op's problem that ran as its
+        parts has none)."""
+        *_, key = self._problem(op, shape, dtype, attrs)
+        with self._lock:
+            return self._entries.get(key)
+
     def report(self) -> list[dict[str, Any]]:
         """One row per problem met: op, shape, family, params, source, speedup, calls."""
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -271,3 +272,83 @@ def test_the_per_kernel_pdl_choice_follows_its_setting(fake, monkeypatch):
         assert runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry).tune_pdl
     finally:
         reset_settings()
+
+
+def test_graph_timings_warm_each_graph_up_then_take_turns(fake, monkeypatch):
+    from kernelmill.runtime import models as models_module
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry)
+    monkeypatch.setattr(models_module, "_WARMUP_S", 0.002)
+    order = []
+
+    class Timed:
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, seconds
+
+        def replay(self, prepared, copy_output=True):
+            assert copy_output is False
+            order.append(self.name)
+            time.sleep(self.seconds)
+
+    times = model._time_graphs({"a": Timed("a", 0.001), "b": Timed("b", 0.0002)}, (), rounds=3, replays=4)
+    assert order[0] == "a" and order.index("b") >= 4  # a's warm-up first (at least one batch of replays)
+    timed = order[-24:]
+    assert timed == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # turns
+    assert 0.9 <= times["a"] <= 3.0 and 0.15 <= times["b"] < times["a"] / 2  # ms per replay, medians
+
+
+def test_tune_kernels_keeps_a_faster_stand_in_only_if_its_output_matches(fake, monkeypatch, caplog):
+    import dataclasses
+
+    from kernelmill.runtime import graph as graph_module
+    from kernelmill.runtime import models as models_module
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    model.forward(np.ones((12, 32), np.float32))  # plain launches resolve the problems
+    problems = list(model.problems)
+    linears = [p for p in problems if p[0] == "linear"]
+    assert len(linears) == 2 and any(p[0] == "fused_mlp" for p in problems)  # ran as its linears: no kernel
+    up, down = (registry.resolved(*p) for p in linears)
+
+    def variant(entry, **params):
+        return dataclasses.replace(entry, params={**entry.params, **params})
+
+    fast, wrong, slow = variant(down, k_splits=2), variant(down, k_splits=3), variant(up, k_splits=2)
+    stand_ins = {id(down): [wrong, fast], id(up): [slow]}
+    monkeypatch.setattr(registry, "alternatives", lambda entry, limit=4: stand_ins.get(id(entry), []))
+    cost = {id(up): 0.0006, id(down): 0.0006, id(fast): 0.0001, id(wrong): 0.00005, id(slow): 0.0012}
+
+    class FakeGraph:
+        """What the forward would capture: the problems' kernels as the registry has them now."""
+
+        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
+            self.pdl, self.plain, self.constants, self.pdl_entries = pdl, plain, constants, []
+            self.entries = [registry.resolved(*p) for p in linears]
+            self.closed = False
+
+        def replay(self, prepared, copy_output=True):
+            time.sleep(sum(cost[id(e)] for e in self.entries))
+            value = 2.0 if any(e is wrong for e in self.entries) else 1.0  # ReLU for GELU, say
+            return Tensor.from_numpy(np.full((12, 32), value, np.float32), "cuda", "float16")
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
+    first = FakeGraph(backend, None, (), pdl=True)
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.models"):
+        kept, line = model._tune_kernels(first, (), problems)
+    assert first.closed and not kept.closed and kept.pdl is True
+    assert registry.resolved(*linears[1]) is fast and registry.resolved(*linears[0]) is up  # slow reverted
+    assert kept.entries == [up, fast]
+    assert fast.note.startswith("chosen at capture over") and "k_splits=2" in line and line.count("linear ") == 1
+    assert "changed the forward's output by 1; not used" in caplog.text
+    # Nothing faster: the first graph stays and says nothing.
+    stand_ins.clear()
+    again = FakeGraph(backend, None, (), pdl=False)
+    assert model._tune_kernels(again, (), problems) == (again, "")
