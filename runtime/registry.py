@@ -530,6 +530,14 @@ class KernelRegistry:
             for p in default_alternatives(spec, fam, entry.shape, entry.dtype, self._sm_count())
             if p != entry.params and fam.check_shape(entry.shape, p, entry.dtype) is None
         ][:limit]
+        if not options:
+            return []
+        log.info(
+            "runtime: %s %s: compiling %d runners-up to time in place",
+            entry.op,
+            format_shape(entry.shape),
+            len(options),
+        )
         sources = [render(fam, p, entry.dtype, entry.attrs) for p in options]
         found = []
         for params, result in zip(options, self.compiler.compile_many(sources, entry.arch), strict=True):

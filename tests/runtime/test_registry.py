@@ -318,7 +318,7 @@ def test_default_kernels_are_compiled_on_first_use(tmp_path, caplog):
 
 
 @pytest.mark.nvcc
-def test_alternatives_compile_the_defaults_runners_up_for_a_default_kernel(tmp_path):
+def test_alternatives_compile_the_defaults_runners_up_for_a_default_kernel(tmp_path, caplog):
     from kernelmill.kernels.defaults import default_alternatives
     from kernelmill.kernels.ops import OPS
 
@@ -329,7 +329,9 @@ def test_alternatives_compile_the_defaults_runners_up_for_a_default_kernel(tmp_p
     fam = OPS["linear"].family("wgmma")
     ranked = default_alternatives(OPS["linear"], fam, shape, "float16")
     assert ranked and entry.params not in ranked  # (128 x 128 split 2 ways first: the H200's best measured)
-    (stand_in,) = reg.alternatives(entry, limit=1)
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.registry"):
+        (stand_in,) = reg.alternatives(entry, limit=1)
+    assert "linear 256x4096x11008: compiling 1 runners-up to time in place" in caplog.text  # said before it waits
     assert stand_in.params == ranked[0] and stand_in.family == "wgmma" and stand_in.source == DEFAULT
     assert stand_in.cubin and stand_in.cubin_key != entry.cubin_key and stand_in.arch == "sm_90a"
     assert stand_in.launches == fam.launches(shape, stand_in.params, "float16")
