@@ -78,9 +78,10 @@ def torch_graphed(torch, fn):
     return replay
 
 
-def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args) -> dict:
-    """Times the runtime's graphs with PDL (the default) and without, eager, eager in a CUDA graph and
-    torch.compile, taking turns."""
+def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args, tuned_fn=None) -> dict:
+    """Times the runtime's graphs with PDL (the default) and without, eager, eager in a CUDA graph,
+    torch.compile and (``tuned_fn``, --tune-kernels) a second model that chose among the defaults' runners-up at
+    capture, taking turns."""
     row: dict = {"case": name, "batch": batch}
     out_rt = runtime_fn()
     out_eager = eager_fn()
@@ -96,6 +97,12 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args)
 
     setting = model.pdl
     fns = {"runtime": with_pdl(True), "runtime_no_pdl": with_pdl(False), "eager": eager_fn}
+    if tuned_fn is not None:
+        for _ in range(3):  # plain launches, then the capture (compiles and times the runners-up)
+            out_tuned = tuned_fn()
+        _sync(torch)
+        row["rel_err_tuned_vs_eager"] = rel_err(torch, out_tuned, out_eager)
+        fns["runtime_tuned"] = tuned_fn
     graphed = torch_graphed(torch, eager_fn)
     if graphed is not None:
         row["rel_err_eager_graph"] = rel_err(torch, graphed(), out_eager)
@@ -121,9 +128,9 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     ref_cpu = torch.nn.Sequential(*blocks).eval()
     path = tmp / "mlp.pt"
     torch.save(ref_cpu.state_dict(), path)
-    model = runtime.load_model(
-        path, device="cuda", dtype="float16", act="gelu", server=args.server, tune_kernels=args.tune_kernels or None
-    )
+    load = dict(device="cuda", dtype="float16", act="gelu", server=args.server)
+    model = runtime.load_model(path, **load, tune_kernels=False if args.tune_kernels else None)
+    tuned = runtime.load_model(path, **load, tune_kernels=True) if args.tune_kernels else None
     ref = ref_cpu.half().cuda()
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
@@ -141,10 +148,13 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
                 lambda x=x: ref(x),
                 (lambda x=x: compiled(x)) if compiled is not None else None,
                 args,
+                (lambda xt=xt: runtime.to_torch(tuned.forward(xt))) if tuned is not None else None,
             )
         row["runtime_run"] = model.last_run
         rows.append(row)
     rows[-1]["kernels"] = model.kernel_report()
+    if tuned is not None:
+        rows[-1]["kernels_tuned"] = tuned.kernel_report()
     return rows
 
 
@@ -163,9 +173,9 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     ref_cpu = transformers.BertModel(config, add_pooling_layer=False).eval()
     path = tmp / "bert-base"
     ref_cpu.save_pretrained(path)
-    model = runtime.load_model(
-        path, device="cuda", dtype="float16", server=args.server, tune_kernels=args.tune_kernels or None
-    )
+    load = dict(device="cuda", dtype="float16", server=args.server)
+    model = runtime.load_model(path, **load, tune_kernels=False if args.tune_kernels else None)
+    tuned = runtime.load_model(path, **load, tune_kernels=True) if args.tune_kernels else None
     ref = ref_cpu.half().cuda()
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
@@ -184,16 +194,21 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
                 lambda ids=ids: ref(input_ids=ids).last_hidden_state,
                 (lambda ids=ids: compiled(input_ids=ids).last_hidden_state) if compiled is not None else None,
                 args,
+                (lambda ids_host=ids_host: runtime.to_torch(tuned.forward(ids_host))) if tuned is not None else None,
             )
         row["runtime_run"] = model.last_run
         rows.append(row)
     rows[-1]["kernels"] = model.kernel_report()
+    if tuned is not None:
+        rows[-1]["kernels_tuned"] = tuned.kernel_report()
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
+    tuned = any("runtime_tuned" in r for r in rows)
     header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'no PDL ms':>11}{'eager ms':>10}{'graphed ms':>12}"
     header += f"{'compile ms':>12}{'vs eager':>10}{'vs graphed':>11}{'vs compile':>11}{'rel err':>10}  run"
+    header += f"{'tuned ms':>10}{'vs eager':>10}" if tuned else ""
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -208,8 +223,13 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{no_pdl:>11.3f}{eager:>10.3f}{graphed_s}{comp_s}"
             f"{eager / rt:>9.2f}x{vs_graphed}{vs_comp}"
-            f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']}"
+            f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']:<5}" + (_tuned_cells(r, eager) if tuned else "")
         )
+
+
+def _tuned_cells(row: dict, eager_ms: float) -> str:
+    ms = row.get("runtime_tuned", {}).get("median_ms")
+    return f"{ms:>10.3f}{eager_ms / ms:>9.2f}x" if ms else f"{'-':>10}{'-':>10}"
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -231,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tune-kernels",
         action="store_true",
-        help="the runtime times the defaults' runners-up in its graphs and keeps the faster (KERNELMILL_KERNEL_TUNE)",
+        help="also time a second runtime model that chooses among the defaults' runners-up at capture "
+        "(load_model(tune_kernels=True)); the first one keeps the defaults",
     )
     parser.add_argument(
         "--mlp-batches", type=_batches, default=(1, 16, 256), help="comma-separated MLP batch sizes (default 1,16,256)"
