@@ -17,10 +17,9 @@ from typing import Any, Protocol
 from kernelmill.agents.evaluator import SKIPPED, DeviceFacts, Evaluator, TrialResult
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
-from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_params, wgmma_seeds
+from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import format_shape
-from kernelmill.kernels.ops.matmul import WgmmaFamily
 from kernelmill.kernels.render import render
 
 log = logging.getLogger(__name__)
@@ -123,13 +122,13 @@ def shape_defaults(space: Space, shape: tuple[int, ...], facts: DeviceFacts) -> 
         cand = space.valid(fam.name, default_params(space.op, fam, shape, space.dtype, sm_count))
         if cand is not None:
             out.append(cand.because("default for this shape"))
-    # Then the wgmma tiles the cost model ranks next once split, and their swapped forms (kernels/defaults.py).
+    # Then the defaults' runners-up: the wgmma tiles the cost model ranks next once split, and their swapped
+    # forms (kernels/defaults.py).
     for fam in space.families.values():
-        if isinstance(fam, WgmmaFamily) and len(shape) == 3:
-            for params in wgmma_seeds(fam, shape, space.dtype, sm_count):
-                cand = space.valid(fam.name, params)
-                if cand is not None and cand not in out:
-                    out.append(cand.because("a split or swapped tile for this shape"))
+        for params in default_alternatives(space.op, fam, shape, space.dtype, sm_count):
+            cand = space.valid(fam.name, params)
+            if cand is not None and cand not in out:
+                out.append(cand.because("a split or swapped tile for this shape"))
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kernelmill.kernels.ops.base import TOLERANCES, format_shape
+from kernelmill.kernels.verify import compare
 from kernelmill.runtime import ops
 from kernelmill.runtime.graph import GraphUnavailable
 from kernelmill.runtime.nn import (
@@ -240,11 +241,6 @@ def _host_output(graph: Any, prepared: tuple) -> np.ndarray:
     return np.asarray(graph.replay(prepared, copy_output=False).numpy(), dtype=np.float64)
 
 
-def _rel_diff(got: np.ndarray, want: np.ndarray) -> float:
-    scale = float(np.linalg.norm(want))
-    return float(np.linalg.norm(got - want)) / scale if scale else float(np.linalg.norm(got))
-
-
 class Model:
     """A Module on a device with its dtype, kernel registry and (on the GPU) CUDA graphs.
 
@@ -451,7 +447,7 @@ class Model:
                     )
                     if reference is None:
                         reference = _host_output(graph, prepared)
-                    diff = _rel_diff(_host_output(trial, prepared), reference)
+                    diff = compare(_host_output(trial, prepared), reference, 0, "output").rel_err
                     if not diff <= TOLERANCES[self.dtype]:
                         log.warning("runtime: %s changed the forward's output by %.3g; not used", what, diff)
                         times = None
