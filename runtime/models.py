@@ -428,9 +428,26 @@ class Model:
         compiles for it (``KernelRegistry.alternatives``): capture the forward with one in its place, check the
         output against the first graph's (within the dtype's verification tolerance), time replays taking turns
         and keep the faster by more than ``_KERNEL_MIN_GAIN``. The registry keeps the choice for later
-        captures."""
+        captures.
+
+        Stand-ins and the kernels they would replace are timed in graphs with plain edges on both sides. Early
+        launch moves some kernels' times a lot (an H200's batch-64 MLP: 0.232 ms with plain edges into its down
+        projections, 0.297 ms with PDL everywhere; docs/PERFORMANCE.md), so graphs with PDL everywhere would
+        pick tiles by how they bear early launch rather than by their speed; ``_tune_edges`` chooses the edges
+        afterwards, for the kernels kept. The graph returned launches as ``graph`` did (its ``pdl``)."""
         from kernelmill.runtime.graph import CapturedForward
 
+        def capture(pdl: bool) -> Any:
+            return CapturedForward(
+                self.backend, self.module.forward_prepared, prepared, pdl=pdl, constants=graph.constants
+            )
+
+        kept = graph
+        if graph.pdl:
+            try:
+                kept = capture(False)
+            except Exception as exc:  # noqa: BLE001 - compare under the first graph's edges instead
+                log.info("runtime: capturing the forward with plain edges failed (%s)", exc)
         reference = None
         picked = []
         for problem in problems:
@@ -442,9 +459,7 @@ class Model:
                 self.registry.put(stand_in)
                 trial = None
                 try:
-                    trial = CapturedForward(
-                        self.backend, self.module.forward_prepared, prepared, pdl=graph.pdl, constants=graph.constants
-                    )
+                    trial = capture(kept.pdl)
                     if reference is None:
                         reference = _host_output(graph, prepared)
                     diff = compare(_host_output(trial, prepared), reference, 0, "output").rel_err
@@ -452,7 +467,7 @@ class Model:
                         log.warning("runtime: %s changed the forward's output by %.3g; not used", what, diff)
                         times = None
                     else:
-                        times = self._time_graphs({"kept": graph, "trial": trial}, prepared)
+                        times = self._time_graphs({"kept": kept, "trial": trial}, prepared)
                 except GraphUnavailable as exc:  # a replay the driver refused: keep the graph as it is
                     log.info("runtime: timing the forward with %s failed (%s)", what, exc)
                     times = None
@@ -461,15 +476,29 @@ class Model:
                     times = None
                 if times is not None and times["trial"] < times["kept"] * (1 - _KERNEL_MIN_GAIN):
                     stand_in.note = f"chosen at capture over {original.family} {_knobs(original.params)}"
-                    graph.close()
-                    graph, entry = trial, stand_in
+                    if kept is not graph:
+                        kept.close()
+                    kept, entry = trial, stand_in
                 else:
                     if trial is not None:
                         trial.close()
                     self.registry.put(entry)
             if entry is not original:
                 picked.append(f"{entry.op} {format_shape(entry.shape)}: {entry.family} {_knobs(entry.params)}")
-        return graph, ("runners-up kept: " + ", ".join(picked)) if picked else ""
+        if not picked:
+            if kept is not graph:
+                kept.close()
+            return graph, ""
+        if kept.pdl != graph.pdl:
+            try:
+                final = capture(graph.pdl)
+            except Exception as exc:  # noqa: BLE001 - the plain-edged graph serves
+                log.info("runtime: capturing the forward with PDL failed (%s); plain edges kept", exc)
+            else:
+                kept.close()
+                kept = final
+        graph.close()
+        return kept, "runners-up kept: " + ", ".join(picked)
 
     def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 5, replays: int = 10) -> dict:
         """Milliseconds per replay of each graph, back to back, median of ``rounds`` (the graphs take turns),

@@ -331,7 +331,8 @@ def test_tune_kernels_keeps_a_faster_stand_in_only_if_its_output_matches(fake, m
             self.closed = False
 
         def replay(self, prepared, copy_output=True):
-            time.sleep(sum(cost[id(e)] for e in self.entries))
+            # Early launch costs the up projection's default a lot: with PDL everywhere `slow` would win.
+            time.sleep(sum(cost[id(e)] for e in self.entries) + (0.0012 if self.pdl and up in self.entries else 0))
             value = 2.0 if any(e is wrong for e in self.entries) else 1.0  # ReLU for GELU, say
             return Tensor.from_numpy(np.full((12, 32), value, np.float32), "cuda", "float16")
 
@@ -340,10 +341,18 @@ def test_tune_kernels_keeps_a_faster_stand_in_only_if_its_output_matches(fake, m
 
     monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
     monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
+    timed = []
+    time_graphs = model._time_graphs
+    monkeypatch.setattr(
+        model,
+        "_time_graphs",
+        lambda graphs, prepared: (timed.extend(graphs.values()), time_graphs(graphs, prepared))[1],
+    )
     first = FakeGraph(backend, None, (), pdl=True)
     with caplog.at_level(logging.INFO, logger="kernelmill.runtime.models"):
         kept, line = model._tune_kernels(first, (), problems)
-    assert first.closed and not kept.closed and kept.pdl is True
+    assert first.closed and not kept.closed and kept.pdl is True  # recaptured with PDL for the edge choice
+    assert [g.pdl for g in timed] and not any(g.pdl for g in timed)  # stand-ins timed with plain edges
     assert registry.resolved(*linears[1]) is fast and registry.resolved(*linears[0]) is up  # slow reverted
     assert kept.entries == [up, fast]
     assert fast.note.startswith("chosen at capture over") and "k_splits=2" in line and line.count("linear ") == 1
