@@ -5,12 +5,13 @@
 (b) a BERT-base-sized encoder (12 layers, hidden 768, 12 heads, random weights), sequence 128, batch 1 and 8.
 All in float16. The runtime loads the same weights (a torch state_dict / a save_pretrained directory)
 and runs its registry's kernels (tuned ones where KERNELMILL_SERVER or --server serves them, else the
-template defaults) with CUDA-graph replay, with programmatic dependent launch (PDL) and without. Next to eager,
-the same eager forward captured in a CUDA graph (torch.cuda.CUDAGraph) and replayed: PyTorch's own kernels
-without its per-launch cost, which tells kernel speed apart from launch overhead. The contenders' timed
-repeats take turns. Prints a table and writes JSON.
+template defaults, and at capture the defaults' runners-up where they replay faster on this GPU:
+KERNELMILL_KERNEL_TUNE, on by default) with CUDA-graph replay, with programmatic dependent launch (PDL)
+and without. Next to eager, the same eager forward captured in a CUDA graph (torch.cuda.CUDAGraph) and
+replayed: PyTorch's own kernels without its per-launch cost, which tells kernel speed apart from launch
+overhead. The contenders' timed repeats take turns. Prints a table and writes JSON.
 
-    python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile] [--tune-kernels]
+    python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile] [--shape-defaults]
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def torch_graphed(torch, fn):
     return replay
 
 
-def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args, tuned_fn=None) -> dict:
+def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args, defaults_fn=None) -> dict:
     """Times the runtime's graphs with PDL (the default) and without, eager, eager in a CUDA graph,
-    torch.compile and (``tuned_fn``, --tune-kernels) a second model that chose among the defaults' runners-up at
-    capture, taking turns."""
+    torch.compile and (``defaults_fn``, --shape-defaults) a second model on the shape defaults alone
+    (tune_kernels=False), taking turns."""
     row: dict = {"case": name, "batch": batch}
     out_rt = runtime_fn()
     out_eager = eager_fn()
@@ -97,12 +98,11 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args,
 
     setting = model.pdl
     fns = {"runtime": with_pdl(True), "runtime_no_pdl": with_pdl(False), "eager": eager_fn}
-    if tuned_fn is not None:
-        for _ in range(3):  # plain launches, then the capture (compiles and times the runners-up)
-            out_tuned = tuned_fn()
+    if defaults_fn is not None:
+        out_defaults = defaults_fn()
         _sync(torch)
-        row["rel_err_tuned_vs_eager"] = rel_err(torch, out_tuned, out_eager)
-        fns["runtime_tuned"] = tuned_fn
+        row["rel_err_defaults_vs_eager"] = rel_err(torch, out_defaults, out_eager)
+        fns["runtime_defaults"] = defaults_fn
     graphed = torch_graphed(torch, eager_fn)
     if graphed is not None:
         row["rel_err_eager_graph"] = rel_err(torch, graphed(), out_eager)
@@ -129,8 +129,8 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     path = tmp / "mlp.pt"
     torch.save(ref_cpu.state_dict(), path)
     load = dict(device="cuda", dtype="float16", act="gelu", server=args.server)
-    model = runtime.load_model(path, **load, tune_kernels=False if args.tune_kernels else None)
-    tuned = runtime.load_model(path, **load, tune_kernels=True) if args.tune_kernels else None
+    model = runtime.load_model(path, **load)
+    defaults = runtime.load_model(path, **load, tune_kernels=False) if args.shape_defaults else None
     ref = ref_cpu.half().cuda()
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
@@ -148,13 +148,13 @@ def mlp_cases(torch, runtime, args, tmp: Path) -> list[dict]:
                 lambda x=x: ref(x),
                 (lambda x=x: compiled(x)) if compiled is not None else None,
                 args,
-                (lambda xt=xt: runtime.to_torch(tuned.forward(xt))) if tuned is not None else None,
+                (lambda xt=xt: runtime.to_torch(defaults.forward(xt))) if defaults is not None else None,
             )
         row["runtime_run"] = model.last_run
         rows.append(row)
     rows[-1]["kernels"] = model.kernel_report()
-    if tuned is not None:
-        rows[-1]["kernels_tuned"] = tuned.kernel_report()
+    if defaults is not None:
+        rows[-1]["kernels_defaults"] = defaults.kernel_report()
     return rows
 
 
@@ -174,8 +174,8 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
     path = tmp / "bert-base"
     ref_cpu.save_pretrained(path)
     load = dict(device="cuda", dtype="float16", server=args.server)
-    model = runtime.load_model(path, **load, tune_kernels=False if args.tune_kernels else None)
-    tuned = runtime.load_model(path, **load, tune_kernels=True) if args.tune_kernels else None
+    model = runtime.load_model(path, **load)
+    defaults = runtime.load_model(path, **load, tune_kernels=False) if args.shape_defaults else None
     ref = ref_cpu.half().cuda()
     del ref_cpu
     compiled = torch.compile(ref) if args.compile else None
@@ -194,21 +194,23 @@ def bert_cases(torch, runtime, args, tmp: Path) -> list[dict]:
                 lambda ids=ids: ref(input_ids=ids).last_hidden_state,
                 (lambda ids=ids: compiled(input_ids=ids).last_hidden_state) if compiled is not None else None,
                 args,
-                (lambda ids_host=ids_host: runtime.to_torch(tuned.forward(ids_host))) if tuned is not None else None,
+                (lambda ids_host=ids_host: runtime.to_torch(defaults.forward(ids_host)))
+                if defaults is not None
+                else None,
             )
         row["runtime_run"] = model.last_run
         rows.append(row)
     rows[-1]["kernels"] = model.kernel_report()
-    if tuned is not None:
-        rows[-1]["kernels_tuned"] = tuned.kernel_report()
+    if defaults is not None:
+        rows[-1]["kernels_defaults"] = defaults.kernel_report()
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    tuned = any("runtime_tuned" in r for r in rows)
+    second = any("runtime_defaults" in r for r in rows)
     header = f"{'case':<26}{'batch':>6}{'runtime ms':>12}{'no PDL ms':>11}{'eager ms':>10}{'graphed ms':>12}"
     header += f"{'compile ms':>12}{'vs eager':>10}{'vs graphed':>11}{'vs compile':>11}{'rel err':>10}  run"
-    header += f"{'tuned ms':>10}{'vs eager':>10}" if tuned else ""
+    header += f"{'defaults ms':>12}{'vs eager':>10}" if second else ""
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -223,13 +225,13 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['case']:<26}{r['batch']:>6}{rt:>12.3f}{no_pdl:>11.3f}{eager:>10.3f}{graphed_s}{comp_s}"
             f"{eager / rt:>9.2f}x{vs_graphed}{vs_comp}"
-            f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']:<5}" + (_tuned_cells(r, eager) if tuned else "")
+            f"{r['rel_err_vs_eager']:>10.2e}  {r['runtime_run']:<5}" + (_defaults_cells(r, eager) if second else "")
         )
 
 
-def _tuned_cells(row: dict, eager_ms: float) -> str:
-    ms = row.get("runtime_tuned", {}).get("median_ms")
-    return f"{ms:>10.3f}{eager_ms / ms:>9.2f}x" if ms else f"{'-':>10}{'-':>10}"
+def _defaults_cells(row: dict, eager_ms: float) -> str:
+    ms = row.get("runtime_defaults", {}).get("median_ms")
+    return f"{ms:>12.3f}{eager_ms / ms:>9.2f}x" if ms else f"{'-':>12}{'-':>10}"
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -249,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     parser.add_argument("--only", choices=("mlp", "bert"), default=None)
     parser.add_argument(
-        "--tune-kernels",
+        "--shape-defaults",
         action="store_true",
-        help="also time a second runtime model that chooses among the defaults' runners-up at capture "
-        "(load_model(tune_kernels=True)); the first one keeps the defaults",
+        help="also time a second runtime model on the shape defaults alone (load_model(tune_kernels=False)), "
+        "next to the first one's capture-time choice among their runners-up (KERNELMILL_KERNEL_TUNE)",
     )
     parser.add_argument(
         "--mlp-batches", type=_batches, default=(1, 16, 256), help="comma-separated MLP batch sizes (default 1,16,256)"
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "dtype": "float16",
-        "tune_kernels": args.tune_kernels,
+        "shape_defaults_column": args.shape_defaults,
         "timing": f"wall time per forward, {args.iters} calls after {args.warmup} warm-up, median of {args.repeats}"
         " (contenders take turns)",
         "rows": rows,

@@ -44,10 +44,12 @@ class Settings(BaseSettings):
         "faster graph kept, once per input shape (KERNELMILL_PDL_TUNE=false: PDL for every such kernel)",
     )
     kernel_tune: bool = Field(
-        False,
+        True,
         description="a captured forward is recaptured with the defaults' runners-up in place of each untuned "
         "kernel that has them (wgmma tiles), outputs checked, and the faster graph kept, once per input shape; "
-        "costs their compiles on first use (KERNELMILL_KERNEL_TUNE=true: on)",
+        "the choice is recorded per GPU model under cache_dir/chosen and reused, so only the first capture of "
+        "a shape on a GPU model pays for the runners-up's compiles and timing (KERNELMILL_KERNEL_TUNE=false: "
+        "shape defaults only)",
     )
 
     plugins: str = Field(

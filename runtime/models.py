@@ -291,7 +291,7 @@ class Model:
         self.tune_pdl = get_settings().pdl_tune
         #: Before that, choose among the defaults' runners-up for each untuned kernel that has them: capture the
         #: forward with each in its place, check the output, time replays and keep the faster
-        #: (``_tune_kernels``); default KERNELMILL_KERNEL_TUNE (off: it compiles the runners-up first).
+        #: (``_tune_kernels``; the choice is recorded per GPU model and reused); default KERNELMILL_KERNEL_TUNE (on).
         self.tune_kernels = get_settings().kernel_tune if tune_kernels is None else bool(tune_kernels)
         self.warmup = max(1, int(warmup))
         self._graphs: dict[tuple, Any] = {}
@@ -449,32 +449,73 @@ class Model:
             except Exception as exc:  # noqa: BLE001 - compare under the first graph's edges instead
                 log.info("runtime: capturing the forward with plain edges failed (%s)", exc)
         reference = None
-        picked = []
+
+        def same_output(trial: Any, what: str) -> bool:
+            nonlocal reference
+            if reference is None:
+                reference = _host_output(graph, prepared)
+            diff = compare(_host_output(trial, prepared), reference, 0, "output").rel_err
+            if not diff <= TOLERANCES[self.dtype]:
+                log.warning("runtime: %s changed the forward's output by %.3g; not used", what, diff)
+                return False
+            return True
+
+        picked, pending, remembered = [], [], []
+        # Choices an earlier capture on this GPU model made (registry.remembered_choice) hold without timing.
         for problem in problems:
-            entry = original = self.registry.resolved(*problem)
-            if entry is None:  # e.g. a fused_mlp that ran as its two linears
+            entry = self.registry.resolved(*problem)
+            if entry is None or entry.chosen:  # None: e.g. a fused_mlp that ran as its two linears
                 continue
+            params = self.registry.remembered_choice(entry)
+            stand_in = None
+            if params is not None and params != entry.params:
+                stand_in = self.registry.stand_in(entry, params)
+            if params is None or (params != entry.params and stand_in is None):
+                pending.append(problem)
+            elif stand_in is not None:
+                stand_in.chosen = True
+                stand_in.note = f"chosen at an earlier capture on this GPU over {entry.family} {_knobs(entry.params)}"
+                self.registry.put(stand_in)
+                remembered.append((entry, stand_in))
+        if remembered:
+            trial = None
+            try:
+                trial = capture(kept.pdl)
+                usable = same_output(trial, "the remembered kernel choices")
+            except Exception as exc:  # noqa: BLE001 - back to the defaults, timed below
+                log.info("runtime: capturing the forward with the remembered kernel choices failed (%s)", exc)
+                usable = False
+            if usable:
+                if kept is not graph:
+                    kept.close()
+                kept = trial
+                picked += [
+                    f"{s.op} {format_shape(s.shape)}: {s.family} {_knobs(s.params)} (remembered)" for _, s in remembered
+                ]
+            else:
+                if trial is not None:
+                    trial.close()
+                for entry, _stand_in in remembered:
+                    self.registry.put(entry)
+                    pending.append((entry.op, entry.shape, entry.dtype, entry.attrs))
+        for problem in pending:
+            entry = original = self.registry.resolved(*problem)
+            timed = False
             for stand_in in self.registry.alternatives(entry):
                 what = f"{entry.op} {format_shape(entry.shape)} {stand_in.family} {_knobs(stand_in.params)}"
                 self.registry.put(stand_in)
-                trial = None
+                trial = times = None
                 try:
                     trial = capture(kept.pdl)
-                    if reference is None:
-                        reference = _host_output(graph, prepared)
-                    diff = compare(_host_output(trial, prepared), reference, 0, "output").rel_err
-                    if not diff <= TOLERANCES[self.dtype]:
-                        log.warning("runtime: %s changed the forward's output by %.3g; not used", what, diff)
-                        times = None
-                    else:
+                    if same_output(trial, what):
                         times = self._time_graphs({"kept": kept, "trial": trial}, prepared)
                 except GraphUnavailable as exc:  # a replay the driver refused: keep the graph as it is
                     log.info("runtime: timing the forward with %s failed (%s)", what, exc)
-                    times = None
                 except Exception as exc:  # noqa: BLE001 - the stand-in is not used; the kept graph stays
                     log.info("runtime: capturing the forward with %s failed (%s)", what, exc)
-                    times = None
+                timed = timed or times is not None
                 if times is not None and times["trial"] < times["kept"] * (1 - _KERNEL_MIN_GAIN):
+                    stand_in.chosen = True
                     stand_in.note = f"chosen at capture over {original.family} {_knobs(original.params)}"
                     if kept is not graph:
                         kept.close()
@@ -483,6 +524,8 @@ class Model:
                     if trial is not None:
                         trial.close()
                     self.registry.put(entry)
+            if timed:
+                self.registry.remember_choice(original, entry)
             if entry is not original:
                 picked.append(f"{entry.op} {format_shape(entry.shape)}: {entry.family} {_knobs(entry.params)}")
         if not picked:
@@ -683,7 +726,7 @@ def load_model(
     """Loads a model for ``device`` ("cuda" or "cpu"); dtype defaults to float16 on cuda, float32 on cpu
     (the CPU always computes in float32). ``act``: an MLP file's activation (default relu). ``pdl``: graphs
     launch PDL kernels early (default KERNELMILL_PDL, on); ``tune_kernels``: graphs choose among the defaults'
-    runners-up by replay time (default KERNELMILL_KERNEL_TUNE, off)."""
+    runners-up by replay time, once per shape and GPU model (default KERNELMILL_KERNEL_TUNE, on)."""
     return Model(
         load_module(path, act),
         device,

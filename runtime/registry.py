@@ -22,7 +22,9 @@ import json
 import logging
 import math
 import os
+import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,8 @@ class KernelEntry:
     speedup: float | None = None
     median_ms: float | None = None
     note: str = ""
+    #: Picked over the shape default by timing the forward on this GPU (``Model.tune_kernels``).
+    chosen: bool = False
     #: Its kernels wait for the previous grid (Family.pdl): a graph may launch them early.
     pdl: bool = False
     #: Tensors its kernels read before that wait (Family.pdl_early_reads): early only where they are constants.
@@ -151,6 +155,7 @@ class KernelRegistry:
         self.arch = normalize_arch(arch) if arch else None
         root = Path(cache_dir) if cache_dir else Path(get_settings().cache_dir)
         self.served_dir = root / "served"
+        self.chosen_dir = root / "chosen"
         self.compiler = compiler or Compiler(cache_dir=root if cache_dir else None)
         self.timeout_s = timeout_s
         self.allow_tf32 = allow_tf32
@@ -519,9 +524,9 @@ class KernelRegistry:
     def alternatives(self, entry: KernelEntry, limit: int = 4) -> list[KernelEntry]:
         """Compiled stand-ins for a default kernel, to time against it where its problem runs (``Model``'s
         capture-time choice): up to ``limit`` other parameter sets of its family that the defaults rank next
-        (``default_alternatives``), compiled in parallel. None for tuned or nearest kernels: a tuning job
-        measured those."""
-        if entry.source != DEFAULT:
+        (``default_alternatives``), compiled in parallel. None for tuned or nearest kernels (a tuning job
+        measured those) or for a stand-in already chosen."""
+        if entry.source != DEFAULT or entry.chosen:
             return []
         spec = get_op(entry.op)
         fam = spec.family(entry.family)
@@ -538,6 +543,16 @@ class KernelRegistry:
             format_shape(entry.shape),
             len(options),
         )
+        return self._stand_ins(entry, options)
+
+    def stand_in(self, entry: KernelEntry, params: Mapping[str, Any]) -> KernelEntry | None:
+        """``entry``'s problem compiled with ``params`` of its family (None where they do not compile)."""
+        found = self._stand_ins(entry, [dict(params)])
+        return found[0] if found else None
+
+    def _stand_ins(self, entry: KernelEntry, options: list[dict[str, Any]]) -> list[KernelEntry]:
+        spec = get_op(entry.op)
+        fam = spec.family(entry.family)
         sources = [render(fam, p, entry.dtype, entry.attrs) for p in options]
         found = []
         for params, result in zip(options, self.compiler.compile_many(sources, entry.arch), strict=True):
@@ -566,6 +581,58 @@ class KernelRegistry:
                 )
             )
         return found
+
+    # choices made at capture on this GPU (Model.tune_kernels) ------------------------------
+
+    def _choice_path(self, entry: KernelEntry) -> Path | None:
+        """``<cache_dir>/chosen/<GPU name>/<op>/<shape>-<dtype>-<arch>-<attrs digest>.json``: GPUs of one arch
+        disagree on the best tiles (an H100 and an H200), so a choice holds for the GPU model it was timed on."""
+        if self.backend is None:
+            return None
+        device = re.sub(r"[^a-z0-9]+", "-", self.backend.device.info.name.lower()).strip("-") or "gpu"
+        digest = hashlib.sha256(attrs_key(entry.attrs).encode()).hexdigest()[:12]
+        stem = f"{format_shape(entry.shape)}-{entry.dtype}-{entry.arch}-{digest}"
+        return self.chosen_dir / device / entry.op / f"{stem}.json"
+
+    def remembered_choice(self, entry: KernelEntry) -> dict[str, Any] | None:
+        """The params a capture on this GPU model kept for ``entry``'s problem when it timed them against this
+        same default (its family and params; a default that changed since is timed again), or None."""
+        path = self._choice_path(entry)
+        if path is None or entry.source != DEFAULT:
+            return None
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if record.get("family") != entry.family or record.get("default") != entry.params:
+            return None
+        params = record.get("params")
+        spec = get_op(entry.op)
+        if not isinstance(params, dict) or self._usable(
+            spec, entry.shape, entry.dtype, entry.attrs, entry.family, params, entry.attrs
+        ):
+            return None
+        return params
+
+    def remember_choice(self, default: KernelEntry, kept: KernelEntry) -> None:
+        """Records that a capture on this GPU timed ``default``'s runners-up and kept ``kept`` (maybe itself)."""
+        path = self._choice_path(default)
+        if path is None:
+            return
+        record = {
+            "family": default.family,
+            "default": default.params,
+            "params": kept.params,
+            "device": self.backend.device.info.name,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache must not fail the forward pass
+            log.warning("runtime: could not record a kernel choice at %s: %s", self.chosen_dir, exc)
 
     def put(self, entry: KernelEntry) -> None:
         """Makes ``entry`` the kernel of its problem from now on (a stand-in ``alternatives`` compiled)."""

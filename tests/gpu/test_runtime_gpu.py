@@ -86,7 +86,8 @@ def test_bert_graph_replay_equals_plain_launches(bert, registry):
     pytest.importorskip("cuda.bindings")
     path, _ = bert
     plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
-    graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry)
+    # tune_kernels=False: the graph must run the plain launches' kernels (a capture-time choice would swap some).
+    graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, tune_kernels=False)
     rng = np.random.default_rng(2)
     batches = [rng.integers(0, 307, size=(2, 64)) for _ in range(4)]
     for i, ids in enumerate(batches):
@@ -121,7 +122,7 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
     pytest.importorskip("cuda.bindings")
     path, _ = bert
     plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
-    graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, pdl=True)
+    graphed = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, pdl=True, tune_kernels=False)
     graphed.tune_pdl = False  # keep the PDL graph whichever replays faster
     rng = np.random.default_rng(5)
     batches = [rng.integers(0, 307, size=(2, 64)) for _ in range(6)]
@@ -139,7 +140,9 @@ def test_pdl_graphs_launch_kernels_early_and_give_the_plain_launches_output(bert
     mlp_plain = runtime.load_model(
         tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry, graphs=False
     )
-    mlp = runtime.load_model(tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry)
+    mlp = runtime.load_model(
+        tmp_path / "mlp.pt", device="cuda", dtype="float16", act="gelu", registry=registry, tune_kernels=False
+    )
     mlp.tune_pdl = False
     for batch in (1, 40):
         xs = [np.random.default_rng(batch * 10 + i).standard_normal((batch, 256)).astype(np.float32) for i in range(5)]
@@ -166,7 +169,7 @@ def test_graph_replays_read_inputs_and_write_outputs_in_place(tmp_path, registry
     _save_mlp(tmp_path / "mlp.pt", layers=2, seed=7)
     load = dict(device="cuda", dtype="float16", act="gelu", registry=registry)
     plain = runtime.load_model(tmp_path / "mlp.pt", graphs=False, **load)
-    mlp = runtime.load_model(tmp_path / "mlp.pt", **load)
+    mlp = runtime.load_model(tmp_path / "mlp.pt", tune_kernels=False, **load)
     for batch in (1, 40):
         xs = [torch.randn(batch, 256, device="cuda", dtype=torch.float16) for _ in range(4)]
         torch.cuda.synchronize()
@@ -199,7 +202,7 @@ def test_model_chooses_pdl_per_kernel_by_replay_time(tmp_path, registry, caplog)
     _save_mlp(tmp_path / "mlp.pt", layers=1, seed=8)
     load = dict(device="cuda", dtype="float16", act="gelu", registry=registry)
     plain = runtime.load_model(tmp_path / "mlp.pt", graphs=False, **load)
-    mlp = runtime.load_model(tmp_path / "mlp.pt", pdl=True, **load)
+    mlp = runtime.load_model(tmp_path / "mlp.pt", pdl=True, tune_kernels=False, **load)
     x = np.random.default_rng(9).standard_normal((40, 256)).astype(np.float32)  # wgmma linears: a PDL family
     with caplog.at_level("INFO", logger="kernelmill.runtime.models"):
         for _ in range(3):
@@ -280,6 +283,21 @@ def test_model_chooses_among_the_defaults_runners_up_by_replay_time(tmp_path, re
         again = mlp.forward(x)
     np.testing.assert_array_equal(again.numpy(), out.numpy())
     assert {e.shape: e for e in registry.entries() if e.op == "linear"} == linears
+    # Another process on this GPU model (a fresh registry on the same cache) takes the recorded choices:
+    # nothing is compiled or timed again, and the kernels are the ones chosen.
+    fresh = KernelRegistry(backend=backend, use_service=False, cache_dir=tmp_path / "kernels")
+    later = runtime.load_model(tmp_path / "mlp.pt", registry=fresh, tune_kernels=True, **load)
+    later.tune_pdl = False
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kernelmill.runtime"):
+        for _ in range(3):
+            out_later = later.forward(x)
+    assert later.last_run == "graph"
+    assert not any("runners-up to time in place" in r.getMessage() for r in caplog.records)
+    assert {e.shape: e.params for e in fresh.entries() if e.op == "linear"} == {
+        shape: e.params for shape, e in linears.items()
+    }
+    assert rel_err(out_later.numpy(), out.numpy()) < 1e-3
 
 
 def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):

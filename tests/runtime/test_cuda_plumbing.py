@@ -40,7 +40,7 @@ class FakeBackend:
         self._next = 1 << 20
         self._kept = None
         self.device = SimpleNamespace(
-            info=SimpleNamespace(arch="sm_90", sm_count=132),
+            info=SimpleNamespace(arch="sm_90", sm_count=132, name="NVIDIA Fake H0"),
             load=lambda cubin, key: SimpleNamespace(kernel=lambda entry: FakeKernel(self.launches, entry)),
         )
         self.arch = "sm_90"
@@ -91,6 +91,9 @@ class FakeBackend:
 class StubCompiler:
     def compile(self, source, arch):
         return CompiledKernel(b"stub-cubin", arch, key=str(hash(source)))
+
+    def compile_many(self, sources, arch):
+        return [self.compile(source, arch) for source in sources]
 
 
 @pytest.fixture
@@ -357,7 +360,53 @@ def test_tune_kernels_keeps_a_faster_stand_in_only_if_its_output_matches(fake, m
     assert kept.entries == [up, fast]
     assert fast.note.startswith("chosen at capture over") and "k_splits=2" in line and line.count("linear ") == 1
     assert "changed the forward's output by 1; not used" in caplog.text
+    # The choices are on disk for this GPU model: the down projection's stand-in, and the up projection's default.
+    assert registry.remembered_choice(down) == fast.params and registry.remembered_choice(up) == up.params
+    assert len(list(registry.chosen_dir.glob("nvidia-fake-h0/linear/*.json"))) == 2
     # Nothing faster: the first graph stays and says nothing.
     stand_ins.clear()
     again = FakeGraph(backend, None, (), pdl=False)
     assert model._tune_kernels(again, (), problems) == (again, "")
+
+
+def test_tune_kernels_reuses_a_choice_made_on_the_same_gpu_model(fake, monkeypatch, tmp_path):
+    import dataclasses
+
+    from kernelmill.runtime import graph as graph_module
+    from kernelmill.runtime import models as models_module
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    model.forward(np.ones((12, 32), np.float32))
+    problems = list(model.problems)
+    down_problem = [p for p in problems if p[0] == "linear"][1]
+    down = registry.resolved(*down_problem)
+    faster = dataclasses.replace(down, params={**down.params, "k_splits": 2})
+    registry.remember_choice(down, faster)
+    compiled = []
+    monkeypatch.setattr(registry, "alternatives", lambda entry, limit=4: compiled.append(entry) or [])
+
+    class FakeGraph:
+        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
+            self.pdl, self.plain, self.constants, self.pdl_entries = pdl, plain, constants, []
+            self.closed = False
+
+        def replay(self, prepared, copy_output=True):
+            return Tensor.from_numpy(np.ones((12, 32), np.float32), "cuda", "float16")
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
+    first = FakeGraph(backend, None, (), pdl=True)
+    kept, line = model._tune_kernels(first, (), problems)
+    now = registry.resolved(*down_problem)
+    assert now.params == faster.params and now.chosen and "earlier capture on this GPU" in now.note
+    assert "(remembered)" in line and first.closed and kept.pdl is True
+    assert [e.shape for e in compiled] == [(12, 64, 32)]  # only the up projection was timed
+    # A record made against another default, or on another GPU model, does not hold.
+    assert registry.remembered_choice(dataclasses.replace(down, params={**down.params, "stages": 3})) is None
+    backend.device.info.name = "NVIDIA Fake H1"
+    assert registry.remembered_choice(down) is None

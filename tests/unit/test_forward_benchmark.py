@@ -18,7 +18,7 @@ def forward():
     return module
 
 
-def _row(batch, runtime, eager, tuned=None):
+def _row(batch, runtime, eager, defaults=None):
     row = {
         "case": "mlp 4x(4096-11008-4096)",
         "batch": batch,
@@ -28,8 +28,8 @@ def _row(batch, runtime, eager, tuned=None):
         "rel_err_vs_eager": 3.4e-4,
         "runtime_run": "graph",
     }
-    if tuned is not None:
-        row["runtime_tuned"] = {"median_ms": tuned}
+    if defaults is not None:
+        row["runtime_defaults"] = {"median_ms": defaults}
     return row
 
 
@@ -40,12 +40,12 @@ def test_batches_option_parses_and_rejects_with_a_reason(forward):
             forward._batches(bad)
 
 
-def test_table_has_the_tuned_columns_only_when_a_row_has_them(forward, capsys):
+def test_table_has_the_shape_defaults_columns_only_when_a_row_has_them(forward, capsys):
     forward.print_table([_row(1, 0.2, 0.24)])
     plain = capsys.readouterr().out.splitlines()
-    assert "tuned ms" not in plain[0] and "1.20x" in plain[2]
-    forward.print_table([_row(256, 0.405, 0.397, tuned=0.373), _row(1, 0.2, 0.24)])
-    header, _rule, tuned, untuned = capsys.readouterr().out.splitlines()
-    assert header.rstrip().endswith("tuned ms  vs eager")
-    assert tuned.rstrip().endswith("0.373     1.06x") and "0.98x" in tuned
-    assert untuned.rstrip().endswith("-         -")
+    assert "defaults ms" not in plain[0] and "1.20x" in plain[2]
+    forward.print_table([_row(256, 0.373, 0.397, defaults=0.405), _row(1, 0.2, 0.24)])
+    header, _rule, both, one = capsys.readouterr().out.splitlines()
+    assert header.rstrip().endswith("defaults ms  vs eager")
+    assert both.rstrip().endswith("0.405     0.98x") and "1.06x" in both
+    assert one.rstrip().endswith("-         -")
