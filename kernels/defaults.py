@@ -151,6 +151,11 @@ def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str,
 
 #: Bytes of an H100's or H200's L2: weights larger than this stream from DRAM on every pass over them.
 _L2_BYTES = 50 * 2**20
+#: Ring depth of 128 x 64 tiles over weights that stream from DRAM (192 KiB; one block per SM as with 6): more
+#: weight boxes in flight. 256 x 4096 x 11008: 48.6 -> 43.5 us on an H100, 44.2 -> 41.1 us on an H200 (torch
+#: 47.3 / 39.0); 128 x 4096 x 11008 split 2 ways: 39.9 -> 40.6 / 32.2 -> 31.4 us (2026-11-25,
+#: docs/PERFORMANCE.md). The 64-row tiles at M = 32-64 gained nothing from deeper rings on both GPUs.
+_STREAMED_128x64_STAGES = 8
 
 
 def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> list[tuple[float, dict[str, Any]]]:
@@ -163,11 +168,14 @@ def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> l
     2 ways (torch 34.6 and 40.0; 2026-11-25, docs/PERFORMANCE.md)."""
     m, n, k = shape
     one_row_tile = max(bm for (bm, *_rest), _eff in _WGMMA_TILES)
-    streamed = m <= one_row_tile and n * k * itemsize(dtype) > _L2_BYTES
+    from_dram = n * k * itemsize(dtype) > _L2_BYTES
+    streamed = m <= one_row_tile and from_dram
     costed = []
     for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
         if streamed and bm < m:
             continue
+        if from_dram and (bm, bn) == (128, 64):
+            stages = _STREAMED_128x64_STAGES
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         params = {**fam.defaults(dtype), "BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
         if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:

@@ -351,7 +351,7 @@ class WgmmaFamily(Family):
         Param("BM", (64, 128, 256), "block tile rows (M)"),
         Param("BN", (64, 128, 168, 192, 256), "block tile columns (N): the wgmma N (168 reads 168 of 3 TMA boxes)"),
         Param("consumers", (1, 2), "MMA warpgroups; each owns BM / consumers rows (64 or 128)"),
-        Param("stages", (3, 4, 5, 6), "depth of the TMA shared-memory ring"),
+        Param("stages", (3, 4, 5, 6, 8, 10, 12), "depth of the TMA shared-memory ring"),
         Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
         Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
         Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing a tile's k, adding partial sums in shared memory"),

@@ -48,6 +48,9 @@ POINTS = [
     {"BM": 128, "BN": 192, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 3},
     {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "k_splits": 4},
     {"BM": 256, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 2},
+    # the deepest rings: 8 stages of 128 x 64 (the default where weights stream from DRAM), split; 12 of 64 x 64
+    {"BM": 128, "BN": 64, "consumers": 2, "stages": 8, "ctas": 0, "k_splits": 2},
+    {"BM": 64, "BN": 64, "consumers": 1, "stages": 12, "ctas": 132},
     # swapped operands (B as wgmma's A, M-major; A as a K-major B; C stored from the transposed staged tile):
     # one consumer with two m64 rows, a BN of 168 (a K-major box of 168 rows of A), split-K clusters
     {"BM": 128, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0, "swap_ab": True},

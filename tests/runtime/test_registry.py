@@ -244,6 +244,11 @@ def test_default_wgmma_tiles_fill_the_gpu():
     assert tile((64, 4096, 11008)) == (64, 64, 0)  # (64 rows cover M)
     # ... while weights that stay in L2 may be read by several row tiles (BERT-base's FFN at sequence 128).
     assert tile((128, 768, 3072)) == (64, 64, 0)
+    # 128 x 64 tiles over weights streamed from DRAM keep 8 stages in flight, over weights in L2 6.
+    stages = {
+        s: default_params(OPS["linear"], fam, s, "float16")["stages"] for s in ((256, 4096, 11008), (1024, 768, 768))
+    }
+    assert stages == {(256, 4096, 11008): 8, (1024, 768, 768): 6}
 
 
 def test_default_wgmma_splits_k_over_clusters_where_tiles_leave_sms_idle():
