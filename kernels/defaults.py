@@ -186,12 +186,22 @@ def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> l
     return costed
 
 
+#: A swapped tile narrow on the batch side, with a deep ring, for 16 < M <= 32 over weights that stream from DRAM:
+#: the kind of tile cuBLAS runs there (nvjet 64x16 with 16 stages, 128x32 with 10). 32 x 4096 x 11008 in two-block
+#: clusters: 30.6 us on an H200 against 37.1 for the shape default (torch 25.7; three blocks 32.6), but 41.5
+#: against 37.8 on an H100; 32 x 11008 x 4096 unsplit 30.2 against 31.2 / 39.7 against 38.7 (2026-11-25,
+#: docs/PERFORMANCE.md). So it is a runner-up the runtime times in place, not a default.
+_SHORT_M_SWAPPED = {"BM": 128, "BN": 32, "consumers": 2, "stages": 10, "ctas": 0, "stream_k": False, "swap_ab": True}
+
+
 def wgmma_seeds(fam: WgmmaFamily, shape, dtype: str, sm_count: int = DEFAULT_SM_COUNT, top: int = 3) -> list[dict]:
     """Starting points for a search beyond the shape default: the ``top`` tiles by estimated time once split as
     ``_k_splits`` splits them (a split tile's waves over its splits), each as it is and, where M is the
     shorter side, with swapped operands (``swap_ab``, a block per tile, split for its own tiles). The shape
     default ranks tiles unsplit, as measured on an H100; on an H200 the best 256 x 4096 x 11008 down
-    projection is 128 x 128 split 2 ways and swapped (docs/PERFORMANCE.md), which this ranking puts first."""
+    projection is 128 x 128 split 2 ways and swapped (docs/PERFORMANCE.md), which this ranking puts first.
+    At 16 < M <= 32 over weights streamed from DRAM, a swapped tile 32 wide on the batch side with a 10-stage
+    ring comes second (``_SHORT_M_SWAPPED``)."""
     ranked = []
     for cost, tile in _costed_wgmma_tiles(fam, shape, dtype, sm_count):
         splits = _k_splits(fam, shape, tile, dtype, sm_count)
@@ -209,6 +219,13 @@ def wgmma_seeds(fam: WgmmaFamily, shape, dtype: str, sm_count: int = DEFAULT_SM_
                 params["k_splits"] = _k_splits(fam, shape, params, dtype, sm_count)
             if params not in seeds:
                 seeds.append(params)
+    m, n, k = shape
+    if 16 < m <= 32 and n * k * itemsize(dtype) > _L2_BYTES:
+        narrow = {**fam.defaults(dtype), **_SHORT_M_SWAPPED}
+        tiles = fam.tiles(shape, narrow)
+        narrow["k_splits"] = 2 if tiles * 2 <= sm_count and math.ceil(k / fam.BK) >= 2 * _MIN_K_TILES_PER_SPLIT else 1
+        if fam.check(narrow, dtype) is None and narrow not in seeds:
+            seeds.insert(1, narrow)  # second: within the runners-up the runtime times
     return seeds
 
 

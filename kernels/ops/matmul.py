@@ -349,9 +349,13 @@ class WgmmaFamily(Family):
     description = "Hopper wgmma GEMM, TMA ring on mbarriers, warp-specialised (sm_90a; fp16/bf16; K, N % 8 == 0)"
     params = (
         Param("BM", (64, 128, 256), "block tile rows (M)"),
-        Param("BN", (64, 128, 168, 192, 256), "block tile columns (N): the wgmma N (168 reads 168 of 3 TMA boxes)"),
+        Param(
+            "BN",
+            (16, 32, 64, 128, 168, 192, 256),
+            "block tile columns (N): the wgmma N (168 reads 168 of 3 TMA boxes; 16 and 32 with swap_ab: short M)",
+        ),
         Param("consumers", (1, 2), "MMA warpgroups; each owns BM / consumers rows (64 or 128)"),
-        Param("stages", (3, 4, 5, 6, 8, 10, 12), "depth of the TMA shared-memory ring"),
+        Param("stages", (3, 4, 5, 6, 8, 10, 12, 16), "depth of the TMA shared-memory ring"),
         Param("ctas", (0, 128, 132), "persistent grid of this many blocks (at most one per tile); 0: a block per tile"),
         Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
         Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing a tile's k, adding partial sums in shared memory"),
@@ -435,6 +439,8 @@ class WgmmaFamily(Family):
         rows = params["BM"] // params["consumers"]
         if params["BM"] % params["consumers"] or rows not in (64, 128):
             return f"BM / consumers = {params['BM']} / {params['consumers']}: each consumer needs 64 or 128 rows"
+        if params["BN"] < 64 and not (params.get("swap_ab") or self.b_kmajor):
+            return f"BN={params['BN']} needs swap_ab (a K-major box of BN rows; N-major boxes are 64 columns)"
         acc = self.acc_regs(params)
         if acc > self.max_acc_regs:
             return f"{acc} accumulators per consumer thread > {self.max_acc_regs} (spills)"

@@ -57,6 +57,9 @@ POINTS = [
     {"BM": 64, "BN": 168, "consumers": 1, "stages": 5, "ctas": 0, "swap_ab": True},
     {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 4, "swap_ab": True},
     {"BM": 256, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0, "k_splits": 2, "swap_ab": True},
+    # swapped tiles narrow on the batch side (wgmma n32 / n16) with deep rings: short M
+    {"BM": 128, "BN": 32, "consumers": 2, "stages": 10, "ctas": 0, "k_splits": 2, "swap_ab": True},
+    {"BM": 64, "BN": 16, "consumers": 1, "stages": 16, "ctas": 0, "swap_ab": True},
 ]
 #: Shapes where the family is timed against PyTorch, with the points worth comparing there.
 TIMED = {

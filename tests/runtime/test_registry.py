@@ -251,6 +251,27 @@ def test_default_wgmma_tiles_fill_the_gpu():
     assert stages == {(256, 4096, 11008): 8, (1024, 768, 768): 6}
 
 
+def test_short_m_runners_up_include_a_narrow_swapped_tile_with_a_deep_ring():
+    from kernelmill.kernels.defaults import default_alternatives
+    from kernelmill.kernels.ops import OPS
+
+    spec = OPS["linear"]
+    fam = spec.family("wgmma")
+
+    def narrow(shape):
+        found = [
+            p
+            for p in default_alternatives(spec, fam, shape, "float16")[:4]  # what the runtime times in place
+            if p["swap_ab"] and p["BN"] == 32
+        ]
+        assert all(fam.check(p, "float16") is None and p["stages"] == 10 for p in found)
+        return [p["k_splits"] for p in found]
+
+    assert narrow((32, 4096, 11008)) == [2]  # 32 tiles, in two-block clusters
+    assert narrow((32, 11008, 4096)) == [1]  # 86 tiles: split, they would not fit one wave
+    assert narrow((64, 4096, 11008)) == [] and narrow((32, 768, 768)) == []  # M > 32; weights in L2
+
+
 def test_default_wgmma_splits_k_over_clusters_where_tiles_leave_sms_idle():
     from kernelmill.kernels.ops import OPS
 
