@@ -13,6 +13,11 @@ Resolution, once per problem (then kept in memory):
 
 Each problem is logged once with the source it got; ``report()`` lists them all (source ``tuned``,
 ``nearest`` or ``default``, the speedup the service recorded).
+
+A default can be replaced where it runs: ``alternatives`` compiles its runners-up for ``Model`` to time at
+capture, ``put`` swaps one in, and ``remember_choice`` records the outcome per GPU model under
+``<cache_dir>/chosen/``, which a later capture on the same GPU model takes (``remembered_choice``) without
+timing again.
 """
 
 from __future__ import annotations
