@@ -32,7 +32,8 @@ def test_registered_for_sm_90a_half_types_only():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))
-    assert 50 <= len(space) <= 700
+    # 852: narrow swapped tiles (BN 16 / 32) and rings of 8-16 stages came in on 2026-11-25 (was <= 700).
+    assert 50 <= len(space) <= 900
     assert WGMMA.defaults(dtype) in space
     for params in space:
         assert WGMMA.check(params, dtype) is None
