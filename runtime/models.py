@@ -467,16 +467,16 @@ class Model:
             if entry is None or entry.chosen:  # None: e.g. a fused_mlp that ran as its two linears
                 continue
             params = self.registry.remembered_choice(entry)
-            stand_in = None
-            if params is not None and params != entry.params:
-                stand_in = self.registry.stand_in(entry, params)
-            if params is None or (params != entry.params and stand_in is None):
+            if params == entry.params:  # the default won that time
+                continue
+            stand_in = None if params is None else self.registry.stand_in(entry, params)
+            if stand_in is None:  # nothing recorded, or it no longer compiles: time the runners-up
                 pending.append(problem)
-            elif stand_in is not None:
-                stand_in.chosen = True
-                stand_in.note = f"chosen at an earlier capture on this GPU over {entry.family} {_knobs(entry.params)}"
-                self.registry.put(stand_in)
-                remembered.append((entry, stand_in))
+                continue
+            stand_in.chosen = True
+            stand_in.note = f"chosen at an earlier capture on this GPU over {entry.family} {_knobs(entry.params)}"
+            self.registry.put(stand_in)
+            remembered.append((problem, entry, stand_in))
         if remembered:
             trial = None
             try:
@@ -490,14 +490,15 @@ class Model:
                     kept.close()
                 kept = trial
                 picked += [
-                    f"{s.op} {format_shape(s.shape)}: {s.family} {_knobs(s.params)} (remembered)" for _, s in remembered
+                    f"{s.op} {format_shape(s.shape)}: {s.family} {_knobs(s.params)} (remembered)"
+                    for _, _, s in remembered
                 ]
             else:
                 if trial is not None:
                     trial.close()
-                for entry, _stand_in in remembered:
+                for problem, entry, _stand_in in remembered:
                     self.registry.put(entry)
-                    pending.append((entry.op, entry.shape, entry.dtype, entry.attrs))
+                    pending.append(problem)
         for problem in pending:
             entry = original = self.registry.resolved(*problem)
             timed = False

@@ -51,6 +51,21 @@ def attrs_key(attrs: Mapping[str, Any]) -> str:
     return json.dumps({k: attrs[k] for k in sorted(attrs)}, sort_keys=True, default=str)
 
 
+def _file_stem(shape, dtype: str, arch: str, attrs: Mapping[str, Any]) -> str:
+    """A problem's file name in the kernel cache, without suffix: shape, dtype, arch and a digest of its attrs."""
+    digest = hashlib.sha256(attrs_key(attrs).encode()).hexdigest()[:12]
+    return f"{format_shape(shape)}-{dtype}-{arch}-{digest}"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path`` (readers never see half a
+    file; another process writing the same path replaces it whole). Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _same_attrs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return {k: str(v) for k, v in a.items()} == {k: str(v) for k, v in b.items()}
 
@@ -340,8 +355,7 @@ class KernelRegistry:
     # local cache of served kernels -----------------------------------------------------
 
     def _local_paths(self, op: str, shape, dtype: str, attrs) -> tuple[Path, Path]:
-        digest = hashlib.sha256(attrs_key(attrs).encode()).hexdigest()[:12]
-        stem = f"{format_shape(shape)}-{dtype}-{self.target_arch}-{digest}"
+        stem = _file_stem(shape, dtype, self.target_arch, attrs)
         folder = self.served_dir / op
         return folder / f"{stem}.json", folder / f"{stem}.cubin"
 
@@ -389,11 +403,8 @@ class KernelRegistry:
             "server": self.server,
         }
         try:
-            meta_path.parent.mkdir(parents=True, exist_ok=True)
-            for path, data in ((cubin_path, entry.cubin), (meta_path, json.dumps(meta).encode())):
-                tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
+            _write_atomically(cubin_path, entry.cubin)
+            _write_atomically(meta_path, json.dumps(meta).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
             log.warning("runtime: could not write the kernel cache at %s: %s", self.served_dir, exc)
 
@@ -595,8 +606,7 @@ class KernelRegistry:
         if self.backend is None:
             return None
         device = re.sub(r"[^a-z0-9]+", "-", self.backend.device.info.name.lower()).strip("-") or "gpu"
-        digest = hashlib.sha256(attrs_key(entry.attrs).encode()).hexdigest()[:12]
-        stem = f"{format_shape(entry.shape)}-{entry.dtype}-{entry.arch}-{digest}"
+        stem = _file_stem(entry.shape, entry.dtype, entry.arch, entry.attrs)
         return self.chosen_dir / device / entry.op / f"{stem}.json"
 
     def remembered_choice(self, entry: KernelEntry) -> dict[str, Any] | None:
@@ -632,10 +642,7 @@ class KernelRegistry:
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
+            _write_atomically(path, json.dumps(record).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
             log.warning("runtime: could not record a kernel choice at %s: %s", self.chosen_dir, exc)
 
