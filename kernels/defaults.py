@@ -137,9 +137,8 @@ def _k_splits(fam: WgmmaFamily, shape, params: dict[str, Any], dtype: str, sm_co
 
 
 def _wgmma_params(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str, Any]:
-    """The tile with the best estimated time (waves of tiles times a tile's work over its efficiency),
-    persistent over the SMs when there are several waves, split over the k of a cluster's blocks when there
-    are too few tiles to fill the SMs."""
+    """The tile with the best estimated time (waves of tiles times a tile's work over its efficiency), a
+    block per tile, split over the k of a cluster's blocks when there are too few tiles to fill the SMs."""
     best = _wgmma_tile(fam, shape, dtype, sm_count)
     return {**best, "k_splits": _k_splits(fam, shape, best, dtype, sm_count)}
 
@@ -177,9 +176,13 @@ def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> l
         if from_dram and (bm, bn) == (128, 64):
             stages = _STREAMED_128x64_STAGES
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        # A block per tile, also past two waves: a persistent grid of one block per SM was slower on both GPUs
+        # (fp16, us, persistent -> a block per tile, torch in brackets; 2026-11-25, docs/PERFORMANCE.md): H100
+        # 4096^3 205.2 -> 195.7 (179.3), 8192^3 1534.8 -> 1473.9 (1433.4), 2048 x 11008 x 4096 + gelu 328.8 ->
+        # 304.6 (289.2), 1024 x 11008 x 4096 + gelu 169.6 -> 156.7 (154.0); H200 201.9 -> 193.5, 1521.0 ->
+        # 1472.5, 329.4 -> 299.9; bf16 alike. (One-tile blocks store through the staged tile, persistent ones from
+        # registers while their next tile loads.)
         params = {**fam.defaults(dtype), "BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
-        if tiles > 2 * sm_count and sm_count in fam.param("ctas").values:
-            params["ctas"] = sm_count
         if fam.check(params, dtype) is not None:
             continue
         costed.append((math.ceil(tiles / sm_count) * bm * bn / efficiency, params))

@@ -238,7 +238,7 @@ def test_default_wgmma_tiles_fill_the_gpu():
 
     assert tile((256, 4096, 11008)) == (128, 64, 0)  # 128 tiles rather than 32
     assert tile((256, 11008, 4096)) == (128, 192, 0)  # 116 tiles in one wave
-    assert tile((4096, 11008, 4096)) == (128, 256, 132)  # many waves: persistent
+    assert tile((4096, 11008, 4096)) == (128, 256, 0)  # many waves, still a block per tile (not persistent)
     # Weights larger than L2, M <= 128: one row tile, so they stream once (two 64-row tiles stream them twice)...
     assert tile((128, 4096, 11008)) == (128, 64, 0) and tile((96, 4096, 11008)) == (128, 64, 0)
     assert tile((64, 4096, 11008)) == (64, 64, 0)  # (64 rows cover M)
