@@ -150,6 +150,14 @@ def _wgmma_tile(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> dict[str,
 
 #: Bytes of an H100's or H200's L2: weights larger than this stream from DRAM on every pass over them.
 _L2_BYTES = 50 * 2**20
+
+
+def _weights_from_dram(shape, dtype: str) -> bool:
+    """Whether the K x N weights of an (M, N, K) GEMM outgrow L2, so every pass streams them from DRAM."""
+    _m, n, k = shape
+    return n * k * itemsize(dtype) > _L2_BYTES
+
+
 #: Ring depth of 128 x 64 tiles over weights that stream from DRAM (192 KiB; one block per SM as with 6): more
 #: weight boxes in flight. 256 x 4096 x 11008: 48.6 -> 43.5 us on an H100, 44.2 -> 41.1 us on an H200 (torch
 #: 47.3 / 39.0); 128 x 4096 x 11008 split 2 ways: 39.9 -> 40.6 / 32.2 -> 31.4 us (2026-11-25,
@@ -167,7 +175,7 @@ def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> l
     2 ways (torch 34.6 and 40.0; 2026-11-25, docs/PERFORMANCE.md)."""
     m, n, k = shape
     one_row_tile = max(bm for (bm, *_rest), _eff in _WGMMA_TILES)
-    from_dram = n * k * itemsize(dtype) > _L2_BYTES
+    from_dram = _weights_from_dram(shape, dtype)
     streamed = m <= one_row_tile and from_dram
     costed = []
     for (bm, bn, consumers, stages), efficiency in _WGMMA_TILES:
@@ -222,11 +230,9 @@ def wgmma_seeds(fam: WgmmaFamily, shape, dtype: str, sm_count: int = DEFAULT_SM_
                 params["k_splits"] = _k_splits(fam, shape, params, dtype, sm_count)
             if params not in seeds:
                 seeds.append(params)
-    m, n, k = shape
-    if 16 < m <= 32 and n * k * itemsize(dtype) > _L2_BYTES:
+    if 16 < shape[0] <= 32 and _weights_from_dram(shape, dtype):
         narrow = {**fam.defaults(dtype), **_SHORT_M_SWAPPED}
-        tiles = fam.tiles(shape, narrow)
-        narrow["k_splits"] = 2 if tiles * 2 <= sm_count and math.ceil(k / fam.BK) >= 2 * _MIN_K_TILES_PER_SPLIT else 1
+        narrow["k_splits"] = min(2, _k_splits(fam, shape, narrow, dtype, sm_count))  # 3 ways was slower (32.6 us)
         if fam.check(narrow, dtype) is None and narrow not in seeds:
             seeds.insert(1, narrow)  # second: within the runners-up the runtime times
     return seeds
