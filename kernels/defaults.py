@@ -12,6 +12,7 @@ from typing import Any
 
 from kernelmill.kernels.ops.base import Family, itemsize
 from kernelmill.kernels.ops.gemv import GemvFamily
+from kernelmill.kernels.ops.gemv_t import RowDotGemv
 from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily
 from kernelmill.kernels.ops.mlp_stack import Persistent
 
@@ -257,6 +258,8 @@ def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT
     params = dict(fam.defaults(dtype))
     if isinstance(fam, Persistent):
         return fam.shape_defaults(shape, dtype)
+    if isinstance(fam, RowDotGemv):
+        return fam.shape_defaults(shape, dtype, sm_count)
     if isinstance(fam, WgmmaFamily) and len(shape) == 3:
         return _wgmma_params(fam, shape, dtype, sm_count)
     if isinstance(fam, GemvFamily) and params["mma"] and len(shape) == 3:

@@ -14,6 +14,7 @@ import numpy as np
 from kernelmill.kernels.ops.base import OpSpec, Param
 from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS, torch_activation
 from kernelmill.kernels.ops.gemv import GemvFamily
+from kernelmill.kernels.ops.gemv_t import RowDotGemv
 from kernelmill.kernels.ops.matmul import CORES, GemmFamily, WgmmaFamily, gemm_launches
 
 #: Where the defaults leave the core's: with a bias, the SIMT default (BK=8) spills (see fused_mlp).
@@ -83,6 +84,7 @@ class LinearTWgmma(LinearWgmma):
 WGMMA = LinearWgmma()
 GEMV = LinearGemv()
 WGMMA_T = LinearTWgmma()
+GEMV_T = RowDotGemv()
 
 
 class Linear(OpSpec):
@@ -124,10 +126,11 @@ LINEAR = Linear()
 class LinearT(Linear):
     """linear with the weight as nn.Linear stores it: W (N, K), K-major. On Hopper the wgmma tiles then take
     any BN that is a multiple of 8 (the box is BN rows of W), which fills the SMs at shapes where the (K, N)
-    layout's 64-column boxes cannot (256 x 11008 x 4096: 132 tiles of 128 x 168)."""
+    layout's 64-column boxes cannot (256 x 11008 x 4096: 132 tiles of 128 x 168). For M <= 8 the gemv family
+    computes whole rows of W as dot products (kernels/ops/gemv_t.py)."""
 
     name = "linear_t"
-    families = {WGMMA_T.name: WGMMA_T}
+    families = {f.name: f for f in (WGMMA_T, GEMV_T)}
 
     def tensor_shapes(self, shape):
         M, N, K = shape  # noqa: N806

@@ -26,9 +26,10 @@ SHAPES = {
         *[(1, 1, 1), (17, 33, 7), (255, 129, 100), (128, 128, 128), (300, 200, 513)],
         *[(16, 100, 300), (5, 4100, 257), (3, 64, 1000), (64, 256, 128), (300, 200, 512)],
     ],
-    # W is (N, K): only K need be a multiple of 8 (TMA row strides); N is free.
+    # W is (N, K): only K need be a multiple of 8 (TMA row strides, gemv's 16-byte chunks); N is free.
     "linear_t": [
         *[(1, 8, 8), (17, 33, 8), (255, 136, 104), (300, 200, 512), (129, 264, 72), (256, 1000, 4104), (64, 61, 8)],
+        *[(3, 1000, 72), (8, 37, 4104), (5, 300, 520), (1, 4096, 11008)],
     ],
     "bias_act": [(1, 1), (3, 17), (37, 1000), (64, 3072)],
     "add": [(1,), (17,), (1000,), (4099,), (1 << 20,)],
@@ -143,6 +144,30 @@ def test_gemv_vector_loads_of_a_keep_the_k_order(device, compiler, op, dtype):
     assert ran == sum(shape[0] <= point["max_m"] for point in A_VEC_POINTS for shape in A_VEC_SHAPES)
 
 
+#: linear_t's gemv (row dot products) off its defaults: block sizes, chunks a thread, rows in flight, grid strides.
+GEMV_T_POINTS = [
+    {"max_m": 1, "threads": 256, "k_chunks": 6, "rows": 8, "blocks": 132},
+    {"max_m": 2, "threads": 1024, "k_chunks": 1, "rows": 1, "blocks": 528},
+    {"max_m": 2, "threads": 512, "k_chunks": 2, "rows": 4, "blocks": 396},
+    {"max_m": 2, "threads": 256, "k_chunks": 3, "rows": 2, "blocks": 264},
+]
+GEMV_T_SHAPES = [(1, 1, 8), (1, 4096, 4096), (2, 300, 3072), (2, 1000, 72), (1, 37, 4104), (2, 133, 520), (3, 1, 16)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_linear_t_gemv_points(device, compiler, dtype):
+    ran = 0
+    for point in GEMV_T_POINTS:
+        variant = Variant.create("linear_t", "gemv", dtype, point, {"act": "silu"})
+        for shape in GEMV_T_SHAPES:
+            if variant.check_shape(shape):
+                continue
+            ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+            assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+            ran += 1
+    assert ran >= 12
+
+
 class PlantedVariant(Variant):
     """A real variant whose source a test edits: the verifier must catch the damage."""
 
@@ -160,6 +185,19 @@ class PlantedVariant(Variant):
 def _planted(old: str, new: str) -> PlantedVariant:
     base = Variant.create("softmax", "warp_row", "float32")
     return PlantedVariant(base.op, base.family, base.params, base.dtype, base.attrs).plant(old, new)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_linear_t_gemv_element_loads_match(device, compiler, dtype):
+    # The path for rows that are not 16-byte aligned (views): forced on, it must compute the same thing.
+    base = Variant.create("linear_t", "gemv", dtype, {"max_m": 2, "threads": 512, "k_chunks": 2}, {"act": "relu"})
+    variant = PlantedVariant(base.op, base.family, base.params, base.dtype, base.attrs)
+    variant.plant("const bool w_vec = (reinterpret_cast<uintptr_t>(W) & 15) == 0;", "const bool w_vec = false;")
+    variant.plant("const bool x_vec = (reinterpret_cast<uintptr_t>(X) & 15) == 0;", "const bool x_vec = false;")
+    for shape in [(2, 1000, 72), (1, 37, 4104)]:
+        assert variant.check_shape(shape) is None
+        ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+        assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
 
 
 def test_planted_wrong_kernel_is_rejected(device, compiler):

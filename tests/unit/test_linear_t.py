@@ -1,4 +1,5 @@
-"""linear_t: linear on nn.Linear's (N, K) weight, run by the wgmma family with a K-major B. No GPU."""
+"""linear_t: linear on nn.Linear's (N, K) weight, run by the wgmma family with a K-major B (the row-dot gemv family:
+test_gemv_t_spec.py). No GPU."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import pytest
 
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import TensorMapArg, cdiv
-from kernelmill.kernels.ops.linear import LINEAR, LINEAR_T, WGMMA, WGMMA_T
+from kernelmill.kernels.ops.linear import GEMV_T, LINEAR, LINEAR_T, WGMMA, WGMMA_T
 from kernelmill.kernels.render import render
 
 DTYPES = ("float16", "bfloat16")
 
 
-def test_registered_with_the_k_major_wgmma_family_only():
+def test_registered_with_the_k_major_wgmma_family_and_the_row_dot_gemv():
     assert get_op("linear_t") is LINEAR_T
-    assert list(LINEAR_T.families) == ["wgmma"] and LINEAR_T.family("wgmma") is WGMMA_T
+    assert list(LINEAR_T.families) == ["wgmma", "gemv"] and LINEAR_T.family("wgmma") is WGMMA_T
+    assert LINEAR_T.family("gemv") is GEMV_T
     assert WGMMA_T.b_kmajor and not WGMMA.b_kmajor
     assert WGMMA_T.dtypes == DTYPES and WGMMA_T.arch_suffix == "a"
     assert LINEAR_T.attributes == LINEAR.attributes
