@@ -5,9 +5,10 @@ b + blocks, ... of W, its threads split each row's K in 16-byte chunks, and a ro
 block in a fixed order. With torch's weight layout a row is a whole dot product, so there is no split-K
 across blocks (the ``linear`` op's gemv, on the (K, N) layout, needs clusters for that). At batch 1 on an
 H200, eight of these kernels ran the 4 x (4096-11008-4096) MLP 2-3% faster than the linear op's gemv kernels
-(docs/PERFORMANCE.md). Kernel times on an H200 put it level with the linear op's gemv at M = 1, ahead of
-linear_t's wgmma tiles at M = 1-2 (27.7-36.5 us against 33.1-50.0 at 4096 x 11008 both ways) and behind them
-from M = 4 on, where each row of X costs the warps another shuffle sum: so M <= 2.
+(docs/PERFORMANCE.md). Kernel times on an H200 put it level with the linear op's gemv at M = 1 and ahead of
+linear_t's wgmma tiles there (27.7-28.4 us against 33.1-46.2 at 4096 x 11008 both ways). At M = 2 it stays
+ahead on the 4096-output projection (30.8-33.0 against 50.0) and is level on the 11008-output one. From
+M = 4 on it falls behind, because each row of X costs the warps another shuffle sum: so M <= 2.
 """
 
 from __future__ import annotations
