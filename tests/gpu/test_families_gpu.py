@@ -127,6 +127,18 @@ A_VEC_POINTS = [
 A_VEC_SHAPES = [(1, 64, 16), (1, 4096, 512), (5, 4100, 257), (8, 200, 1000), (13, 136, 1002), (16, 520, 4100)]
 
 
+def _verify_where_it_runs(variant, shapes, device, compiler) -> int:
+    """Verifies ``variant`` on 2 seeds at each of ``shapes`` it takes; returns how many it took."""
+    ran = 0
+    for shape in shapes:
+        if variant.check_shape(shape):
+            continue
+        ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+        assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+        ran += 1
+    return ran
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("op", ["matmul", "linear"])
 def test_gemv_vector_loads_of_a_keep_the_k_order(device, compiler, op, dtype):
@@ -135,12 +147,7 @@ def test_gemv_vector_loads_of_a_keep_the_k_order(device, compiler, op, dtype):
     for point in A_VEC_POINTS:
         params = {**fam.defaults(dtype), "block_cols": 64, **point, "a_vec": True}
         variant = Variant.create(op, "gemv", dtype, params, {"act": "gelu_erf"} if op == "linear" else {})
-        for shape in A_VEC_SHAPES:
-            if variant.check_shape(shape):
-                continue
-            ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
-            assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
-            ran += 1
+        ran += _verify_where_it_runs(variant, A_VEC_SHAPES, device, compiler)
     assert ran == sum(shape[0] <= point["max_m"] for point in A_VEC_POINTS for shape in A_VEC_SHAPES)
 
 
@@ -159,12 +166,7 @@ def test_linear_t_gemv_points(device, compiler, dtype):
     ran = 0
     for point in GEMV_T_POINTS:
         variant = Variant.create("linear_t", "gemv", dtype, point, {"act": "silu"})
-        for shape in GEMV_T_SHAPES:
-            if variant.check_shape(shape):
-                continue
-            ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
-            assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
-            ran += 1
+        ran += _verify_where_it_runs(variant, GEMV_T_SHAPES, device, compiler)
     assert ran >= 12
 
 
@@ -194,10 +196,7 @@ def test_linear_t_gemv_element_loads_match(device, compiler, dtype):
     variant = PlantedVariant(base.op, base.family, base.params, base.dtype, base.attrs)
     variant.plant("const bool w_vec = (reinterpret_cast<uintptr_t>(W) & 15) == 0;", "const bool w_vec = false;")
     variant.plant("const bool x_vec = (reinterpret_cast<uintptr_t>(X) & 15) == 0;", "const bool x_vec = false;")
-    for shape in [(2, 1000, 72), (1, 37, 4104)]:
-        assert variant.check_shape(shape) is None
-        ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
-        assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
+    assert _verify_where_it_runs(variant, [(2, 1000, 72), (1, 37, 4104)], device, compiler) == 2
 
 
 def test_planted_wrong_kernel_is_rejected(device, compiler):
