@@ -126,6 +126,4 @@ class RowDotGemv(Family):
             "min_blocks": self.min_blocks(params),
             "entry": self.entry,
             "act": attrs.get("act", "none"),
-            "pdl": self.pdl,
-            "early_w": "W" in self.pdl_early_reads,
         }

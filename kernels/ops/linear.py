@@ -126,7 +126,7 @@ LINEAR = Linear()
 class LinearT(Linear):
     """linear with the weight as nn.Linear stores it: W (N, K), K-major. On Hopper the wgmma tiles then take
     any BN that is a multiple of 8 (the box is BN rows of W), which fills the SMs at shapes where the (K, N)
-    layout's 64-column boxes cannot (256 x 11008 x 4096: 132 tiles of 128 x 168). For M <= 8 the gemv family
+    layout's 64-column boxes cannot (256 x 11008 x 4096: 132 tiles of 128 x 168). For M <= 2 the gemv family
     computes whole rows of W as dot products (kernels/ops/gemv_t.py)."""
 
     name = "linear_t"
