@@ -680,7 +680,14 @@ def _torch_load(path: Path) -> Any:
         import torch
     except ImportError:
         raise ValueError(f"reading {path} needs torch (a PyTorch state_dict file)") from None
-    return torch.load(str(path), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError... for bad files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{path} is not a PyTorch file that torch.load reads with weights_only=True ({first[:160]}); "
+            "expected an MLP state_dict (torch.save(module.state_dict(), path)) or a HuggingFace directory"
+        ) from None
 
 
 def load_module(path: str | Path, act: str | None = None) -> Module:

@@ -126,6 +126,22 @@ def test_mlp_flat_sequential_and_act_in_the_file(tmp_path):
     assert rel_err(model(x).numpy(), want) < 1e-5
 
 
+def test_files_that_are_not_models_are_one_line_errors(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(ValueError, match="not a PyTorch file") as err:
+        runtime.load_model(text, device="cpu")
+    assert "\n" not in str(err.value)
+    pickled_list = tmp_path / "list.pt"
+    torch.save([torch.zeros(2)], pickled_list)
+    with pytest.raises(ValueError, match="holds a list, not a state_dict"):
+        runtime.load_model(pickled_list, device="cpu")
+    with pytest.raises(ValueError, match="no config.json"):
+        runtime.load_model(tmp_path, device="cpu")
+    with pytest.raises(FileNotFoundError):
+        runtime.load_model(tmp_path / "missing.pt", device="cpu")
+
+
 def test_random_bert_runs_on_cpu():
     config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     config.update({"intermediate_size": 64, "max_position_embeddings": 16})
