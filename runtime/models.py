@@ -682,6 +682,8 @@ def _torch_load(path: Path) -> Any:
         raise ValueError(f"reading {path} needs torch (a PyTorch state_dict file)") from None
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True)
+    except OSError:
+        raise  # unreadable (permissions, I/O): say so as it is
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError... for bad files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
