@@ -21,9 +21,8 @@ import math
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, cdiv
+from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, Family, Launch, OpSpec, Param, cdiv
 
-MAX_SMEM_BYTES = 227 * 1024
 MAX_GRID_YZ = 65535
 #: Floats of running state a thread holds (accumulators + one tile's scores), so it does not spill.
 MAX_STATE_FLOATS = 96

@@ -36,6 +36,11 @@ TOLERANCES: dict[str, float] = {
     "bfloat16": 1e-2,
 }
 
+#: Limits of an sm_90 SM that families size their blocks against: shared memory one block may use (227 KiB,
+#: opted in above the 48 KiB of static arrays) and the registers of the SM.
+MAX_SMEM_BYTES = 227 * 1024
+SM_REGS = 65536
+
 
 class SpecError(ValueError):
     """Bad user input about an op: unknown name, malformed shape, invalid parameter."""

@@ -24,10 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, SM_REGS, Family, Launch, OpSpec, Param, cdiv, itemsize
 from kernelmill.kernels.ops.matmul import (
     CORES,
-    MAX_SMEM_BYTES,
     WgmmaFamily,
     gemm_check,
     gemm_check_shape,
@@ -125,7 +124,7 @@ class SmallBatchLayout:
     @property
     def register_budget(self) -> int:
         """Registers a thread may have with one block of this size on an SM (at most 255)."""
-        return min(255, 65536 // self.threads)
+        return min(255, SM_REGS // self.threads)
 
     @property
     def partial_slots(self) -> int:

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernelmill.kernels.ops.base import Family, Launch, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import SM_REGS, Family, Launch, Param, cdiv, itemsize
 
 #: Static shared memory a block may declare.
 MAX_STATIC_SMEM_BYTES = 48 * 1024
 #: Element offsets inside A, B and C are 32-bit in the kernel.
 MAX_MATRIX_ELEMS = 2**31
-#: Registers of one SM and the most threads and blocks it holds.
-_SM_REGS, _SM_THREADS, _SM_BLOCKS = 65536, 2048, 32
+#: The most threads and blocks an SM holds.
+_SM_THREADS, _SM_BLOCKS = 2048, 32
 #: Registers beyond the accumulators and the loads in flight (addresses, bounds, loop state), fitted to
 #: ptxas 13.0 over the space so that the __launch_bounds__ promise does not make it spill.
 _OVERHEAD_REGS = {False: 40, True: 40}
@@ -97,7 +97,7 @@ class GemvFamily(Family):
 
     def min_blocks(self, params: Mapping[str, Any], dtype: str) -> int:
         threads = params["threads"]
-        by_regs = _SM_REGS // (threads * self.estimated_regs(params, dtype))
+        by_regs = SM_REGS // (threads * self.estimated_regs(params, dtype))
         return max(1, min(_SM_THREADS // threads, _SM_BLOCKS, by_regs))
 
     # -- Family interface -------------------------------------------------------------------------
@@ -140,8 +140,8 @@ class GemvFamily(Family):
         if data > most:
             return f"~{data} registers of accumulators and loads in flight per thread > {most} (spills)"
         regs = self.estimated_regs(params, dtype)
-        if params["threads"] * regs > _SM_REGS:
-            return f"{params['threads']} threads x ~{regs} registers exceed an SM's {_SM_REGS}"
+        if params["threads"] * regs > SM_REGS:
+            return f"{params['threads']} threads x ~{regs} registers exceed an SM's {SM_REGS}"
         smem = self.smem_bytes(params, dtype)
         if smem > MAX_STATIC_SMEM_BYTES:
             return f"{smem} bytes of static shared memory > {MAX_STATIC_SMEM_BYTES}"

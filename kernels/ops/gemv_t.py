@@ -16,12 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernelmill.kernels.ops.base import Family, Launch, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, SM_REGS, Family, Launch, Param, cdiv, itemsize
 
-#: Dynamic shared memory a block may use on sm_90.
-MAX_SMEM_BYTES = 227 * 1024
-#: Registers of one SM; registers a thread needs besides the loads in flight and the sums (addresses, loop).
-_SM_REGS, _OTHER_REGS = 65536, 28
+#: Registers a thread needs besides the loads in flight and the sums (addresses, loop).
+_OTHER_REGS = 28
 #: Element offsets inside X and Y are 32-bit in the kernel (W's are 64-bit).
 MAX_ELEMS = 2**31
 
@@ -75,15 +73,15 @@ class RowDotGemv(Family):
         return cdiv(self.data_regs(params) + _OTHER_REGS, 8) * 8
 
     def min_blocks(self, params: Mapping[str, Any]) -> int:
-        return max(1, min(2048 // params["threads"], _SM_REGS // (params["threads"] * self.estimated_regs(params))))
+        return max(1, min(2048 // params["threads"], SM_REGS // (params["threads"] * self.estimated_regs(params))))
 
     def check(self, params, dtype):
         regs = self.estimated_regs(params)
         if regs > 255:
             inflight = f"{params['rows']} rows x {params['k_chunks']} chunks"
             return f"~{regs} registers per thread for {inflight} in flight (spills)"
-        if params["threads"] * regs > _SM_REGS:
-            return f"{params['threads']} threads x ~{regs} registers exceed an SM's {_SM_REGS}"
+        if params["threads"] * regs > SM_REGS:
+            return f"{params['threads']} threads x ~{regs} registers exceed an SM's {SM_REGS}"
         return None
 
     def smem_bytes(self, shape, params, dtype) -> int:

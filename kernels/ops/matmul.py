@@ -26,7 +26,17 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, SpecError, cdiv, itemsize, tensor_map_arg
+from kernelmill.kernels.ops.base import (
+    MAX_SMEM_BYTES,
+    Family,
+    Launch,
+    OpSpec,
+    Param,
+    SpecError,
+    cdiv,
+    itemsize,
+    tensor_map_arg,
+)
 from kernelmill.kernels.ops.gemv import GEMV
 
 #: Threads per block and outputs per thread of the split-K reduce kernel (KM_REDUCE_THREADS, 4 per thread).
@@ -37,8 +47,7 @@ REDUCE_ELEMS_PER_THREAD = 4
 MAX_MATRIX_ELEMS = 2**31
 #: A grid's y and z dimensions hold at most this many blocks.
 MAX_GRID_YZ = 65535
-#: Shared memory one block may use on sm_90 (227 KiB), and without opting in (static arrays).
-MAX_SMEM_BYTES = 227 * 1024
+#: Shared memory one block may use without opting in (static arrays; MAX_SMEM_BYTES with it, ops/base.py).
 MAX_STATIC_SMEM_BYTES = 48 * 1024
 
 _SPLIT_K = Param("split_k", (1, 2, 4, 8, 16), "K slices run in parallel, summed by a second kernel (1: none)")

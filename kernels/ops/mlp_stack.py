@@ -27,7 +27,17 @@ import math
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, cdiv, itemsize, tensor_map_arg
+from kernelmill.kernels.ops.base import (
+    MAX_SMEM_BYTES,
+    SM_REGS,
+    Family,
+    Launch,
+    OpSpec,
+    Param,
+    cdiv,
+    itemsize,
+    tensor_map_arg,
+)
 from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS, torch_activation
 
 #: Blocks launched: one per SM of the largest sm_90 parts (H100 SXM / H200: 132 SMs).
@@ -37,10 +47,8 @@ _LOAD_BYTES = 16
 _STRIP_BYTES = 32 * _LOAD_BYTES
 #: Most shared memory the ring may take (the rest holds the warps' sums, gather lanes and x rows).
 _RING_BYTES = 192 * 1024
-#: Dynamic shared memory a block may use on sm_90.
-MAX_SMEM_BYTES = 227 * 1024
-#: Registers of one SM; registers a thread needs besides accumulators and loads (addresses, task, loop).
-_SM_REGS, _OTHER_REGS = 65536, 32
+#: Registers a thread needs besides accumulators and loads (addresses, task, loop).
+_OTHER_REGS = 32
 #: Activations of the up projections (the first is the default).
 _ACTS = ("gelu_erf", *(a for a in ELEMENTWISE_ACTIVATIONS if a != "gelu_erf"))
 
@@ -88,8 +96,8 @@ class Persistent(Family):
         threads = params["threads"] + 32
         if threads > 1024:
             return f"{params['threads']} consumer threads + a producer warp > 1024 threads per block"
-        if threads * regs > _SM_REGS:
-            return f"{threads} threads x ~{regs} registers exceed an SM's {_SM_REGS}"
+        if threads * regs > SM_REGS:
+            return f"{threads} threads x ~{regs} registers exceed an SM's {SM_REGS}"
         if params["rows"] < params["threads"] // 32:
             return f"rows={params['rows']} leaves consumer warps without a row of a box"
         ring = params["stages"] * self.stage_bytes(params)
