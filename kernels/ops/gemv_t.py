@@ -51,12 +51,13 @@ class RowDotGemv(Family):
         a row is one chunk a thread and 2 otherwise (the best of H200 sweeps at 1 x 11008 x 4096 and 1 x 4096
         x 11008), two 512-thread blocks an SM."""
         m, _n, k = shape
+        threads = 512
         max_m = next((v for v in self.param("max_m").values if v >= m), 2)
-        chunks = cdiv(cdiv(k, self.vec(dtype)), 512)
+        chunks = cdiv(cdiv(k, self.vec(dtype)), threads)
         k_chunks = next((v for v in self.param("k_chunks").values if v >= chunks), 8)
         blocks = min(self.param("blocks").values, key=lambda b: abs(b - 2 * sm_count))
         rows = 4 if k_chunks == 1 else 2
-        params = {"max_m": max_m, "threads": 512, "k_chunks": k_chunks, "rows": rows, "blocks": blocks}
+        params = {"max_m": max_m, "threads": threads, "k_chunks": k_chunks, "rows": rows, "blocks": blocks}
         while params["rows"] > 1 and self.check(params, dtype):
             params["rows"] //= 2
         return params
