@@ -126,6 +126,20 @@ def test_mlp_flat_sequential_and_act_in_the_file(tmp_path):
     assert rel_err(model(x).numpy(), want) < 1e-5
 
 
+def test_mlp_without_an_activation_says_it_assumes_relu(tmp_path, caplog):
+    ref = _mlp_blocks(8, 16, 1, "relu")
+    path = tmp_path / "mlp.pt"
+    torch.save(ref.state_dict(), path)
+    with caplog.at_level("WARNING", logger="kernelmill.runtime.models"):
+        model = runtime.load_model(path, device="cpu")
+    assert model.module.layers[0].act == "relu"
+    assert any("names no activation" in r.getMessage() and "relu" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kernelmill.runtime.models"):
+        runtime.load_model(path, device="cpu", act="relu")
+    assert not caplog.records
+
+
 def test_files_that_are_not_models_are_one_line_errors(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint\n")
