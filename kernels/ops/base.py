@@ -40,6 +40,10 @@ TOLERANCES: dict[str, float] = {
 #: opted in above the 48 KiB of static arrays) and the registers of the SM.
 MAX_SMEM_BYTES = 227 * 1024
 SM_REGS = 65536
+#: The most threads and blocks an SM holds, and the most registers a thread may have.
+SM_THREADS, SM_BLOCKS, MAX_THREAD_REGS = 2048, 32, 255
+#: Kernels index their tensors with 32-bit element offsets: a tensor must hold fewer elements than this.
+MAX_INDEXED_ELEMS = 2**31
 
 
 class SpecError(ValueError):

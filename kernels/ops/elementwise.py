@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import MAX_INDEXED_ELEMS, Family, Launch, OpSpec, Param, cdiv, itemsize
 from kernelmill.kernels.ops.fused_mlp import ACTIVATION_FUNCTIONS
 
 #: Activation names (templates call act_<name>: the prelude has none/relu/gelu_*; silu comes from
@@ -76,7 +76,7 @@ class VecFamily(Family):
 
     def check_shape(self, shape, params, dtype):
         n = self._elements(shape)
-        if n >= 2**31:
+        if n >= MAX_INDEXED_ELEMS:
             return f"{n} elements; the kernels index with 32-bit element counts (< 2**31)"
         if cdiv(n, params["threads"] * params["vec"]) > MAX_GRID_X:  # pragma: no cover - needs n >= 2**31
             return "too many blocks for the grid"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import Family, Launch, OpSpec, Param, itemsize, numpy_dtype
+from kernelmill.kernels.ops.base import MAX_INDEXED_ELEMS, Family, Launch, OpSpec, Param, itemsize, numpy_dtype
 
 #: Elements of T that hold one token id, and the base of its digits.
 ID_ELEMS = 3
@@ -58,7 +58,7 @@ class Gather(Family):
 
     def check_shape(self, shape, params, dtype):
         batch, seq, hidden, vocab, type_vocab = shape
-        if max(batch * seq, vocab, type_vocab) * hidden >= 2**31:
+        if max(batch * seq, vocab, type_vocab) * hidden >= MAX_INDEXED_ELEMS:
             return "a table or the output has 2**31 elements or more (32-bit offsets)"
         return None
 

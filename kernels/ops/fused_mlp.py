@@ -24,7 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, SM_REGS, Family, Launch, OpSpec, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import (
+    MAX_INDEXED_ELEMS,
+    MAX_SMEM_BYTES,
+    MAX_THREAD_REGS,
+    SM_REGS,
+    Family,
+    Launch,
+    OpSpec,
+    Param,
+    cdiv,
+    itemsize,
+)
 from kernelmill.kernels.ops.matmul import (
     CORES,
     WgmmaFamily,
@@ -124,7 +135,7 @@ class SmallBatchLayout:
     @property
     def register_budget(self) -> int:
         """Registers a thread may have with one block of this size on an SM (at most 255)."""
-        return min(255, SM_REGS // self.threads)
+        return min(MAX_THREAD_REGS, SM_REGS // self.threads)
 
     @property
     def partial_slots(self) -> int:
@@ -214,7 +225,7 @@ class SmallBatch(Family):
         batch, _d_in, _d_hidden, d_out = shape
         if batch > params["max_batch"]:
             return f"batch {batch} > max_batch {params['max_batch']} of this variant"
-        if batch * acc_row_floats(d_out) >= 2**31:
+        if batch * acc_row_floats(d_out) >= MAX_INDEXED_ELEMS:
             return "the Y accumulator is too large for 32-bit indexing"
         return None
 

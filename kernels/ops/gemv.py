@@ -19,14 +19,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernelmill.kernels.ops.base import SM_REGS, Family, Launch, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import (
+    MAX_INDEXED_ELEMS,
+    SM_BLOCKS,
+    SM_REGS,
+    SM_THREADS,
+    Family,
+    Launch,
+    Param,
+    cdiv,
+    itemsize,
+)
 
 #: Static shared memory a block may declare.
 MAX_STATIC_SMEM_BYTES = 48 * 1024
-#: Element offsets inside A, B and C are 32-bit in the kernel.
-MAX_MATRIX_ELEMS = 2**31
-#: The most threads and blocks an SM holds.
-_SM_THREADS, _SM_BLOCKS = 2048, 32
 #: Registers beyond the accumulators and the loads in flight (addresses, bounds, loop state), fitted to
 #: ptxas 13.0 over the space so that the __launch_bounds__ promise does not make it spill.
 _OVERHEAD_REGS = {False: 40, True: 40}
@@ -98,7 +104,7 @@ class GemvFamily(Family):
     def min_blocks(self, params: Mapping[str, Any], dtype: str) -> int:
         threads = params["threads"]
         by_regs = SM_REGS // (threads * self.estimated_regs(params, dtype))
-        return max(1, min(_SM_THREADS // threads, _SM_BLOCKS, by_regs))
+        return max(1, min(SM_THREADS // threads, SM_BLOCKS, by_regs))
 
     # -- Family interface -------------------------------------------------------------------------
 
@@ -152,9 +158,9 @@ class GemvFamily(Family):
         if params["max_m"] < M:
             return f"M={M} > max_m={params['max_m']} (gemv serves skinny products; simt/tensorcore run this)"
         for name, elems in (("A", M * K), ("B", K * N), ("C", M * N)):
-            if elems >= MAX_MATRIX_ELEMS:
+            if elems >= MAX_INDEXED_ELEMS:
                 return f"{name} has {elems} elements; the kernel indexes with 32-bit offsets (< 2**31)"
-        if N + params["block_cols"] >= MAX_MATRIX_ELEMS:
+        if N + params["block_cols"] >= MAX_INDEXED_ELEMS:
             return f"N={N}: the column offsets of the last strip would overflow 32 bits"
         return None
 

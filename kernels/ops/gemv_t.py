@@ -16,12 +16,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, SM_REGS, Family, Launch, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import (
+    MAX_INDEXED_ELEMS,
+    MAX_SMEM_BYTES,
+    MAX_THREAD_REGS,
+    SM_REGS,
+    SM_THREADS,
+    Family,
+    Launch,
+    Param,
+    cdiv,
+    itemsize,
+)
 
 #: Registers a thread needs besides the loads in flight and the sums (addresses, loop).
 _OTHER_REGS = 28
-#: Element offsets inside X and Y are 32-bit in the kernel (W's are 64-bit).
-MAX_ELEMS = 2**31
 
 
 class RowDotGemv(Family):
@@ -74,11 +83,12 @@ class RowDotGemv(Family):
         return cdiv(self.data_regs(params) + _OTHER_REGS, 8) * 8
 
     def min_blocks(self, params: Mapping[str, Any]) -> int:
-        return max(1, min(2048 // params["threads"], SM_REGS // (params["threads"] * self.estimated_regs(params))))
+        threads = params["threads"]
+        return max(1, min(SM_THREADS // threads, SM_REGS // (threads * self.estimated_regs(params))))
 
     def check(self, params, dtype):
         regs = self.estimated_regs(params)
-        if regs > 255:
+        if regs > MAX_THREAD_REGS:
             inflight = f"{params['rows']} rows x {params['k_chunks']} chunks"
             return f"~{regs} registers per thread for {inflight} in flight (spills)"
         if params["threads"] * regs > SM_REGS:
@@ -101,7 +111,7 @@ class RowDotGemv(Family):
         most = params["k_chunks"] * params["threads"] * vec
         if k > most:
             return f"K={k} > k_chunks x threads x {vec} = {most}"
-        if m * k >= MAX_ELEMS or m * n >= MAX_ELEMS:
+        if m * k >= MAX_INDEXED_ELEMS or m * n >= MAX_INDEXED_ELEMS:  # W's offsets are 64-bit
             return "X or Y has 2**31 elements or more; the kernel indexes them with 32-bit offsets"
         smem = self.smem_bytes(shape, params, dtype)
         if smem > MAX_SMEM_BYTES:

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from kernelmill.kernels.ops.base import (
+    MAX_INDEXED_ELEMS,
     MAX_SMEM_BYTES,
+    MAX_THREAD_REGS,
     Family,
     Launch,
     OpSpec,
@@ -42,9 +44,6 @@ from kernelmill.kernels.ops.gemv import GEMV
 #: Threads per block and outputs per thread of the split-K reduce kernel (KM_REDUCE_THREADS, 4 per thread).
 REDUCE_THREADS = 256
 REDUCE_ELEMS_PER_THREAD = 4
-#: Element offsets inside A, B and C are 32-bit in the kernels (64-bit ones cost the registers that let the
-#: default tiles fit 128 per thread), so each matrix holds fewer elements than this.
-MAX_MATRIX_ELEMS = 2**31
 #: A grid's y and z dimensions hold at most this many blocks.
 MAX_GRID_YZ = 65535
 #: Shared memory one block may use without opting in (static arrays; MAX_SMEM_BYTES with it, ops/base.py).
@@ -151,7 +150,7 @@ class TensorCoreCore(GemmCore):
     #: fp32 accumulator registers one block may hold (half the register file), so blocks of many warps
     #: with big warp tiles, which would spill, are not tried.
     max_acc_regs_per_block = 32768
-    max_regs_per_thread = 255
+    max_regs_per_thread = MAX_THREAD_REGS
 
     def tile(self, params):
         return params["BM"], params["BN"]
@@ -236,8 +235,9 @@ def gemm_check_shape(core: str, M: int, N: int, K: int, params: Mapping[str, Any
     bm, _ = gemm_core(core).tile(params)
     if cdiv(M, bm) > MAX_GRID_YZ:
         return f"M={M} needs {cdiv(M, bm)} tile rows > {MAX_GRID_YZ} (grid y); use a larger BM"
+    # 32-bit offsets: 64-bit ones cost the registers that let the default tiles fit 128 accumulators a thread.
     for name, elems in (("A", M * K), ("B", K * N), ("C", M * N)):
-        if elems >= MAX_MATRIX_ELEMS:
+        if elems >= MAX_INDEXED_ELEMS:
             return f"{name} has {elems} elements; the kernels index with 32-bit offsets (< 2**31)"
     return None
 

@@ -15,7 +15,18 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, SM_REGS, Family, Launch, OpSpec, Param, cdiv, itemsize
+from kernelmill.kernels.ops.base import (
+    MAX_SMEM_BYTES,
+    SM_BLOCKS,
+    SM_REGS,
+    SM_THREADS,
+    Family,
+    Launch,
+    OpSpec,
+    Param,
+    cdiv,
+    itemsize,
+)
 
 _VEC = Param("vec", (1, 2, 4, 8), "elements per vector access (at most 16 bytes)")
 _UNROLL = Param("unroll", (1, 2, 4, 8, 16), "vector accesses per thread held in registers per pass")
@@ -30,8 +41,6 @@ _DEFAULT_FLOATS_PER_THREAD = 32
 #: ptxas 13.0 over the parameter space: the largest overhead seen, rounded up). Left without a promise,
 #: ptxas takes twice the registers it needs (e.g. 128 for a 32-float pass that fits 64 without spilling).
 _OVERHEAD_REGS = 32
-#: The most threads and blocks an SM holds.
-_SM_THREADS, _SM_BLOCKS = 2048, 32
 #: Dynamic shared memory a block_row / cluster_row launch may use for its row copy: at most half an SM's 227 KiB,
 #: so two blocks still fit on an SM; longer rows (chunks) read their second pass from L2 instead.
 SMEM_CACHE_LIMIT = MAX_SMEM_BYTES // 2
@@ -64,7 +73,7 @@ def min_blocks(threads: int, params: Mapping[str, Any]) -> int:
     """Blocks per SM to promise in __launch_bounds__: as many as the estimated registers allow (at most the
     SM's thread and block limits), so ptxas does not take registers that would cost occupancy for nothing."""
     by_regs = SM_REGS // (threads * estimated_regs(params))
-    return max(1, min(_SM_THREADS // threads, _SM_BLOCKS, by_regs))
+    return max(1, min(SM_THREADS // threads, SM_BLOCKS, by_regs))
 
 
 def _check_registers(threads: int, params: Mapping[str, Any]) -> str | None:
