@@ -166,6 +166,30 @@ def _weights_from_dram(shape, dtype: str) -> bool:
 _STREAMED_128x64_STAGES = 8
 
 
+#: Past one wave of tiles, a persistent grid of this many blocks whose stores leave by TMA from a shared C tile
+#: (tma_store), so that each block's next tile runs while they drain. Against a block per tile (fp16, us, H200,
+#: torch in brackets; 2026-11-25, docs/PERFORMANCE.md): 4096^3 193.1 -> 183.0 (179.2); 2048 x 11008 x 4096 +
+#: gelu 299.3 -> 295.9 (282.6); 2048 x 4096 x 11008 244.7 -> 239.8 (236.1); 1024 x 11008 x 4096 + gelu 151.1 ->
+#: 147.8 (143.0); 512 x 11008 x 4096 + gelu (128 x 192) 80.8 -> 76.8 (74.9). 128 blocks ran level with or
+#: ahead of 132 at 128 x 256. Without TMA stores a persistent grid was the slower one (4096^3 201.9 against
+#: 193.5 a block per tile): its consumers stored their fragments from registers while the tensor cores idled.
+_PERSISTENT_CTAS = 128
+#: Ring depth of a persistent tile with TMA stores where it differs from the tile's own: 128 x 192 in 4 stages
+#: keeps its whole C tile in shared memory (5 stages leave room for 64 columns at a time: 78.8 against 76.8 us
+#: at 512 x 11008 x 4096, 296.0 against 290.7 at 2048 x 11008 x 4096).
+_TMA_STORE_STAGES = {(128, 192): 4}
+
+
+def _persistent(fam: WgmmaFamily, shape, dtype: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` on a persistent grid with TMA stores (``_PERSISTENT_CTAS``), where the family takes that
+    at ``shape`` (BN a multiple of 64; C's rows a multiple of 16 bytes); else ``params`` as they are."""
+    stages = _TMA_STORE_STAGES.get((params["BM"], params["BN"]), params["stages"])
+    persistent = {**params, "ctas": _PERSISTENT_CTAS, "tma_store": True, "stages": stages}
+    if fam.check(persistent, dtype) is None and fam.check_shape(shape, persistent, dtype) is None:
+        return persistent
+    return params
+
+
 def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> list[tuple[float, dict[str, Any]]]:
     """(estimated cost, params) of the valid tiles of ``_WGMMA_TILES``, in the table's order: waves of tiles
     times a tile's work over its efficiency.
@@ -185,15 +209,11 @@ def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> l
         if from_dram and (bm, bn) == (128, 64):
             stages = _STREAMED_128x64_STAGES
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        # A block per tile, also past two waves: a persistent grid of one block per SM was slower on both GPUs
-        # (fp16, us, persistent -> a block per tile, torch in brackets; 2026-11-25, docs/PERFORMANCE.md): H100
-        # 4096^3 205.2 -> 195.7 (179.3), 8192^3 1534.8 -> 1473.9 (1433.4), 2048 x 11008 x 4096 + gelu 328.8 ->
-        # 304.6 (289.2), 1024 x 11008 x 4096 + gelu 169.6 -> 156.7 (154.0); H200 201.9 -> 193.5, 1521.0 ->
-        # 1472.5, 329.4 -> 299.9; bf16 alike. (One-tile blocks store through the staged tile, persistent ones from
-        # registers while their next tile loads.)
         params = {**fam.defaults(dtype), "BM": bm, "BN": bn, "consumers": consumers, "stages": stages, "ctas": 0}
         if fam.check(params, dtype) is not None:
             continue
+        if tiles > sm_count >= _PERSISTENT_CTAS:
+            params = _persistent(fam, shape, dtype, params)
         costed.append((math.ceil(tiles / sm_count) * bm * bn / efficiency, params))
     return costed
 
@@ -224,7 +244,7 @@ def wgmma_seeds(fam: WgmmaFamily, shape, dtype: str, sm_count: int = DEFAULT_SM_
     short_m = shape[0] < shape[1]  # swapped operands put M on wgmma's N: for the short side
     for _cost, tile in sorted(ranked, key=lambda c: c[0])[:top]:
         for swap in (False, True) if short_m else (False,):
-            params = {**tile, "swap_ab": swap, **({"ctas": 0, "k_splits": 1} if swap else {})}
+            params = {**tile, "swap_ab": swap, **({"ctas": 0, "k_splits": 1, "tma_store": False} if swap else {})}
             if fam.check(params, dtype) is not None:
                 continue
             if swap:

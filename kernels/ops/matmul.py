@@ -369,6 +369,11 @@ class WgmmaFamily(Family):
         Param("stream_k", (False, True), "all tiles' k iterations split evenly over the ctas blocks (fp32 partials)"),
         Param("k_splits", (1, 2, 3, 4), "blocks (a cluster) sharing a tile's k, adding partial sums in shared memory"),
         Param("swap_ab", (False, True), "B as wgmma's A (C^T = B^T A^T): BM tiles N, BN tiles M; for short M"),
+        Param(
+            "tma_store",
+            (False, True),
+            "C leaves through a shared tile by TMA stores: a persistent block's next tile runs while they drain",
+        ),
     )
     #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
     BK = 64
@@ -415,9 +420,24 @@ class WgmmaFamily(Family):
         """The shared ring: stages of A (BM x 64) and B (64 x bn_loaded); split-K's partial sums reuse it."""
         return params["stages"] * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype)
 
+    def c_cols(self, params: Mapping[str, Any], dtype: str) -> int:
+        """Columns of C the shared C tile of tma_store holds at once (km_wgmma_c_cols): the most that divide BN
+        in 64-column boxes and fit beside the ring, its barriers and the alignment slack; 0 where none fit.
+        A wider tile goes out in rounds (128 x 256 with 4 stages: two of 128 columns)."""
+        fixed = self.ring_bytes(params, dtype) + 16 * params["stages"] + 1024
+        for cols in range(params["BN"] // 64 * 64, 0, -64):
+            if params["BN"] % cols == 0 and fixed + params["BM"] * cols * itemsize(dtype) <= MAX_SMEM_BYTES:
+                return cols
+        return 0
+
+    def c_tile_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        """The shared tile of C that TMA stores read (tma_store), else nothing."""
+        return params["BM"] * self.c_cols(params, dtype) * itemsize(dtype) if params.get("tma_store") else 0
+
     def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
-        """km_gemm_wgmma_smem_bytes: the ring, a full and an empty mbarrier per stage, 1 KiB alignment slack."""
-        return self.ring_bytes(params, dtype) + 16 * params["stages"] + 1024
+        """km_gemm_wgmma_smem_bytes: the ring, the C tile of tma_store, a full and an empty mbarrier per stage,
+        1 KiB alignment slack."""
+        return self.ring_bytes(params, dtype) + self.c_tile_bytes(params, dtype) + 16 * params["stages"] + 1024
 
     def acc_regs(self, params: Mapping[str, Any]) -> int:
         """fp32 accumulators per consumer thread: (BM / consumers) x BN over 128 threads."""
@@ -440,7 +460,7 @@ class WgmmaFamily(Family):
     def defaults(self, dtype):
         # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
         tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
-        return {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False}
+        return {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False, "tma_store": False}
 
     def check(self, params, dtype):
         if dtype not in self.dtypes:
@@ -463,6 +483,13 @@ class WgmmaFamily(Family):
             return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
         if params.get("swap_ab") and (params["ctas"] or params.get("stream_k")):
             return "swap_ab stores through the staged tile of a block per tile: use ctas=0 and no stream_k"
+        if params.get("tma_store"):
+            if splits > 1 or params.get("swap_ab") or params.get("stream_k"):
+                return "tma_store stores whole tiles of C as they are: use k_splits=1, no swap_ab and no stream_k"
+            if params["BN"] % 64:
+                return f"tma_store stores 64-column boxes: BN={params['BN']} must be a multiple of 64"
+            if not self.c_cols(params, dtype):
+                return f"tma_store: no room for a {params['BM']} x 64 tile of C beside a {params['stages']}-stage ring"
         if splits > 1 or params.get("swap_ab"):
             ring, staged = self.ring_bytes(params, dtype), self.staged_bytes(params)
             if staged > ring:
@@ -481,6 +508,9 @@ class WgmmaFamily(Family):
                     f"({dim} a multiple of {self.stride_align_bytes // size})"
                     + ("" if self.b_kmajor else "; the tensorcore family runs this shape")
                 )
+        if params.get("tma_store") and N * size % self.stride_align_bytes:
+            align = self.stride_align_bytes
+            return f"N={N}: TMA stores need C's rows in multiples of {align} bytes (use tma_store=False)"
         if cdiv(M, params["BM"]) * cdiv(N, params["BN"]) >= 2**31 // 8:
             return "too many output tiles for the kernel's 32-bit tile index"
         splits = params.get("k_splits", 1)
@@ -512,20 +542,25 @@ class WgmmaFamily(Family):
         """The launches of one GEMM, kernel ``entry`` over ``buffers`` (A, B, C [, bias]) at ``shape``
         (M, N, K): with stream_k a launch that zeroes the arrival counts first."""
         M, N, K = shape  # noqa: N806
-        # The maps are built from the buffers at positions 2 and 3 (device.py pads them to ptxas's offsets).
-        # With swap_ab wgmma's A is B (position 3) and its B is A (position 2), K-major.
+        # The maps come first (device.py pads them to ptxas's offsets), then the buffers: A at position a, B at
+        # a + 1, C at a + 2, where a is the number of maps. With swap_ab wgmma's A is B and its B is A, K-major.
+        # tma_store adds a third map, over C: 64-column boxes of one consumer's rows, stored from the C tile.
+        a = 3 if params.get("tma_store") else 2
         if params.get("swap_ab"):
             if self.b_kmajor:
-                a_map = tensor_map_arg(3, (K, N), (self.BK, params["BM"]), dtype)
+                a_map = tensor_map_arg(a + 1, (K, N), (self.BK, params["BM"]), dtype)
             else:
-                a_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
-            b_map = tensor_map_arg(2, (K, M), (self.BK, params["BN"]), dtype)
+                a_map = tensor_map_arg(a + 1, (N, K), (64, self.BK), dtype)
+            b_map = tensor_map_arg(a, (K, M), (self.BK, params["BN"]), dtype)
         else:
-            a_map = tensor_map_arg(2, (K, M), (self.BK, params["BM"]), dtype)
+            a_map = tensor_map_arg(a, (K, M), (self.BK, params["BM"]), dtype)
             if self.b_kmajor:
-                b_map = tensor_map_arg(3, (K, N), (self.BK, params["BN"]), dtype)
+                b_map = tensor_map_arg(a + 1, (K, N), (self.BK, params["BN"]), dtype)
             else:
-                b_map = tensor_map_arg(3, (N, K), (64, self.BK), dtype)
+                b_map = tensor_map_arg(a + 1, (N, K), (64, self.BK), dtype)
+        maps = (a_map, b_map)
+        if params.get("tma_store"):
+            maps += (tensor_map_arg(a + 2, (N, M), (64, params["BM"] // params["consumers"]), dtype),)
         extra: tuple[str, ...] = ()
         launches = []
         if params.get("stream_k"):
@@ -539,7 +574,7 @@ class WgmmaFamily(Family):
                 (self.grid(shape, params), 1, 1),
                 (self.threads(params), 1, 1),
                 self.smem_bytes(params, dtype),
-                (a_map, b_map, *buffers, *extra, M, N, K),
+                (*maps, *buffers, *extra, M, N, K),
             )
         )
         return launches
@@ -551,6 +586,7 @@ class WgmmaFamily(Family):
             "staged_row_floats": self.staged_row_floats(params),
             "b_kmajor": self.b_kmajor,
             "swap_ab": swap,
+            "tma_store": params.get("tma_store", False),
         }
 
 

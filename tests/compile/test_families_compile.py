@@ -68,6 +68,28 @@ def test_wgmma_staged_row_stride_is_tied_to_the_python_formula(compiler, swap_ab
     assert "staged-tile row stride differs" in info.value.log
 
 
+@pytest.mark.parametrize(
+    ("op", "params"),
+    [
+        ("matmul", {"BM": 128, "BN": 256, "stages": 4, "ctas": 128}),  # two rounds of 128 columns a tile
+        ("linear", {"BM": 128, "BN": 192, "stages": 4, "ctas": 132}),  # the whole C tile at once
+        ("linear_t", {"BM": 256, "BN": 128, "stages": 3, "ctas": 128}),  # two m64 rows a consumer, K-major B
+        ("fused_mlp", {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 0}),  # one consumer, a block per tile
+    ],
+)
+def test_wgmma_tma_store_compiles_to_bulk_tensor_stores(compiler, op, params):
+    # tma_store: C leaves through a shared tile by TMA stores. The kernel must size that tile as the Python side
+    # does (the static_assert on the shared-memory size) and must not spill.
+    params = {"consumers": 2, **params, "tma_store": True}
+    variant = Variant.create(op, "wgmma", "float16", params, {"act": "gelu_erf"} if op != "matmul" else {})
+    assert "const __grid_constant__ KmTensorMap tma_c" in variant.source
+    compiled = variant.compile(compiler, "sm_90a")
+    assert not compiled.spills, compiled.report()
+    assert all(res.registers <= 168 for res in compiled.resources.values())
+    fam = OPS[op].family("wgmma")
+    assert f"== {fam.smem_bytes(variant.params, 'float16')}, " in variant.source
+
+
 def test_second_compile_hits_the_cache(tmp_path):
     compiler = Compiler(cache_dir=tmp_path)
     source = Variant.create("softmax", "block_row", "float32", {"threads": 128}).source

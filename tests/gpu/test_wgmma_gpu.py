@@ -28,7 +28,7 @@ DEEP = [(255, 136, 1032), (1, 200, 520), (300, 264, 4104)]
 BIG = (4096, 4096, 4096)
 #: The defaults and points that take the other code paths: one consumer (no setmaxnreg), two m64 rows per
 #: consumer, BN of 64, 168 and 192, a block per tile and persistent grids, shallow and deep rings, stream-K,
-#: split-K over clusters.
+#: split-K over clusters, swapped operands, TMA stores.
 POINTS = [
     {},
     {"BM": 128, "BN": 128, "consumers": 2, "stages": 4, "ctas": 0},
@@ -60,12 +60,21 @@ POINTS = [
     # swapped tiles narrow on the batch side (wgmma n32 / n16) with deep rings: short M
     {"BM": 128, "BN": 32, "consumers": 2, "stages": 10, "ctas": 0, "k_splits": 2, "swap_ab": True},
     {"BM": 64, "BN": 16, "consumers": 1, "stages": 16, "ctas": 0, "swap_ab": True},
+    # C through a shared tile and TMA stores: persistent grids storing a tile's columns at once, in two rounds
+    # (4 stages of 128 x 256) and in three (5 of 128 x 192); a block per tile; one consumer; two m64 rows each
+    {"BM": 128, "BN": 192, "consumers": 2, "stages": 4, "ctas": 132, "tma_store": True},
+    {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 128, "tma_store": True},
+    {"BM": 128, "BN": 192, "consumers": 2, "stages": 5, "ctas": 132, "tma_store": True},
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "tma_store": True},
+    {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 132, "tma_store": True},
+    {"BM": 256, "BN": 128, "consumers": 2, "stages": 3, "ctas": 128, "tma_store": True},
 ]
 #: Shapes where the family is timed against PyTorch, with the points worth comparing there.
+_TMA = {"ctas": 128, "tma_store": True}
 TIMED = {
-    (4096, 4096, 4096): [{}, {"ctas": 128}],
-    (8192, 8192, 8192): [{}, {"ctas": 128}],
-    (2048, 11008, 4096): [{}, {"BN": 128, "stages": 6}, {"BM": 256, "BN": 128}],
+    (4096, 4096, 4096): [{}, {"ctas": 128}, _TMA, {**_TMA, "stages": 3}],
+    (8192, 8192, 8192): [{}, {"ctas": 128}, _TMA, {**_TMA, "stages": 3}],
+    (2048, 11008, 4096): [{}, {"BN": 128, "stages": 6}, {"BM": 256, "BN": 128}, _TMA, {**_TMA, "BN": 128, "stages": 5}],
 }
 
 
@@ -121,6 +130,32 @@ def test_swapped_linears_verify(device, compiler, op, dtype):
         for act in spec.attributes[0].values if i == 0 else ("gelu_erf",):
             variant = Variant.create(op, "wgmma", dtype, params, {"act": act})
             for shape in SWAPPED[op]:
+                assert not variant.check_shape(shape), f"{variant.describe()} rejects {shape}"
+                ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+                assert ev.ok, f"{variant.describe()} {act} at {shape}: {ev.status}: {ev.reason}"
+
+
+#: TMA stores in the ops with a bias and an activation, the (N, K) weight of linear_t included: N a multiple of 8
+#: (C's rows in 16-byte units), ragged tiles, K tails, and both GEMMs of fused_mlp.
+TMA_STORED = {
+    "linear": [(255, 136, 104), (300, 200, 520), (1000, 1032, 1032)],
+    "linear_t": [(255, 136, 104), (300, 200, 520), (17, 64, 136)],
+    "fused_mlp": [(3, 136, 256, 64), (300, 256, 520, 136)],
+}
+TMA_STORED_POINTS = [
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 132, "tma_store": True},
+    {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 128, "tma_store": True},
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", sorted(TMA_STORED))
+def test_tma_stored_linears_verify(device, compiler, op, dtype):
+    spec = get_op(op)
+    for i, params in enumerate(TMA_STORED_POINTS):
+        for act in spec.attributes[0].values if i == 0 else ("gelu_erf",):
+            variant = Variant.create(op, "wgmma", dtype, params, {"act": act})
+            for shape in TMA_STORED[op]:
                 assert not variant.check_shape(shape), f"{variant.describe()} rejects {shape}"
                 ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
                 assert ev.ok, f"{variant.describe()} {act} at {shape}: {ev.status}: {ev.reason}"

@@ -238,7 +238,14 @@ def test_default_wgmma_tiles_fill_the_gpu():
 
     assert tile((256, 4096, 11008)) == (128, 64, 0)  # 128 tiles rather than 32
     assert tile((256, 11008, 4096)) == (128, 192, 0)  # 116 tiles in one wave
-    assert tile((4096, 11008, 4096)) == (128, 256, 0)  # many waves, still a block per tile (not persistent)
+    # Past one wave: a persistent grid of 128 blocks whose C tiles leave by TMA stores while the next tile runs.
+    assert tile((4096, 11008, 4096)) == (128, 256, 128)
+    assert default_params(OPS["linear"], fam, (4096, 11008, 4096), "float16", sm_count=132)["tma_store"]
+    assert tile((512, 11008, 4096)) == (128, 192, 128)  # 232 tiles
+    assert default_params(OPS["linear"], fam, (512, 11008, 4096), "float16", sm_count=132)["stages"] == 4
+    assert tile((1024, 4096, 11008)) == (128, 256, 0)  # 128 tiles, one wave: a block per tile
+    # A GPU with fewer SMs than the persistent grid keeps a block per tile.
+    assert default_params(OPS["linear"], fam, (4096, 11008, 4096), "float16", sm_count=114)["ctas"] == 0
     # Weights larger than L2, M <= 128: one row tile, so they stream once (two 64-row tiles stream them twice)...
     assert tile((128, 4096, 11008)) == (128, 64, 0) and tile((96, 4096, 11008)) == (128, 64, 0)
     assert tile((64, 4096, 11008)) == (64, 64, 0)  # (64 rows cover M)

@@ -73,6 +73,6 @@ def test_rendered_kernel_reads_b_k_major(dtype):
     kind = "f16" if dtype == "float16" else "bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n168k16.f32.{kind}.{kind}" in source
     assert "p, 1, 1, 0, 0;" in source and "p, 1, 1, 0, 1;" not in source  # imm-trans-b = 0: B K-major
-    assert "km_gemm_wgmma_smem_bytes<128, 168, 4, true>()" in source
+    assert "km_gemm_wgmma_smem_bytes<128, 168, 4, true, false>()" in source
     plain = render(WGMMA, {**WGMMA.defaults(dtype), "BN": 168, "ctas": 0}, dtype, {"act": "gelu_erf"})
     assert "p, 1, 1, 0, 1;" in plain and "p, 1, 1, 0, 0;" not in plain

@@ -32,8 +32,9 @@ def test_registered_for_sm_90a_half_types_only():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))
-    # 852: narrow swapped tiles (BN 16 / 32) and rings of 8-16 stages came in on 2026-11-25 (was <= 700).
-    assert 50 <= len(space) <= 900
+    # 852: narrow swapped tiles (BN 16 / 32) and rings of 8-16 stages came in on 2026-11-25 (was <= 700);
+    # 990 with TMA stores (tma_store: whole tiles of BN a multiple of 64, no split, swap or stream-K).
+    assert 50 <= len(space) <= 1100
     assert WGMMA.defaults(dtype) in space
     for params in space:
         assert WGMMA.check(params, dtype) is None
@@ -57,7 +58,7 @@ def test_defaults():
     for dtype in DTYPES:
         params = WGMMA.defaults(dtype)
         tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
-        assert params == {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False}
+        assert params == {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False, "tma_store": False}
         assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
         assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
         # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
@@ -124,6 +125,25 @@ def test_swapped_operands_tile_c_transposed_and_stage_it():
     assert "exceeds" in WGMMA.check({**params, "stages": 2}, "float16")  # 135 KiB staged > 2 x 48 KiB
 
 
+def test_tma_store_keeps_a_c_tile_beside_the_ring():
+    params = {**WGMMA.defaults("float16"), "stages": 3, "ctas": 128, "tma_store": True}
+    # 3 stages of 128 x 256 leave room for the whole 128 x 256 C tile (16-bit)...
+    assert WGMMA.c_cols(params, "float16") == 256
+    assert WGMMA.smem_bytes(params, "float16") == 3 * (128 + 256) * 64 * 2 + 128 * 256 * 2 + 3 * 16 + 1024
+    # ... 4 stages for half of it (two rounds of stores a tile), 5 stages of 128 x 192 for a third.
+    assert WGMMA.c_cols({**params, "stages": 4}, "float16") == 128
+    assert WGMMA.c_cols({**params, "BN": 192, "stages": 5}, "float16") == 64
+    for override in ({"k_splits": 2, "ctas": 0}, {"swap_ab": True, "ctas": 0}, {"stream_k": True}):
+        assert "tma_store stores whole tiles" in WGMMA.check({**params, **override}, "float16")
+    assert "multiple of 64" in WGMMA.check({**params, "BN": 168}, "float16")
+    # C's rows must be whole 16-byte units for TMA: linear_t's (N, K) weights allow any N otherwise.
+    from kernelmill.kernels.ops import OPS
+
+    linear_t = OPS["linear_t"].family("wgmma")
+    assert linear_t.check_shape((64, 1000, 64), {**params, "tma_store": False}, "float16") is None
+    assert "TMA stores" in linear_t.check_shape((64, 1001, 64), params, "float16")
+
+
 def test_bn_that_is_not_whole_boxes_loads_whole_boxes():
     params = {**WGMMA.defaults("float16"), "BN": 168, "ctas": 0}
     assert WGMMA.bn_loaded(params) == 192 and WGMMA.acc_regs(params) == 84
@@ -167,11 +187,17 @@ def test_launch_geometry(dtype, shape):
             assert grid == (min(tiles, params["ctas"]) if params["ctas"] else tiles)
         assert launch.block == (WGMMA.threads(params), 1, 1)
         assert launch.smem_bytes == WGMMA.smem_bytes(params, dtype)
-        a_map, b_map, *rest = launch.args
+        maps = 3 if params["tma_store"] else 2
+        (a_map, b_map, *c_map), rest = launch.args[:maps], list(launch.args[maps:])
         assert rest == ["A", "B", "C", *extra, M, N, K]
-        # The maps describe the buffers at positions 2 and 3: A (M x K) and B (K x N), innermost dim first;
-        # swapped, B's map feeds wgmma's A (64 x 64 boxes, BM / 64 of them a stage) and A's its B (BN rows).
+        # The maps describe the buffers after them: A (M x K) and B (K x N), innermost dim first; swapped, B's
+        # map feeds wgmma's A (64 x 64 boxes, BM / 64 of them a stage) and A's its B (BN rows). With tma_store
+        # a third map takes C (M x N) in 64-column boxes of one consumer's rows.
         assert isinstance(a_map, TensorMapArg) and isinstance(b_map, TensorMapArg)
+        if params["tma_store"]:
+            ((c_map),) = c_map
+            assert launch.args[c_map.of] == "C" and c_map.dims == (N, M)
+            assert c_map.box == (64, params["BM"] // params["consumers"]) and c_map.swizzle == 128
         if swap:
             a_map, b_map = b_map, a_map
             assert b_map.box == (64, 64) and a_map.box == (64, params["BN"])
@@ -224,7 +250,8 @@ def test_rendered_kernel_matches_launch(dtype):
         names = [a.split()[-1] for a in arglist.split(",")]
         assert entry == "matmul_wgmma"
         extra = ["ws", "flags"] if params["stream_k"] else []
-        assert names == ["tma_a", "tma_b", "A", "B", "C", *extra, "M", "N", "K"]
+        maps = ["tma_a", "tma_b", "tma_c"] if params["tma_store"] else ["tma_a", "tma_b"]
+        assert names == [*maps, "A", "B", "C", *extra, "M", "N", "K"]
         assert "const __grid_constant__ KmTensorMap tma_a" in arglist
         assert bounds == f"{WGMMA.threads(params)}, 1"
         assert f"== {WGMMA.smem_bytes(params, dtype)}, " in source  # static_assert against the C++ size
