@@ -161,6 +161,23 @@ def test_tma_stored_linears_verify(device, compiler, op, dtype):
                 assert ev.ok, f"{variant.describe()} {act} at {shape}: {ev.status}: {ev.reason}"
 
 
+@pytest.mark.parametrize("op", ["matmul", "linear", "linear_t"])
+def test_shape_defaults_past_one_wave_verify(device, compiler, op):
+    # More tiles than SMs: the shape defaults run a persistent grid with TMA stores (where the GPU has the SMs
+    # for it), with a ragged last row tile and N not a multiple of the tile.
+    from kernelmill.kernels.defaults import default_params
+
+    spec = get_op(op)
+    fam = spec.family("wgmma")
+    shape = (2000, 2312, 264)
+    params = default_params(spec, fam, shape, "float16", device.info.sm_count)
+    assert fam.tiles(shape, params) > device.info.sm_count
+    assert params["tma_store"] == (device.info.sm_count >= 128)
+    attrs = {} if op == "matmul" else {"act": "gelu_erf"}
+    ev = evaluate(Variant.create(op, "wgmma", "float16", params, attrs), shape, device, compiler, seeds=2, timed=False)
+    assert ev.ok, f"{op} {params} at {shape}: {ev.status}: {ev.reason}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shapes_tma_cannot_address_are_unsupported(device, compiler, dtype):
     variant = Variant.create("matmul", "wgmma", dtype)
