@@ -122,17 +122,22 @@ SWAPPED_POINTS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", sorted(SWAPPED))
-def test_swapped_linears_verify(device, compiler, op, dtype):
+def _verify_with_activations(device, compiler, op, dtype, points, shapes):
+    """Every point at every shape: the first point with each of the op's activations, the others with GELU."""
     spec = get_op(op)
-    for i, params in enumerate(SWAPPED_POINTS):
+    for i, params in enumerate(points):
         for act in spec.attributes[0].values if i == 0 else ("gelu_erf",):
             variant = Variant.create(op, "wgmma", dtype, params, {"act": act})
-            for shape in SWAPPED[op]:
+            for shape in shapes:
                 assert not variant.check_shape(shape), f"{variant.describe()} rejects {shape}"
                 ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
                 assert ev.ok, f"{variant.describe()} {act} at {shape}: {ev.status}: {ev.reason}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", sorted(SWAPPED))
+def test_swapped_linears_verify(device, compiler, op, dtype):
+    _verify_with_activations(device, compiler, op, dtype, SWAPPED_POINTS, SWAPPED[op])
 
 
 #: TMA stores in the ops with a bias and an activation, the (N, K) weight of linear_t included: N a multiple of 8
@@ -151,14 +156,7 @@ TMA_STORED_POINTS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", sorted(TMA_STORED))
 def test_tma_stored_linears_verify(device, compiler, op, dtype):
-    spec = get_op(op)
-    for i, params in enumerate(TMA_STORED_POINTS):
-        for act in spec.attributes[0].values if i == 0 else ("gelu_erf",):
-            variant = Variant.create(op, "wgmma", dtype, params, {"act": act})
-            for shape in TMA_STORED[op]:
-                assert not variant.check_shape(shape), f"{variant.describe()} rejects {shape}"
-                ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
-                assert ev.ok, f"{variant.describe()} {act} at {shape}: {ev.status}: {ev.reason}"
+    _verify_with_activations(device, compiler, op, dtype, TMA_STORED_POINTS, TMA_STORED[op])
 
 
 @pytest.mark.parametrize("op", ["matmul", "linear", "linear_t"])
