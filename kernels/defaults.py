@@ -170,9 +170,10 @@ _STREAMED_128x64_STAGES = 8
 #: (tma_store), so that each block's next tile runs while they drain. Against a block per tile (fp16, us, H200,
 #: torch in brackets; 2026-11-25, docs/PERFORMANCE.md): 4096^3 193.1 -> 183.0 (179.2); 2048 x 11008 x 4096 +
 #: gelu 299.3 -> 295.9 (282.6); 2048 x 4096 x 11008 244.7 -> 239.8 (236.1); 1024 x 11008 x 4096 + gelu 151.1 ->
-#: 147.8 (143.0); 512 x 11008 x 4096 + gelu (128 x 192) 80.8 -> 76.8 (74.9). 128 blocks ran level with or
-#: ahead of 132 at 128 x 256. Without TMA stores a persistent grid was the slower one (4096^3 201.9 against
-#: 193.5 a block per tile): its consumers stored their fragments from registers while the tensor cores idled.
+#: 147.8 (143.0); 512 x 11008 x 4096 + gelu (128 x 192, 132 blocks) 80.8 -> 76.8 (74.9), 75.7 with 128. 128
+#: blocks ran level with or ahead of 132 at 128 x 256. Without TMA stores a persistent grid was the slower one
+#: (4096^3 201.9 against 193.5 a block per tile): its consumers stored their fragments from registers while the
+#: tensor cores idled.
 _PERSISTENT_CTAS = 128
 #: Ring depth of a persistent tile with TMA stores where it differs from the tile's own: 128 x 192 in 4 stages
 #: keeps its whole C tile in shared memory (5 stages leave room for 64 columns at a time: 78.8 against 76.8 us
