@@ -420,13 +420,17 @@ class WgmmaFamily(Family):
         """The shared ring: stages of A (BM x 64) and B (64 x bn_loaded); split-K's partial sums reuse it."""
         return params["stages"] * (params["BM"] + self.bn_loaded(params)) * self.BK * itemsize(dtype)
 
+    def base_smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
+        """km_wgmma_base_smem_bytes: the ring, a full and an empty mbarrier per stage, 1 KiB alignment slack."""
+        return self.ring_bytes(params, dtype) + 16 * params["stages"] + 1024
+
     def c_cols(self, params: Mapping[str, Any], dtype: str) -> int:
         """Columns of C the shared C tile of tma_store holds at once (km_wgmma_c_cols): the most that divide BN
         in 64-column boxes and fit beside the ring, its barriers and the alignment slack; 0 where none fit.
         A wider tile goes out in rounds (128 x 256 with 4 stages: two of 128 columns)."""
-        fixed = self.ring_bytes(params, dtype) + 16 * params["stages"] + 1024
+        base = self.base_smem_bytes(params, dtype)
         for cols in range(params["BN"] // 64 * 64, 0, -64):
-            if params["BN"] % cols == 0 and fixed + params["BM"] * cols * itemsize(dtype) <= MAX_SMEM_BYTES:
+            if params["BN"] % cols == 0 and base + params["BM"] * cols * itemsize(dtype) <= MAX_SMEM_BYTES:
                 return cols
         return 0
 
@@ -435,9 +439,8 @@ class WgmmaFamily(Family):
         return params["BM"] * self.c_cols(params, dtype) * itemsize(dtype) if params.get("tma_store") else 0
 
     def smem_bytes(self, params: Mapping[str, Any], dtype: str) -> int:
-        """km_gemm_wgmma_smem_bytes: the ring, the C tile of tma_store, a full and an empty mbarrier per stage,
-        1 KiB alignment slack."""
-        return self.ring_bytes(params, dtype) + self.c_tile_bytes(params, dtype) + 16 * params["stages"] + 1024
+        """km_gemm_wgmma_smem_bytes: the ring with its barriers and slack, and the C tile of tma_store."""
+        return self.base_smem_bytes(params, dtype) + self.c_tile_bytes(params, dtype)
 
     def acc_regs(self, params: Mapping[str, Any]) -> int:
         """fp32 accumulators per consumer thread: (BM / consumers) x BN over 128 threads."""
