@@ -179,16 +179,29 @@ _PERSISTENT_CTAS = 128
 #: keeps its whole C tile in shared memory (5 stages leave room for 64 columns at a time: 78.8 against 76.8 us
 #: at 512 x 11008 x 4096, 296.0 against 290.7 at 2048 x 11008 x 4096).
 _TMA_STORE_STAGES = {(128, 192): 4}
+#: Where the last round of a grid of this many blocks would hold at most half of them, the persistent grid is
+#: this size and cuts that round's tiles in k over all its blocks (sk_tail). 2048 x 11008 x 4096 + gelu, 128 x 256
+#: (688 tiles: 5 rounds and 28 tiles cut in 4): 288.0-292.7 -> 271.9 us on an H200 (torch 280.3). A longer last
+#: round gains nothing: its cut tiles run no faster than whole ones while every block is busy (512 x 11008 x 4096:
+#: 172 tiles, 40 of them cut in 3, 85.0 against 101.6 whole and 75.6 for the 128 x 192 default; 2026-11-25,
+#: docs/PERFORMANCE.md).
+_SK_TAIL_CTAS = 132
 
 
-def _persistent(fam: WgmmaFamily, shape, dtype: str, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` on a persistent grid with TMA stores (``_PERSISTENT_CTAS``), where the family takes that
-    at ``shape`` (BN a multiple of 64; C's rows a multiple of 16 bytes); else ``params`` as they are."""
+def _persistent(fam: WgmmaFamily, shape, dtype: str, params: dict[str, Any], sm_count: int) -> dict[str, Any]:
+    """``params`` on a persistent grid with TMA stores (``_PERSISTENT_CTAS``, or ``_SK_TAIL_CTAS`` with a
+    stream-K tail where its last round is short), where the family takes that at ``shape`` (BN a multiple of 64;
+    C's rows a multiple of 16 bytes); else ``params`` as they are."""
     stages = _TMA_STORE_STAGES.get((params["BM"], params["BN"]), params["stages"])
     persistent = {**params, "ctas": _PERSISTENT_CTAS, "tma_store": True, "stages": stages}
-    if fam.check(persistent, dtype) is None and fam.check_shape(shape, persistent, dtype) is None:
-        return persistent
-    return params
+    if fam.check(persistent, dtype) is not None or fam.check_shape(shape, persistent, dtype) is not None:
+        return params
+    tail = fam.tiles(shape, persistent) % _SK_TAIL_CTAS
+    if sm_count >= _SK_TAIL_CTAS and 0 < tail <= _SK_TAIL_CTAS // 2:
+        cut = {**persistent, "ctas": _SK_TAIL_CTAS, "sk_tail": True}
+        if fam.check(cut, dtype) is None and fam.check_shape(shape, cut, dtype) is None:
+            return cut
+    return persistent
 
 
 def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> list[tuple[float, dict[str, Any]]]:
@@ -214,7 +227,7 @@ def _costed_wgmma_tiles(fam: WgmmaFamily, shape, dtype: str, sm_count: int) -> l
         if fam.check(params, dtype) is not None:
             continue
         if tiles > sm_count >= _PERSISTENT_CTAS:
-            params = _persistent(fam, shape, dtype, params)
+            params = _persistent(fam, shape, dtype, params, sm_count)
         costed.append((math.ceil(tiles / sm_count) * bm * bn / efficiency, params))
     return costed
 

@@ -87,7 +87,10 @@ class BoundVariant:
         self.workspace_names = []
         for name, nbytes in fam.workspace(shape, variant.params, variant.dtype).items():
             self.buffers[name] = device.alloc(nbytes)
-            self.workspace_names.append(name)
+            if name in fam.counter_workspaces:
+                device.fill(self.buffers[name], 0)  # once: the kernels leave their counts zero
+            else:
+                self.workspace_names.append(name)
         module = device.load(compiled.cubin, compiled.key)
         self.launches = fam.launches(shape, variant.params, variant.dtype)
         self._calls = []
@@ -100,7 +103,8 @@ class BoundVariant:
             self.device.copy_in(self.buffers[name], arrays[name].astype(self.np_dtype, copy=False))
 
     def poison(self) -> None:
-        """Fill outputs and workspaces with NaN so unwritten elements cannot pass."""
+        """Fill outputs and workspaces with NaN so unwritten elements cannot pass (not the counters, which
+        every launch must leave zero)."""
         for name in (*self.variant.op.outputs, *self.workspace_names):
             self.device.fill(self.buffers[name], 0xFF)
 

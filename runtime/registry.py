@@ -97,6 +97,8 @@ class KernelEntry:
     pdl: bool = False
     #: Tensors its kernels read before that wait (Family.pdl_early_reads): early only where they are constants.
     early_reads: tuple[str, ...] = ()
+    #: Workspaces of arrival counts (Family.counter_workspaces): zeroed when allocated, left zero by the kernels.
+    counters: tuple[str, ...] = ()
     calls: int = 0
     _bound: list[tuple[Any, Launch]] | None = field(default=None, repr=False)
     _ws: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -107,6 +109,8 @@ class KernelEntry:
             return
         module = backend.device.load(self.cubin, self.cubin_key)
         self._ws = {name: backend.alloc(nbytes) for name, nbytes in self.workspace.items()}
+        for name in self.counters:  # zeroed once; the kernels leave their arrival counts zero
+            backend.fill(self._ws[name].ptr, 0, self._ws[name].nbytes)
         self._bound = [(module.kernel(launch.entry), launch) for launch in self.launches]
 
     def run(self, backend, pointers: Mapping[str, int]) -> None:
@@ -318,6 +322,7 @@ class KernelRegistry:
         **extra: Any,
     ) -> KernelEntry:
         fam = spec.family(family)
+        workspace = fam.workspace(shape, params, dtype)
         return KernelEntry(
             op=spec.name,
             shape=shape,
@@ -330,7 +335,8 @@ class KernelRegistry:
             cubin=cubin,
             cubin_key=cubin_key,
             launches=fam.launches(shape, params, dtype),
-            workspace=fam.workspace(shape, params, dtype),
+            workspace=workspace,
+            counters=tuple(name for name in fam.counter_workspaces if name in workspace),
             pdl=fam.pdl,
             early_reads=fam.pdl_early_reads,
             **extra,

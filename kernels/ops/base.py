@@ -158,6 +158,9 @@ class Family(ABC):
     #: Buffers the kernel reads BEFORE km_pdl_start() (weights): launched early only where the caller
     #: vouches that no kernel writes them (the runtime: a model's parameters), else with a full dependency.
     pdl_early_reads: tuple[str, ...] = ()
+    #: Workspaces of arrival counts: zero when a launch starts and left zero when it ends, so they are zeroed
+    #: once where they are allocated and never poisoned (a kernel resets each count it finishes with).
+    counter_workspaces: tuple[str, ...] = ()
 
     def precision(self, dtype: str) -> str:
         """Arithmetic precision that sets the tolerance (e.g. "tf32" for fp32 on tensor cores)."""
@@ -182,7 +185,8 @@ class Family(ABC):
         """The kernel launches, in order, that compute the op for ``shape``."""
 
     def workspace(self, shape: tuple[int, ...], params: Mapping[str, Any], dtype: str) -> dict[str, int]:
-        """Scratch buffers (name -> bytes) the launches use; poisoned before each run."""
+        """Scratch buffers (name -> bytes) the launches use; poisoned before each run, except the
+        ``counter_workspaces``."""
         return {}
 
     def context(self, params: Mapping[str, Any], dtype: str, attrs: Mapping[str, Any]) -> dict[str, Any]:

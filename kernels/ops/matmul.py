@@ -337,7 +337,8 @@ TENSORCORE = TensorCoreFamily(
 
 
 #: Threads per block of the stream-K zeroing launch.
-_ZERO_THREADS = 256
+#: sk_tail: the most blocks that share a tile of the last round (KM_WGMMA_SK_PARTS).
+SK_MAX_PARTS = 4
 
 
 class WgmmaFamily(Family):
@@ -374,6 +375,11 @@ class WgmmaFamily(Family):
             (False, True),
             "C leaves through a shared tile by TMA stores: a persistent block's next tile runs while they drain",
         ),
+        Param(
+            "sk_tail",
+            (False, True),
+            "persistent grid: whole tiles over its full rounds, a short last round's tiles cut in k over the blocks",
+        ),
     )
     #: K depth of one ring stage: one 128-byte swizzle row of 16-bit elements.
     BK = 64
@@ -381,6 +387,8 @@ class WgmmaFamily(Family):
     max_acc_regs = 128
     #: Most row tiles (M / BM) a stream-K variant takes: its groups hold a block per row tile.
     stream_k_max_row_tiles = 8
+    #: stream_k's and sk_tail's arrival counts: zeroed when allocated, left zero by every launch.
+    counter_workspaces = ("sk_flags",)
     #: TMA needs the row strides (K * 2 and N * 2 bytes) to be multiples of this.
     stride_align_bytes = 16
     #: Buffers of the launch after the two tensor maps (built over the first two): A, B, C [, bias].
@@ -454,7 +462,7 @@ class WgmmaFamily(Family):
 
     def grid(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> int:
         tiles = self.tiles(shape, params)
-        if params.get("stream_k"):
+        if params.get("stream_k") or params.get("sk_tail"):
             return params["ctas"]  # every block takes a share, also where there are fewer tiles than blocks
         if params.get("k_splits", 1) > 1:
             return tiles * params["k_splits"]  # a cluster of k_splits blocks per tile
@@ -463,7 +471,15 @@ class WgmmaFamily(Family):
     def defaults(self, dtype):
         # 128x256 tiles, two consumers of 64x256 (128 accumulators each), 4 stages (193 KiB), persistent.
         tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
-        return {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False, "tma_store": False}
+        return {
+            **tile,
+            "ctas": 132,
+            "stream_k": False,
+            "k_splits": 1,
+            "swap_ab": False,
+            "tma_store": False,
+            "sk_tail": False,
+        }
 
     def check(self, params, dtype):
         if dtype not in self.dtypes:
@@ -481,10 +497,14 @@ class WgmmaFamily(Family):
             return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES} (227 KiB)"
         if params.get("stream_k") and not params["ctas"]:
             return "stream_k shares the k iterations over a persistent grid: set ctas"
+        if params.get("sk_tail") and not params["ctas"]:
+            return "sk_tail shares the last round's tiles over a persistent grid: set ctas"
+        if params.get("sk_tail") and params.get("stream_k"):
+            return "sk_tail and stream_k are two ways to share k iterations: choose one"
         splits = params.get("k_splits", 1)
         if splits > 1 and (params["ctas"] or params.get("stream_k")):
             return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
-        if params.get("swap_ab") and (params["ctas"] or params.get("stream_k")):
+        if params.get("swap_ab") and (params["ctas"] or params.get("stream_k") or params.get("sk_tail")):
             return "swap_ab stores through the staged tile of a block per tile: use ctas=0 and no stream_k"
         if params.get("tma_store"):
             if splits > 1 or params.get("swap_ab") or params.get("stream_k"):
@@ -532,18 +552,34 @@ class WgmmaFamily(Family):
     def workspace(self, shape, params, dtype):
         return self.stream_k_workspace([shape], params)
 
+    def sk_tail_split(self, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, int]:
+        """With sk_tail: (tiles of the last, partial round, k parts each) as the kernel cuts them (its
+        tail_tiles and sk_parts). One part means whole tiles: nothing is shared."""
+        tiles, ctas = self.tiles(shape, params), params["ctas"]
+        tail = tiles % ctas
+        if not params.get("sk_tail") or not tail:
+            return 0, 1
+        return tail, max(1, min(ctas // tail, SK_MAX_PARTS, cdiv(shape[2], self.BK)))
+
     def stream_k_workspace(self, shapes, params) -> dict[str, int]:
-        """With stream_k: two fp32 tile slots per block for the parts of tiles it shares, and an arrival
-        count per tile and consumer, sized for the largest of the GEMMs in ``shapes`` (run one by one)."""
-        if not params.get("stream_k"):
+        """With stream_k: two fp32 tile slots per block for the parts of tiles it shares; with sk_tail, one per
+        block that takes a part of a tail tile. And an arrival count per tile and consumer. Sized for the
+        largest of the GEMMs in ``shapes`` (run one by one)."""
+        if not (params.get("stream_k") or params.get("sk_tail")):
             return {}
         tiles = max(self.tiles(shape, params) for shape in shapes)
-        slots = 2 * params["ctas"] * params["BM"] * params["BN"] * 4
-        return {"sk_ws": slots, "sk_flags": tiles * params["consumers"] * 4}
+        if params.get("stream_k"):
+            slots = 2 * params["ctas"]
+        else:
+            splits = [self.sk_tail_split(shape, params) for shape in shapes]
+            slots = max(tail * parts if parts > 1 else 0 for tail, parts in splits)
+        tile_bytes = params["BM"] * params["BN"] * 4
+        return {"sk_ws": max(slots * tile_bytes, 4), "sk_flags": tiles * params["consumers"] * 4}
 
     def gemm_launches(self, entry: str, shape, params, dtype, buffers: tuple[str, ...]) -> list[Launch]:
         """The launches of one GEMM, kernel ``entry`` over ``buffers`` (A, B, C [, bias]) at ``shape``
-        (M, N, K): with stream_k a launch that zeroes the arrival counts first."""
+        (M, N, K). (stream_k's and sk_tail's arrival counts, sk_flags, are counter_workspaces: the kernel leaves
+        them zero.)"""
         M, N, K = shape  # noqa: N806
         # The maps come first (device.py pads them to ptxas's offsets), then the buffers: A at position a, B at
         # a + 1, C at a + 2, where a is the number of maps. With swap_ab wgmma's A is B and its B is A, K-major.
@@ -564,14 +600,8 @@ class WgmmaFamily(Family):
         maps = (a_map, b_map)
         if params.get("tma_store"):
             maps += (tensor_map_arg(a + 2, (N, M), (64, params["BM"] // params["consumers"]), dtype),)
-        extra: tuple[str, ...] = ()
-        launches = []
-        if params.get("stream_k"):
-            n_flags = self.tiles(shape, params) * params["consumers"]
-            zero_grid = cdiv(n_flags, _ZERO_THREADS)
-            launches.append(Launch(f"{entry}_zero", (zero_grid, 1, 1), (_ZERO_THREADS, 1, 1), 0, ("sk_flags", n_flags)))
-            extra = ("sk_ws", "sk_flags")
-        launches.append(
+        extra = ("sk_ws", "sk_flags") if params.get("stream_k") or params.get("sk_tail") else ()
+        return [
             Launch(
                 entry,
                 (self.grid(shape, params), 1, 1),
@@ -579,8 +609,7 @@ class WgmmaFamily(Family):
                 self.smem_bytes(params, dtype),
                 (*maps, *buffers, *extra, M, N, K),
             )
-        )
-        return launches
+        ]
 
     def context(self, params, dtype, attrs):
         swap = params.get("swap_ab", False)
@@ -590,6 +619,7 @@ class WgmmaFamily(Family):
             "b_kmajor": self.b_kmajor,
             "swap_ab": swap,
             "tma_store": params.get("tma_store", False),
+            "sk_tail": params.get("sk_tail", False),
         }
 
 

@@ -90,6 +90,25 @@ def test_wgmma_tma_store_compiles_to_bulk_tensor_stores(compiler, op, params):
     assert f"== {fam.smem_bytes(variant.params, 'float16')}, " in variant.source
 
 
+@pytest.mark.parametrize(
+    ("op", "params"),
+    [
+        ("linear", {"BM": 128, "BN": 256, "stages": 4, "tma_store": True}),  # the last part stores by TMA
+        ("matmul", {"BM": 128, "BN": 128, "stages": 5}),  # ... or from registers
+        ("fused_mlp", {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "tma_store": True}),  # one consumer
+    ],
+)
+def test_wgmma_sk_tail_compiles_without_spills(compiler, op, params):
+    # sk_tail: the fp32 parts of a cut tile go through the workspace and the last block to arrive adds them; the
+    # kernel takes ws and flags after C (and the bias) and needs no zeroing launch.
+    params = {"consumers": 2, "ctas": 132, **params, "sk_tail": True}
+    variant = Variant.create(op, "wgmma", "float16", params, {"act": "gelu_erf"} if op != "matmul" else {})
+    assert "float* __restrict__ ws, int* __restrict__ flags" in variant.source and "_zero(" not in variant.source
+    compiled = variant.compile(compiler, "sm_90a")
+    assert not compiled.spills, compiled.report()
+    assert all(res.registers <= 168 for res in compiled.resources.values())
+
+
 def test_second_compile_hits_the_cache(tmp_path):
     compiler = Compiler(cache_dir=tmp_path)
     source = Variant.create("softmax", "block_row", "float32", {"threads": 128}).source

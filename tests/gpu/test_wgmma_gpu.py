@@ -68,6 +68,11 @@ POINTS = [
     {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "tma_store": True},
     {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 132, "tma_store": True},
     {"BM": 256, "BN": 128, "consumers": 2, "stages": 3, "ctas": 128, "tma_store": True},
+    # a stream-K tail: the tiles of a short last round cut in 2-4 k parts (most SHAPES and DEEP have fewer tiles
+    # than blocks; K tails leave uneven parts), stored by TMA or from registers, one consumer or two
+    {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 132, "tma_store": True, "sk_tail": True},
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 132, "sk_tail": True},
+    {"BM": 64, "BN": 64, "consumers": 1, "stages": 6, "ctas": 128, "tma_store": True, "sk_tail": True},
 ]
 #: Shapes where the family is timed against PyTorch, with the points worth comparing there.
 _TMA = {"ctas": 128, "tma_store": True}
@@ -150,6 +155,7 @@ TMA_STORED = {
 TMA_STORED_POINTS = [
     {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 132, "tma_store": True},
     {"BM": 128, "BN": 256, "consumers": 2, "stages": 4, "ctas": 128, "tma_store": True},
+    {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 132, "tma_store": True, "sk_tail": True},
 ]
 
 
@@ -174,6 +180,27 @@ def test_shape_defaults_past_one_wave_verify(device, compiler, op):
     attrs = {} if op == "matmul" else {"act": "gelu_erf"}
     ev = evaluate(Variant.create(op, "wgmma", "float16", params, attrs), shape, device, compiler, seeds=2, timed=False)
     assert ev.ok, f"{op} {params} at {shape}: {ev.status}: {ev.reason}"
+
+
+#: Full rounds of whole tiles, then a last round cut in k (sk_tail): (tiles, tail tiles, parts) on 132 blocks.
+SK_TAIL_PAST_ROUNDS = {
+    (2000, 2312, 264): {"BN": 128, "stages": 5},  # 304 tiles: 2 rounds and 40 tiles in 3 parts of 1-2 k tiles
+    (2047, 1288, 1032): {"BN": 256, "stages": 4},  # 96 tiles: no full round, 96 in one part (whole tiles)
+    (2100, 2560, 1032): {"BN": 256, "stages": 4},  # 170 tiles: 1 round and 38 tiles in 3 parts of 5-6 k tiles
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["matmul", "linear", "fused_mlp"])
+def test_sk_tail_past_full_rounds_verifies(device, compiler, op, dtype):
+    for shape, tile in SK_TAIL_PAST_ROUNDS.items():
+        params = {"BM": 128, "consumers": 2, "ctas": 132, "tma_store": True, "sk_tail": True, **tile}
+        attrs = {} if op == "matmul" else {"act": "gelu_erf"}
+        if op == "fused_mlp":
+            shape = (shape[0], shape[2], shape[1], shape[2])  # (batch, d_in, d_hidden, d_out): up then down
+        variant = Variant.create(op, "wgmma", dtype, params, attrs)
+        ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+        assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -239,8 +239,14 @@ def test_default_wgmma_tiles_fill_the_gpu():
     assert tile((256, 4096, 11008)) == (128, 64, 0)  # 128 tiles rather than 32
     assert tile((256, 11008, 4096)) == (128, 192, 0)  # 116 tiles in one wave
     # Past one wave: a persistent grid of 128 blocks whose C tiles leave by TMA stores while the next tile runs.
-    assert tile((4096, 11008, 4096)) == (128, 256, 128)
-    assert default_params(OPS["linear"], fam, (4096, 11008, 4096), "float16", sm_count=132)["tma_store"]
+    assert tile((4096, 4096, 11008)) == (128, 256, 128)  # 512 tiles: 3 rounds of 132 and 116 tiles
+    assert default_params(OPS["linear"], fam, (4096, 4096, 11008), "float16", sm_count=132)["tma_store"]
+    # ... of 132 blocks where its last round would hold at most half of them: 1376 tiles are 10 rounds and 56
+    # tiles, each of those cut in 2 k parts (sk_tail).
+    big = default_params(OPS["linear"], fam, (4096, 11008, 4096), "float16", sm_count=132)
+    assert tile((4096, 11008, 4096)) == (128, 256, 132) and big["sk_tail"] and big["tma_store"]
+    assert fam.sk_tail_split((4096, 11008, 4096), big) == (56, 2)
+    assert not default_params(OPS["linear"], fam, (1024, 11008, 4096), "float16", sm_count=132)["sk_tail"]  # 80 left
     assert tile((512, 11008, 4096)) == (128, 192, 128)  # 232 tiles
     assert default_params(OPS["linear"], fam, (512, 11008, 4096), "float16", sm_count=132)["stages"] == 4
     assert tile((1024, 4096, 11008)) == (128, 256, 0)  # 128 tiles, one wave: a block per tile

@@ -34,7 +34,8 @@ def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))
     # 852: narrow swapped tiles (BN 16 / 32) and rings of 8-16 stages came in on 2026-11-25 (was <= 700);
     # 990 with TMA stores (tma_store: whole tiles of BN a multiple of 64, no split, swap or stream-K).
-    assert 50 <= len(space) <= 1100
+    # 1190 with stream-K tails (sk_tail: persistent grids only).
+    assert 50 <= len(space) <= 1300
     assert WGMMA.defaults(dtype) in space
     for params in space:
         assert WGMMA.check(params, dtype) is None
@@ -58,7 +59,8 @@ def test_defaults():
     for dtype in DTYPES:
         params = WGMMA.defaults(dtype)
         tile = {"BM": 128, "BN": 256, "consumers": 2, "stages": 4}
-        assert params == {**tile, "ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False, "tma_store": False}
+        knobs = {"ctas": 132, "stream_k": False, "k_splits": 1, "swap_ab": False, "tma_store": False, "sk_tail": False}
+        assert params == {**tile, **knobs}
         assert WGMMA.threads(params) == 384  # producer + 2 consumer warpgroups
         assert WGMMA.acc_regs(params) == 128  # 64 x 256 fp32 per consumer over 128 threads
         # 4 stages of A (128 x 64) and B (64 x 256) halves, 8 mbarriers, 1 KiB alignment slack.
@@ -172,12 +174,12 @@ def test_launch_geometry(dtype, shape):
         grid = launch.grid[0]
         assert launch.grid[1:] == (1, 1)
         extra = []
-        if params["stream_k"]:
-            # The arrival counts are zeroed first; every block of the persistent grid takes a share.
-            assert [launch.entry for launch in launches] == ["matmul_wgmma_zero", "matmul_wgmma"]
-            assert launches[0].args == ("sk_flags", tiles * params["consumers"])
-            assert grid == params["ctas"]
+        if params["stream_k"] or params["sk_tail"]:
+            # One launch (the kernel leaves its arrival counts zero); every block of the persistent grid
+            # may take a share.
+            assert len(launches) == 1 and grid == params["ctas"]
             extra = ["sk_ws", "sk_flags"]
+            assert WGMMA.workspace(shape, params, dtype)["sk_flags"] == tiles * params["consumers"] * 4
         elif params["k_splits"] > 1:
             # A cluster of k_splits consecutive blocks per tile.
             assert len(launches) == 1 and grid == tiles * params["k_splits"]
@@ -249,7 +251,7 @@ def test_rendered_kernel_matches_launch(dtype):
         assert int(cluster or 1) == params["k_splits"]
         names = [a.split()[-1] for a in arglist.split(",")]
         assert entry == "matmul_wgmma"
-        extra = ["ws", "flags"] if params["stream_k"] else []
+        extra = ["ws", "flags"] if params["stream_k"] or params["sk_tail"] else []
         maps = ["tma_a", "tma_b", "tma_c"] if params["tma_store"] else ["tma_a", "tma_b"]
         assert names == [*maps, "A", "B", "C", *extra, "M", "N", "K"]
         assert "const __grid_constant__ KmTensorMap tma_a" in arglist
@@ -519,9 +521,86 @@ def test_stream_k_needs_a_persistent_grid_and_sizes_its_workspace():
     params = {**fam.defaults("float16"), "BM": 128, "BN": 192, "stream_k": True}
     assert "set ctas" in fam.check({**params, "ctas": 0}, "float16")
     shape = (256, 11008, 4096)
-    launches = fam.launches(shape, params, "float16")
-    assert [launch.entry for launch in launches] == ["linear_wgmma_zero", "linear_wgmma"]
-    assert launches[1].grid == (132, 1, 1)  # every block takes a share though there are only 116 tiles
+    (launch,) = fam.launches(shape, params, "float16")  # no zeroing launch: sk_flags is a counter workspace
+    assert "sk_flags" in fam.counter_workspaces and launch.args[-5:-3] == ("sk_ws", "sk_flags")
+    assert launch.grid == (132, 1, 1)  # every block takes a share though there are only 116 tiles
     ws = fam.workspace(shape, params, "float16")
     assert ws == {"sk_ws": 2 * 132 * 128 * 192 * 4, "sk_flags": 116 * 2 * 4}
     assert "row tiles" in fam.check_shape((2048, 11008, 4096), params, "float16")  # 16 row tiles
+
+
+def _sk_tail_work(tiles: int, k_tiles: int, blocks: int) -> dict[int, list[tuple[int, int, int]]]:
+    """The kernel's sk_tail walk, in Python (it_begin, next_it and tile_end of gemm_wgmma.cuh.j2): for each
+    block, its (tile, kt0, kt1) work units in order."""
+    dp_tiles = tiles - tiles % blocks
+    tail = tiles - dp_tiles
+    parts = max(1, min(blocks // tail, 4, k_tiles)) if tail else 1
+    dp_end = dp_tiles * k_tiles
+    work = {}
+    for b in range(blocks):
+        u, j = divmod(b, parts)
+        sk_begin = dp_end + (u * k_tiles + k_tiles * j // parts if u < tail else 0)
+        sk_end = dp_end + (u * k_tiles + k_tiles * (j + 1) // parts if u < tail else 0)
+        it, units = (b * k_tiles if b < dp_tiles else sk_begin), []
+        while it < sk_end:
+            unit, kt0 = divmod(it, k_tiles)
+            kt1 = min(k_tiles, kt0 + sk_end - it)
+            units.append((unit, kt0, kt1))
+            if it < dp_end:
+                it = it + blocks * k_tiles if it + blocks * k_tiles < dp_end else sk_begin
+            else:
+                it += kt1 - kt0
+        work[b] = units
+    return work
+
+
+@pytest.mark.parametrize(
+    ("tiles", "k_tiles", "blocks"),
+    [
+        (344, 64, 132),
+        (688, 64, 132),
+        (172, 64, 132),
+        (64, 172, 132),
+        (136, 16, 132),
+        (153, 3, 132),
+        (2, 1, 132),
+        (264, 64, 132),
+        (129, 5, 128),
+        (40, 32, 132),
+    ],
+)
+def test_sk_tail_covers_every_iteration_once_and_cuts_only_the_last_round(tiles, k_tiles, blocks):
+    """sk_tail: whole tiles b, b + G, ... over the grid's full rounds, then P even k parts of each tile left,
+    one block each (block u * P + j: part j of tail tile u), so every block holds at most one part and its
+    slot is its own; the family's sk_tail_split and workspace agree with the kernel's cut."""
+    work = _sk_tail_work(tiles, k_tiles, blocks)
+    covered = [[0] * k_tiles for _ in range(tiles)]
+    parts_of: dict[int, list[int]] = {}
+    for b, units in work.items():
+        assert sum(1 for _t, kt0, kt1 in units if kt1 - kt0 < k_tiles) <= 1  # one slot a block
+        for tile, kt0, kt1 in units:
+            assert kt0 < kt1
+            for kt in range(kt0, kt1):
+                covered[tile][kt] += 1
+            if kt1 - kt0 < k_tiles:
+                parts_of.setdefault(tile, []).append(b)
+    assert covered == [[1] * k_tiles for _ in range(tiles)]
+    dp_tiles = tiles - tiles % blocks
+    assert all(tile >= dp_tiles for tile in parts_of)  # full rounds stay whole
+    shape = (128 * tiles, 256, 64 * k_tiles)  # BM x BN = 128 x 256: one column of tiles
+    params = {**WGMMA.defaults("float16"), "ctas": blocks, "sk_tail": True}
+    tail, parts = WGMMA.sk_tail_split(shape, params)
+    assert tail == tiles - dp_tiles
+    for tile, owners in parts_of.items():
+        assert owners == list(range((tile - dp_tiles) * parts, (tile - dp_tiles + 1) * parts))  # first, parts
+    slots = sum(len(owners) for owners in parts_of.values())
+    assert WGMMA.workspace(shape, params, "float16")["sk_ws"] == max(slots * 128 * 256 * 4, 4)
+
+
+def test_sk_tail_needs_a_persistent_grid_of_whole_tiles():
+    params = {**WGMMA.defaults("float16"), "sk_tail": True}
+    assert WGMMA.check(params, "float16") is None
+    assert WGMMA.check({**params, "tma_store": True}, "float16") is None  # the last part stores the tile
+    assert "set ctas" in WGMMA.check({**params, "ctas": 0}, "float16")
+    assert "choose one" in WGMMA.check({**params, "stream_k": True}, "float16")
+    assert "ctas=0" in WGMMA.check({**params, "k_splits": 2}, "float16")
