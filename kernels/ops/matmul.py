@@ -336,7 +336,6 @@ TENSORCORE = TensorCoreFamily(
 )
 
 
-#: Threads per block of the stream-K zeroing launch.
 #: sk_tail: the most blocks that share a tile of the last round (KM_WGMMA_SK_PARTS).
 SK_MAX_PARTS = 4
 
