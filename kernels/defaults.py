@@ -192,15 +192,18 @@ def _persistent(fam: WgmmaFamily, shape, dtype: str, params: dict[str, Any], sm_
     """``params`` on a persistent grid with TMA stores (``_PERSISTENT_CTAS``, or ``_SK_TAIL_CTAS`` with a
     stream-K tail where its last round is short), where the family takes that at ``shape`` (BN a multiple of 64;
     C's rows a multiple of 16 bytes); else ``params`` as they are."""
+
+    def runs(p: dict[str, Any]) -> bool:
+        return fam.check(p, dtype) is None and fam.check_shape(shape, p, dtype) is None
+
     stages = _TMA_STORE_STAGES.get((params["BM"], params["BN"]), params["stages"])
     persistent = {**params, "ctas": _PERSISTENT_CTAS, "tma_store": True, "stages": stages}
-    if fam.check(persistent, dtype) is not None or fam.check_shape(shape, persistent, dtype) is not None:
+    if not runs(persistent):
         return params
     tail = fam.tiles(shape, persistent) % _SK_TAIL_CTAS
-    if sm_count >= _SK_TAIL_CTAS and 0 < tail <= _SK_TAIL_CTAS // 2:
-        cut = {**persistent, "ctas": _SK_TAIL_CTAS, "sk_tail": True}
-        if fam.check(cut, dtype) is None and fam.check_shape(shape, cut, dtype) is None:
-            return cut
+    cut = {**persistent, "ctas": _SK_TAIL_CTAS, "sk_tail": True}
+    if sm_count >= _SK_TAIL_CTAS and 0 < tail <= _SK_TAIL_CTAS // 2 and runs(cut):
+        return cut
     return persistent
 
 
