@@ -11,7 +11,14 @@ and without. Next to eager, the same eager forward captured in a CUDA graph (tor
 replayed: PyTorch's own kernels without its per-launch cost, which tells kernel speed apart from launch
 overhead. The contenders' timed repeats take turns. Prints a table and writes JSON.
 
+Compute-bound forwards (the MLP from batch 512 on) run at the GPU's power cap, where the clock follows the
+energy a forward takes and a turn's time depends on what ran before it. ``--sustained SECONDS`` times each
+turn as that many seconds of back-to-back forwards instead of ``--iters`` calls, and samples the SM clock and
+the board power meanwhile (nvidia-smi), so the table also gives each contender's clock, power and energy per
+forward in the steady state.
+
     python benchmarks/forward.py --out forward.json [--server http://host:8000] [--no-compile] [--shape-defaults]
+        [--sustained 2]
 """
 
 from __future__ import annotations
@@ -21,33 +28,94 @@ import json
 import logging
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+#: nvidia-smi's sampling period (ms) in --sustained turns; the first third of a turn's samples is left out
+#: (the clock and power settle after the previous contender's load).
+SAMPLE_MS = 50
 
 
 def _sync(torch) -> None:
     torch.cuda.synchronize()  # device-wide: waits for the runtime's stream as well
 
 
-def time_ms(torch, fns: dict, warmup: int, iters: int, repeats: int) -> dict:
+def time_ms(torch, fns: dict, warmup: int, iters: int, repeats: int, seconds: float = 0.0) -> dict:
     """Wall time per call over `iters` back-to-back calls (launch overhead included), median of `repeats`,
     for each of ``fns``; the repeats take turns (A, B, C, A, B, C, ...) so that a drifting clock or a
-    neighbour's load hits every contender alike."""
+    neighbour's load hits every contender alike. With ``seconds`` > 0 each turn runs calls back to back for
+    that long (synchronising every `iters` calls) and records the SM clock (MHz) and board power (W) that
+    nvidia-smi sampled meanwhile, and their product with the time per call (mJ per call)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(torch)
     samples: dict = {name: [] for name in fns}
+    gpu: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            _sync(torch)
-            samples[name].append((time.perf_counter() - start) * 1e3 / iters)
-    return {name: {"median_ms": statistics.median(s), "min_ms": min(s), "samples_ms": s} for name, s in samples.items()}
+            sampler = GpuSampler(torch) if seconds > 0 else None
+            calls, start = 0, time.perf_counter()
+            while True:
+                for _ in range(iters):
+                    fn()
+                _sync(torch)
+                calls += iters
+                if time.perf_counter() - start >= seconds:
+                    break
+            samples[name].append((time.perf_counter() - start) * 1e3 / calls)
+            if sampler is not None:
+                gpu[name].append(sampler.stop())
+    out = {}
+    for name, s in samples.items():
+        out[name] = {"median_ms": statistics.median(s), "min_ms": min(s), "samples_ms": s}
+        readings = [r for r in gpu[name] if r is not None]
+        if readings:
+            mhz = statistics.median(r[0] for r in readings)
+            watts = statistics.median(r[1] for r in readings)
+            out[name].update(sm_mhz=mhz, power_w=watts, mj_per_call=watts * out[name]["median_ms"])
+    return out
+
+
+class GpuSampler:
+    """nvidia-smi sampling the current GPU's SM clock and power draw every SAMPLE_MS until ``stop()``, which
+    returns the medians (MHz, W) of the samples after the first third, or None where nvidia-smi is missing
+    or gave nothing."""
+
+    def __init__(self, torch) -> None:
+        cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", f"-lms={SAMPLE_MS}"]
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+        if uuid is not None:
+            cmd.append(f"--id=GPU-{uuid}")
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+
+    def stop(self) -> tuple[float, float] | None:
+        if self._proc is None:
+            return None
+        self._proc.terminate()
+        out = self._proc.communicate()[0]
+        return parse_samples(out)
+
+
+def parse_samples(text: str) -> tuple[float, float] | None:
+    """Medians (MHz, W) of nvidia-smi's "clock, power" lines after the first third; None if none parse."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            mhz, watts = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        rows.append((mhz, watts))
+    rows = rows[len(rows) // 3 :]
+    if not rows:
+        return None
+    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
 
 
 def rel_err(torch, out, ref) -> float:
@@ -113,7 +181,7 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args,
         _sync(torch)
         row["compile_s"] = time.perf_counter() - start
         fns["compiled"] = compiled_fn
-    row.update(time_ms(torch, fns, args.warmup, args.iters, args.repeats))
+    row.update(time_ms(torch, fns, args.warmup, args.iters, args.repeats, args.sustained))
     model.pdl = setting
     return row
 
@@ -229,9 +297,45 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+#: The contenders of a row, in the order the power table lists them, with their column names.
+_CONTENDERS = (
+    ("runtime", "runtime"),
+    ("runtime_no_pdl", "no PDL"),
+    ("runtime_defaults", "defaults"),
+    ("eager", "eager"),
+    ("eager_graph", "graphed"),
+    ("compiled", "compile"),
+)
+
+
+def print_power(rows: list[dict]) -> None:
+    """Under the table, for --sustained runs: each contender's SM clock, board power and energy per forward
+    (medians over its turns); nothing where no row has readings."""
+    if not any("power_w" in r.get(key, {}) for r in rows for key, _ in _CONTENDERS):
+        return
+    print("\nsustained turns: SM clock MHz / power W / energy per forward mJ")
+    for r in rows:
+        cells = [
+            f"{label} {r[key]['sm_mhz']:.0f} / {r[key]['power_w']:.0f} / {r[key]['mj_per_call']:.1f}"
+            for key, label in _CONTENDERS
+            if "power_w" in r.get(key, {})
+        ]
+        print(f"{r['case']:<26}{r['batch']:>6}  " + "; ".join(cells))
+
+
 def _defaults_cells(row: dict, eager_ms: float) -> str:
     ms = row.get("runtime_defaults", {}).get("median_ms")
     return f"{ms:>12.3f}{eager_ms / ms:>9.2f}x" if ms else f"{'-':>12}{'-':>10}"
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, e.g. 2") from None
+    if not 0 <= seconds <= 60:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 (off) to 60")
+    return seconds
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -262,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--sustained",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="time each turn as SECONDS of back-to-back forwards and report SM clock, power and energy per "
+        "forward (the power-capped steady state of compute-bound batches); 0 (default): --iters calls a turn",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -280,14 +392,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "bert"):
             rows += bert_cases(torch, runtime, args, Path(tmp))
     print_table(rows)
+    print_power(rows)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "dtype": "float16",
         "shape_defaults_column": args.shape_defaults,
-        "timing": f"wall time per forward, {args.iters} calls after {args.warmup} warm-up, median of {args.repeats}"
-        " (contenders take turns)",
+        "timing": (
+            f"wall time per forward, {args.sustained} s of back-to-back calls a turn"
+            if args.sustained
+            else f"wall time per forward, {args.iters} calls"
+        )
+        + f" after {args.warmup} warm-up, median of {args.repeats} (contenders take turns)",
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))

@@ -49,3 +49,84 @@ def test_table_has_the_shape_defaults_columns_only_when_a_row_has_them(forward, 
     assert header.rstrip().endswith("defaults ms  vs eager")
     assert both.rstrip().endswith("0.405     0.98x") and "1.06x" in both
     assert one.rstrip().endswith("-         -")
+
+
+class _FakeTorch:
+    """What time_ms touches of torch: synchronize, and the device properties GpuSampler reads."""
+
+    class cuda:  # noqa: N801 - mirrors torch.cuda
+        syncs = 0
+
+        @classmethod
+        def synchronize(cls):
+            cls.syncs += 1
+
+        @staticmethod
+        def current_device():
+            return 0
+
+        @staticmethod
+        def get_device_properties(_index):
+            return object()  # no uuid: nvidia-smi reads the default GPU
+
+
+def test_timing_turns_take_iters_calls_or_a_sustained_window(forward, monkeypatch):
+    monkeypatch.setattr(forward, "GpuSampler", lambda torch: None)
+    calls = {"a": 0, "b": 0}
+
+    def counter(name):
+        def fn():
+            calls[name] += 1
+
+        return fn
+
+    fns = {"a": counter("a"), "b": counter("b")}
+    out = forward.time_ms(_FakeTorch, fns, warmup=2, iters=5, repeats=3)
+    assert calls == {"a": 2 + 15, "b": 2 + 15}
+    assert len(out["a"]["samples_ms"]) == 3 and "power_w" not in out["a"]
+
+    calls.update(a=0, b=0)
+    forward.time_ms(_FakeTorch, fns, warmup=0, iters=5, repeats=1, seconds=0.05)
+    assert calls["a"] > 5 and calls["a"] % 5 == 0  # back to back for 50 ms, synchronising every 5 calls
+
+
+def test_sustained_turns_report_clock_power_and_energy(forward, monkeypatch, capsys):
+    # turns alternate: runtime, eager, runtime, eager
+    readings = iter([(1560.0, 690.0), (1470.0, 691.0), (1540.0, 688.0), (1480.0, 689.0)])
+
+    class Sampler:
+        def __init__(self, torch):
+            pass
+
+        def stop(self):
+            return next(readings)
+
+    monkeypatch.setattr(forward, "GpuSampler", Sampler)
+    out = forward.time_ms(_FakeTorch, {"runtime": lambda: None, "eager": lambda: None}, 0, 1, 2, seconds=0.01)
+    assert out["runtime"]["sm_mhz"] == 1550 and out["runtime"]["power_w"] == 689
+    assert out["eager"]["sm_mhz"] == 1475 and out["eager"]["power_w"] == 690
+    assert out["runtime"]["mj_per_call"] == 689 * out["runtime"]["median_ms"]
+
+    row = _row(1024, 1.249, 1.256)
+    row["runtime"].update(sm_mhz=1560, power_w=689, mj_per_call=860.5)
+    row["eager"].update(sm_mhz=1478, power_w=691, mj_per_call=867.5)
+    forward.print_power([row])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("sustained turns") and lines[2].endswith(
+        "runtime 1560 / 689 / 860.5; eager 1478 / 691 / 867.5"
+    )
+    forward.print_power([_row(1, 0.2, 0.24)])  # no readings: nothing printed
+    assert capsys.readouterr().out == ""
+
+
+def test_nvidia_smi_samples_skip_the_first_third_and_bad_lines(forward):
+    text = "1980, 300.0\n1980, 320.0\n[N/A], [N/A]\n1500, 690.5\n1480, 689.5\n1490, 691.0\n1485, 690.0\n"
+    assert forward.parse_samples(text) == (1487.5, 690.25)  # six readings, the first two left out
+    assert forward.parse_samples("") is None and forward.parse_samples("No devices were found") is None
+
+
+def test_sustained_option_takes_seconds_with_a_reason(forward):
+    assert forward._seconds("2") == 2.0 and forward._seconds("0") == 0.0
+    for bad, reason in (("x", "expected seconds"), ("-1", "from 0"), ("61", "to 60")):
+        with pytest.raises(Exception, match=reason):
+            forward._seconds(bad)
