@@ -11,9 +11,10 @@ and without. Next to eager, the same eager forward captured in a CUDA graph (tor
 replayed: PyTorch's own kernels without its per-launch cost, which tells kernel speed apart from launch
 overhead. The contenders' timed repeats take turns. Prints a table and writes JSON.
 
-Compute-bound forwards (the MLP from batch 512 on) run at the GPU's power cap, where the clock follows the
-energy a forward takes and a turn's time depends on what ran before it. ``--sustained SECONDS`` times each
-turn as that many seconds of back-to-back forwards instead of ``--iters`` calls, and samples the SM clock and
+A turn is at least ``--iters`` calls and at least ``--turn-ms`` of them (100 ms by default). Compute-bound
+forwards (the MLP from batch 256 on) run at the GPU's power cap, where the clock follows the energy a forward
+takes: turns of 25 ms spread by up to 23% there (docs/PERFORMANCE.md, "Large batches at the power cap").
+``--sustained SECONDS`` makes each turn that many seconds of back-to-back forwards and samples the SM clock and
 the board power meanwhile (nvidia-smi), so the table also gives each contender's clock, power and energy per
 forward in the steady state.
 
@@ -43,12 +44,15 @@ def _sync(torch) -> None:
     torch.cuda.synchronize()  # device-wide: waits for the runtime's stream as well
 
 
-def time_ms(torch, fns: dict, warmup: int, iters: int, repeats: int, seconds: float = 0.0) -> dict:
-    """Wall time per call over `iters` back-to-back calls (launch overhead included), median of `repeats`,
-    for each of ``fns``; the repeats take turns (A, B, C, A, B, C, ...) so that a drifting clock or a
-    neighbour's load hits every contender alike. With ``seconds`` > 0 each turn runs calls back to back for
-    that long (synchronising every `iters` calls) and records the SM clock (MHz) and board power (W) that
-    nvidia-smi sampled meanwhile, and their product with the time per call (mJ per call)."""
+def time_ms(
+    torch, fns: dict, warmup: int, iters: int, repeats: int, seconds: float = 0.0, sample: bool = False
+) -> dict:
+    """Wall time per call over a turn of back-to-back calls (launch overhead included), median of `repeats`
+    turns, for each of ``fns``; the turns take turns (A, B, C, A, B, C, ...) so that a drifting clock or a
+    neighbour's load hits every contender alike. A turn is `iters` calls, repeated (with a synchronisation
+    after each `iters`) until it has lasted ``seconds``. With ``sample`` each turn also records the SM clock
+    (MHz) and board power (W) that nvidia-smi sampled meanwhile, and their product with the time per call
+    (mJ per call)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -57,7 +61,7 @@ def time_ms(torch, fns: dict, warmup: int, iters: int, repeats: int, seconds: fl
     gpu: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            sampler = GpuSampler(torch) if seconds > 0 else None
+            sampler = GpuSampler(torch) if sample else None
             calls, start = 0, time.perf_counter()
             while True:
                 for _ in range(iters):
@@ -181,7 +185,8 @@ def run_case(torch, name, batch, model, runtime_fn, eager_fn, compiled_fn, args,
         _sync(torch)
         row["compile_s"] = time.perf_counter() - start
         fns["compiled"] = compiled_fn
-    row.update(time_ms(torch, fns, args.warmup, args.iters, args.repeats, args.sustained))
+    seconds = args.sustained or args.turn_ms / 1e3
+    row.update(time_ms(torch, fns, args.warmup, args.iters, args.repeats, seconds, sample=args.sustained > 0))
     model.pdl = setting
     return row
 
@@ -338,6 +343,16 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _turn_ms(text: str) -> float:
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds, e.g. 100") from None
+    if not 0 <= ms <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds from 0 to 10000")
+    return ms
+
+
 def _batches(text: str) -> tuple[int, ...]:
     try:
         batches = tuple(int(b) for b in text.split(","))
@@ -364,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         "--mlp-batches", type=_batches, default=(1, 16, 256), help="comma-separated MLP batch sizes (default 1,16,256)"
     )
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="calls a turn at least (default 20)")
+    parser.add_argument(
+        "--turn-ms",
+        type=_turn_ms,
+        default=100.0,
+        help="milliseconds a turn lasts at least (default 100; 0: exactly --iters calls)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--sustained",
@@ -372,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         metavar="SECONDS",
         help="time each turn as SECONDS of back-to-back forwards and report SM clock, power and energy per "
-        "forward (the power-capped steady state of compute-bound batches); 0 (default): --iters calls a turn",
+        "forward (the power-capped steady state of compute-bound batches); 0 (default): off",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -402,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing": (
             f"wall time per forward, {args.sustained} s of back-to-back calls a turn"
             if args.sustained
-            else f"wall time per forward, {args.iters} calls"
+            else f"wall time per forward, turns of at least {args.iters} calls and {args.turn_ms:g} ms"
         )
         + f" after {args.warmup} warm-up, median of {args.repeats} (contenders take turns)",
         "rows": rows,

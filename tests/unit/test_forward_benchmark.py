@@ -70,8 +70,11 @@ class _FakeTorch:
             return object()  # no uuid: nvidia-smi reads the default GPU
 
 
-def test_timing_turns_take_iters_calls_or_a_sustained_window(forward, monkeypatch):
-    monkeypatch.setattr(forward, "GpuSampler", lambda torch: None)
+def test_timing_turns_take_iters_calls_or_a_minimum_time(forward, monkeypatch):
+    def no_sampling(torch):
+        raise AssertionError("sampled without sample=True")
+
+    monkeypatch.setattr(forward, "GpuSampler", no_sampling)
     calls = {"a": 0, "b": 0}
 
     def counter(name):
@@ -86,8 +89,9 @@ def test_timing_turns_take_iters_calls_or_a_sustained_window(forward, monkeypatc
     assert len(out["a"]["samples_ms"]) == 3 and "power_w" not in out["a"]
 
     calls.update(a=0, b=0)
-    forward.time_ms(_FakeTorch, fns, warmup=0, iters=5, repeats=1, seconds=0.05)
+    out = forward.time_ms(_FakeTorch, fns, warmup=0, iters=5, repeats=1, seconds=0.05)
     assert calls["a"] > 5 and calls["a"] % 5 == 0  # back to back for 50 ms, synchronising every 5 calls
+    assert "power_w" not in out["a"]
 
 
 def test_sustained_turns_report_clock_power_and_energy(forward, monkeypatch, capsys):
@@ -102,7 +106,8 @@ def test_sustained_turns_report_clock_power_and_energy(forward, monkeypatch, cap
             return next(readings)
 
     monkeypatch.setattr(forward, "GpuSampler", Sampler)
-    out = forward.time_ms(_FakeTorch, {"runtime": lambda: None, "eager": lambda: None}, 0, 1, 2, seconds=0.01)
+    fns = {"runtime": lambda: None, "eager": lambda: None}
+    out = forward.time_ms(_FakeTorch, fns, 0, 1, 2, seconds=0.01, sample=True)
     assert out["runtime"]["sm_mhz"] == 1550 and out["runtime"]["power_w"] == 689
     assert out["eager"]["sm_mhz"] == 1475 and out["eager"]["power_w"] == 690
     assert out["runtime"]["mj_per_call"] == 689 * out["runtime"]["median_ms"]
@@ -125,8 +130,14 @@ def test_nvidia_smi_samples_skip_the_first_third_and_bad_lines(forward):
     assert forward.parse_samples("") is None and forward.parse_samples("No devices were found") is None
 
 
-def test_sustained_option_takes_seconds_with_a_reason(forward):
+def test_turn_options_take_a_duration_with_a_reason(forward):
     assert forward._seconds("2") == 2.0 and forward._seconds("0") == 0.0
-    for bad, reason in (("x", "expected seconds"), ("-1", "from 0"), ("61", "to 60")):
+    assert forward._turn_ms("100") == 100.0 and forward._turn_ms("0") == 0.0
+    cases = [
+        (forward._seconds, bad, reason)
+        for bad, reason in (("x", "expected seconds"), ("-1", "from 0"), ("61", "to 60"))
+    ]
+    cases += [(forward._turn_ms, bad, reason) for bad, reason in (("x", "expected milliseconds"), ("-5", "from 0"))]
+    for parse, bad, reason in cases:
         with pytest.raises(Exception, match=reason):
-            forward._seconds(bad)
+            parse(bad)
