@@ -48,8 +48,8 @@ def time_ms(
     torch, fns: dict, warmup: int, iters: int, repeats: int, seconds: float = 0.0, sample: bool = False
 ) -> dict:
     """Wall time per call over a turn of back-to-back calls (launch overhead included), median of `repeats`
-    turns, for each of ``fns``; the turns take turns (A, B, C, A, B, C, ...) so that a drifting clock or a
-    neighbour's load hits every contender alike. A turn is `iters` calls, repeated (with a synchronisation
+    turns, for each of ``fns``; the contenders' turns alternate (A, B, C, A, B, C, ...) so that a drifting clock
+    or a neighbour's load hits every contender alike. A turn is `iters` calls, repeated (with a synchronisation
     after each `iters`) until it has lasted ``seconds``. With ``sample`` each turn also records the SM clock
     (MHz) and board power (W) that nvidia-smi sampled meanwhile, and their product with the time per call
     (mJ per call)."""
