@@ -333,24 +333,23 @@ def _defaults_cells(row: dict, eager_ms: float) -> str:
     return f"{ms:>12.3f}{eager_ms / ms:>9.2f}x" if ms else f"{'-':>12}{'-':>10}"
 
 
-def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, e.g. 2") from None
-    if not 0 <= seconds <= 60:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 (off) to 60")
-    return seconds
+def _duration(unit: str, most: float, example: str):
+    """An argparse type: a number of ``unit`` from 0 to ``most``, with a one-line reason otherwise."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {unit}, e.g. {example}") from None
+        if not 0 <= value <= most:
+            raise argparse.ArgumentTypeError(f"{text!r}: {unit} from 0 to {most:g}")
+        return value
+
+    return parse
 
 
-def _turn_ms(text: str) -> float:
-    try:
-        ms = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds, e.g. 100") from None
-    if not 0 <= ms <= 10_000:
-        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds from 0 to 10000")
-    return ms
+_seconds = _duration("seconds", 60, "2")
+_turn_ms = _duration("milliseconds", 10_000, "100")
 
 
 def _batches(text: str) -> tuple[int, ...]:
