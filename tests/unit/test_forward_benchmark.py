@@ -2,6 +2,7 @@
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,10 @@ def test_timing_turns_take_iters_calls_or_a_minimum_time(forward, monkeypatch):
         return fn
 
     fns = {"a": counter("a"), "b": counter("b")}
+    _FakeTorch.cuda.syncs = 0
     out = forward.time_ms(_FakeTorch, fns, warmup=2, iters=5, repeats=3)
     assert calls == {"a": 2 + 15, "b": 2 + 15}
+    assert _FakeTorch.cuda.syncs == 1 + 3 * 2  # after the warm-up, then after each turn
     assert len(out["a"]["samples_ms"]) == 3 and "power_w" not in out["a"]
 
     calls.update(a=0, b=0)
@@ -141,3 +144,15 @@ def test_turn_options_take_a_duration_with_a_reason(forward):
     for parse, bad, reason in cases:
         with pytest.raises(Exception, match=reason):
             parse(bad)
+
+
+def test_gpu_sampler_reads_nvidia_smi_or_gives_none(forward, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi at all
+    assert forward.GpuSampler(_FakeTorch).stop() is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\nprintf "1980, 300.0\\n1500, 690.0\\n1490, 692.0\\n1480, 691.0\\n"\nexec sleep 30\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    sampler = forward.GpuSampler(_FakeTorch)
+    time.sleep(0.3)  # the fake prints its samples at once, then waits to be stopped
+    assert sampler.stop() == (1490.0, 691.0)
