@@ -503,7 +503,7 @@ class WgmmaFamily(Family):
         splits = params.get("k_splits", 1)
         if splits > 1 and (params["ctas"] or params.get("stream_k")):
             return f"k_splits={splits} runs a cluster per tile: use ctas=0 and no stream_k"
-        if params.get("swap_ab") and (params["ctas"] or params.get("stream_k") or params.get("sk_tail")):
+        if params.get("swap_ab") and (params["ctas"] or params.get("stream_k")):
             return "swap_ab stores through the staged tile of a block per tile: use ctas=0 and no stream_k"
         if params.get("tma_store"):
             if splits > 1 or params.get("swap_ab") or params.get("stream_k"):
