@@ -336,7 +336,8 @@ TENSORCORE = TensorCoreFamily(
 )
 
 
-#: sk_tail: the most blocks that share a tile of the last round (KM_WGMMA_SK_PARTS).
+#: sk_tail: the most blocks that share a tile of the last round (KM_WGMMA_SK_PARTS; the op templates assert that
+#: the two agree).
 SK_MAX_PARTS = 4
 
 
@@ -619,6 +620,7 @@ class WgmmaFamily(Family):
             "swap_ab": swap,
             "tma_store": params.get("tma_store", False),
             "sk_tail": params.get("sk_tail", False),
+            "sk_max_parts": SK_MAX_PARTS,
         }
 
 
