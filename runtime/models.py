@@ -59,6 +59,14 @@ def _host(x: Any) -> np.ndarray:
 # -- BERT -------------------------------------------------------------------------------------------------
 
 
+def _shaped_like(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A per-token input (mask, token types) as an array of input_ids' shape, or a ValueError naming both."""
+    arr = _host(a)
+    if arr.shape != shape and not (arr.ndim == 1 and (1, *arr.shape) == shape):
+        raise ValueError(f"{name} has shape {arr.shape}; input_ids has {shape}")
+    return arr.reshape(shape)
+
+
 class BertModel(Module):
     """BERT's encoder (HF BertModel without the pooler): forward(input_ids, attention_mask=None,
     token_type_ids=None) -> last hidden state (batch, seq, hidden)."""
@@ -81,11 +89,11 @@ class BertModel(Module):
         vocab = self.embeddings.word.shape[0]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise IndexError(f"input_ids out of range 0..{vocab - 1}")
-        types = None if token_type_ids is None else _host(token_type_ids).reshape(ids.shape)
+        types = None if token_type_ids is None else _shaped_like("token_type_ids", token_type_ids, ids.shape)
         device, dtype = self.device, self.dtype
         mask = None
         if attention_mask is not None:
-            m = _host(attention_mask).reshape(ids.shape).astype(np.float32)
+            m = _shaped_like("attention_mask", attention_mask, ids.shape).astype(np.float32)
             mask = ((1.0 - m) * np.float32(MASK_MIN[dtype])).astype(numpy_dtype(dtype))
         if device == "cpu":
             ids_t = Tensor.from_numpy(ids.astype(np.int64))
@@ -711,7 +719,7 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
             raise ValueError(f"{path} has neither model.safetensors nor pytorch_model.bin")
         return BertModel.from_state_dict(sd, config)
     if not path.exists():
-        raise FileNotFoundError(path)
+        raise FileNotFoundError(f"{path}: no such model (a checkpoint directory or a state_dict file)")
     loaded = _torch_load(path)
     if isinstance(loaded, dict) and "state_dict" in loaded:
         act = act or loaded.get("act")

@@ -79,6 +79,19 @@ def test_bert_out_of_range_ids_are_an_error(bert_dir):
         model.forward(np.array([[1, 2, 211]]))
 
 
+def test_bert_mask_and_types_of_another_shape_are_an_error(bert_dir):
+    path, _ = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 2\); input_ids has \(2, 3\)"):
+        model.forward(ids, np.ones((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="token_type_ids has shape"):
+        model.forward(ids, None, np.zeros((6,), dtype=np.int64))
+    # One sequence may come without its batch dimension, like input_ids.
+    one = model.forward(np.array([1, 2, 3]), np.array([1, 1, 0])).numpy()
+    assert np.isfinite(one).all() and one.shape[:2] == (1, 3)
+
+
 def test_gelu_tanh_bert(tmp_path):
     ref_model = small_bert(tmp_path, hidden_act="gelu_new")
     model = runtime.load_model(tmp_path, device="cpu")
@@ -152,7 +165,7 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         runtime.load_model(pickled_list, device="cpu")
     with pytest.raises(ValueError, match="no config.json"):
         runtime.load_model(tmp_path, device="cpu")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="missing.pt: no such model"):
         runtime.load_model(tmp_path / "missing.pt", device="cpu")
 
 
