@@ -64,10 +64,13 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
     }
     job = _request("POST", f"{base}/api/jobs", json=body)
     console.print(f"job {job['id']} submitted to {base}")
+    said_idle, next_check = False, 0.0
     try:
         with _progress(console) as bar:
             task = bar.add_task(f"job {job['id']} queued", total=job["budget"]["trials"], failed=0, **_fmt(None, None))
             while job["state"] in ("queued", "running"):
+                if job["state"] == "queued" and not said_idle and time.monotonic() >= next_check:
+                    said_idle, next_check = _say_why_queued(base, job["id"], bar.console), time.monotonic() + 15.0
                 time.sleep(poll_s)
                 job = _request("GET", f"{base}/api/jobs/{job['id']}")
                 best = min((s for s in job["per_shape"] if s["best_ms"]), key=lambda s: s["best_ms"], default=None)
@@ -83,6 +86,19 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
         return job
     _summary(console, job)
     return job
+
+
+def _say_why_queued(base: str, job_id: int, console: Console) -> bool:
+    """While a job waits: if the server has no GPU worker, says so once with the server's reason (else the
+    bar would sit at "queued" with no word of why). True once said."""
+    workers = _request("GET", f"{base}/api/workers")
+    if workers["workers"]:
+        return False
+    console.print(
+        f"{base} has no GPU worker: {workers.get('reason') or 'none has joined'}. Job {job_id} waits in the queue "
+        "until one joins (Ctrl-C stops watching; the job stays queued)."
+    )
+    return True
 
 
 def _summary(console: Console, job: dict[str, Any]) -> None:
