@@ -340,6 +340,9 @@ if __name__ == "__main__":  # pragma: no cover
 
 # -- service commands ----------------------------------------------------------------------
 
+#: The most jobs one listing shows (the API's limit on GET /api/jobs).
+MAX_LISTED_JOBS = 500
+
 ServerOpt = Annotated[
     str | None,
     typer.Option("--server", envvar="KERNELMILL_SERVER", help="kernelmill service URL, e.g. http://127.0.0.1:8000"),
@@ -441,11 +444,21 @@ def jobs(
 ) -> None:
     """List recent jobs (from the server, or the local database)."""
     from kernelmill.client import fetch_jobs
+    from kernelmill.service.db.models import JOB_STATES
 
+    if state is not None and state not in JOB_STATES:
+        raise fail(f"unknown state {state!r}; use one of {', '.join(JOB_STATES)}")
+    if not 1 <= limit <= MAX_LISTED_JOBS:
+        raise fail(f"--limit {limit} is out of range 1..{MAX_LISTED_JOBS}")
+    listed = fetch_jobs(server, state, limit)
+    if not listed:
+        where = server or "the local database"
+        console.print(f"no {state + ' ' if state else ''}jobs in {where} (submit one: kernelmill tune OP --shape S)")
+        return
     table = Table(title="jobs")
     for col in ("id", "op", "shapes", "dtype", "strategy", "state", "trials", "failed", "best us", "speedup"):
         table.add_column(col)
-    for job in fetch_jobs(server, state, limit):
+    for job in listed:
         best = [s for s in job["per_shape"] if s["best_ms"]]
         table.add_row(
             str(job["id"]),
@@ -472,10 +485,22 @@ def kernels(
     """List served kernels: the best verified one per op, shape, dtype and arch."""
     from kernelmill.client import fetch_kernels
 
+    if op is not None:
+        get_op(op)  # an unknown op is a one-line error naming the ops
+    if dtype is not None and dtype not in DTYPES:
+        raise fail(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    listed = fetch_kernels(server, op, dtype)
+    if not listed:
+        what = " ".join(v for v in (op, dtype) if v)
+        where = server or "the local database"
+        console.print(
+            f"no served {what + ' ' if what else ''}kernels in {where} (a finished tuning job serves its best)"
+        )
+        return
     table = Table(title="served kernels")
     for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
         table.add_column(col)
-    for k in fetch_kernels(server, op, dtype):
+    for k in listed:
         table.add_row(
             str(k["id"]),
             k["op"],

@@ -38,6 +38,10 @@ def test_render_prints_source_with_params():
         (["bench", "softmax", "--shape", "12xq"], "malformed shape"),
         (["bench", "softmax", "--shape", "12x12x12"], "takes a shape of 2 dims"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "hopper"], "malformed arch"),
+        (["jobs", "--state", "finished"], "unknown state 'finished'; use one of queued"),
+        (["jobs", "--limit", "0"], "--limit 0 is out of range 1..500"),
+        (["kernels", "--op", "conv"], "unknown op 'conv'"),
+        (["kernels", "--dtype", "int9"], "unknown dtype 'int9'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message):
@@ -58,3 +62,13 @@ def test_bench_without_gpu_says_what_it_cannot_do(monkeypatch):
     result = runner.invoke(app, ["bench", "softmax", "--shape", "64x64"])
     assert result.exit_code == 3
     assert "no GPU" in result.output and "compile" in result.output
+
+
+def test_empty_listings_say_so_and_how_to_fill_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/empty.db")
+    jobs = runner.invoke(app, ["jobs", "--state", "done"])
+    assert (
+        jobs.exit_code == 0 and "no done jobs in the local database" in jobs.output and "kernelmill tune" in jobs.output
+    )
+    kernels = runner.invoke(app, ["kernels", "--op", "softmax"])
+    assert kernels.exit_code == 0 and "no served softmax kernels in the local database" in kernels.output
