@@ -349,11 +349,56 @@ ServerOpt = Annotated[
 ]
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Fails (exit 3) unless this process can listen on host:port, before the service starts its cluster."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as exc:
+        raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_UNAVAILABLE) from None
+
+
+#: How long `serve` and `worker` wait for a Dask scheduler that refuses connections before they give up.
+SCHEDULER_WAIT_S = 10.0
+
+
+def _check_scheduler(address: str) -> None:
+    """Fails (exit 3) when a tcp:// Dask scheduler address does not accept connections within SCHEDULER_WAIT_S
+    (Dask itself waits 20 s, then the service dies with a traceback); other schemes are left to Dask."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    if parts.scheme != "tcp":
+        return
+    try:
+        host, port = parts.hostname, parts.port or 8786
+    except ValueError:
+        raise fail(f"malformed scheduler address {address!r}; expected tcp://HOST:PORT") from None
+    if not host:
+        raise fail(f"malformed scheduler address {address!r}; expected tcp://HOST:PORT")
+    deadline = time.monotonic() + SCHEDULER_WAIT_S  # a scheduler starting beside this process gets that long
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5.0).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                why = exc.strerror or exc
+                message = f"cannot reach the Dask scheduler at {address} (tried for {SCHEDULER_WAIT_S:g} s): {why}"
+                raise fail(message, EXIT_UNAVAILABLE) from None
+        time.sleep(0.5)
+
+
 @app.command()
 @user_errors
 def serve(
     host: Annotated[str | None, typer.Option(help="bind address (default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default 8000)", min=1, max=65535)] = None,
     scheduler: Annotated[str | None, typer.Option(help="existing Dask scheduler, tcp://HOST:8786")] = None,
     access_log: Annotated[
         bool | None, typer.Option("--access-log/--no-access-log", help="a log line per request (default on)")
@@ -369,6 +414,9 @@ def serve(
 
     given = {"host": host, "port": port, "scheduler": scheduler, "access_log": access_log}
     settings = get_settings().model_copy(update={k: v for k, v in given.items() if v is not None})
+    _check_listen(settings.host, settings.port)
+    if settings.scheduler:
+        _check_scheduler(settings.scheduler)
     console.print(f"kernelmill {__version__} serving on http://{settings.host}:{settings.port} (docs at /docs)")
     # One process: the job runner and the GPU workers belong to it (several uvicorn workers would each start
     # their own). uvicorn picks httptools and uvloop, both dependencies, over its pure-Python h11 and asyncio.
@@ -397,6 +445,7 @@ def worker(
 
     from kernelmill.service.executor import run_workers
 
+    _check_scheduler(scheduler)
     try:
         asyncio.run(run_workers(scheduler, gpus))
     except RuntimeError as exc:

@@ -1,4 +1,5 @@
 import json
+import socket
 
 import pytest
 from typer.testing import CliRunner
@@ -72,3 +73,45 @@ def test_empty_listings_say_so_and_how_to_fill_them(tmp_path, monkeypatch):
     )
     kernels = runner.invoke(app, ["kernels", "--op", "softmax"])
     assert kernels.exit_code == 0 and "no served softmax kernels in the local database" in kernels.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeypatch):
+    from kernelmill import cli
+
+    monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 0.6)
+    assert runner.invoke(app, ["serve", "--port", "70000"]).exit_code == 2
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        busy = runner.invoke(app, ["serve", "--port", str(port)])
+    assert busy.exit_code == 3 and f"cannot listen on 127.0.0.1:{port}" in busy.output
+    closed = f"tcp://127.0.0.1:{_free_port()}"
+    nobody = runner.invoke(app, ["serve", "--port", str(_free_port()), "--scheduler", closed])
+    assert nobody.exit_code == 3 and f"cannot reach the Dask scheduler at {closed} (tried for 0.6 s)" in nobody.output
+    assert "Traceback" not in nobody.output
+    bad = runner.invoke(app, ["worker", "--scheduler", "tcp://:x"])
+    assert bad.exit_code == 2 and "malformed scheduler address" in bad.output
+
+
+def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
+    import threading
+
+    from kernelmill import cli
+
+    monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 5.0)
+    port = _free_port()
+    listening = []
+    timer = threading.Timer(0.7, lambda: listening.append(socket.create_server(("127.0.0.1", port))))
+    timer.start()
+    try:
+        cli._check_scheduler(f"tcp://127.0.0.1:{port}")  # returns once the late listener accepts
+        assert listening
+    finally:
+        timer.join()
+        for s in listening:
+            s.close()
