@@ -5,7 +5,11 @@ Resolution, once per problem (then kept in memory):
 1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
    (source and cubin), so a machine that once reached the service works offline;
 2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``;
-   short timeouts; an unreachable service is logged once and not asked again). A kernel tuned for a
+   short timeouts; an unreachable service is logged once and not asked again). Where a service is
+   configured it is asked even when the local cache holds the problem's kernel, so that a kernel tuned since
+   replaces the cached one: the cached cubin is used when the service still serves that kernel (no
+   download), the service's kernel when it serves another for the exact shape, and the cached one when the
+   service cannot be reached or has nothing better than a nearest shape. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments);
 3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
@@ -263,11 +267,13 @@ class KernelRegistry:
         return spec, shape, attrs, (op, shape, dtype, self.target_arch, attrs_key(attrs))
 
     def _lookup(self, spec, shape, dtype, attrs, notes: list[str]) -> KernelEntry | None:
-        """The local cache's exact tuned kernel, else the service's, else a cached nearest one."""
+        """The service's kernel for the exact shape (the cached copy where it is the same kernel), else the
+        local cache's exact one, else the service's nearest, else the cache's nearest."""
         cached = self._from_local(spec, shape, dtype, attrs, notes) if self.use_local_cache else None
-        if cached is not None and cached.source == TUNED:
+        served = self._from_service(spec, shape, dtype, attrs, notes, cached)
+        if cached is not None and cached.source == TUNED and (served is None or served.source != TUNED):
             return cached
-        return self._from_service(spec, shape, dtype, attrs, notes) or cached
+        return served or cached
 
     def _resolve(self, spec, shape, dtype, attrs) -> KernelEntry:
         notes: list[str] = []
@@ -439,7 +445,7 @@ class KernelRegistry:
             )
             return None
 
-    def _from_service(self, spec, shape, dtype, attrs, notes) -> KernelEntry | None:
+    def _from_service(self, spec, shape, dtype, attrs, notes, cached: KernelEntry | None = None) -> KernelEntry | None:
         if not self.use_service or not (self.server or self._client is not None):
             return None
         if self._offline_reason:
@@ -467,13 +473,18 @@ class KernelRegistry:
         # Exact shapes first, then the faster kernel.
         answers.sort(key=lambda k: (not k.get("exact"), k.get("median_ms") or math.inf))
         for served in answers:
-            entry = self._use_served(spec, shape, dtype, attrs, served, notes)
+            entry = self._use_served(spec, shape, dtype, attrs, served, notes, cached)
             if entry is not None:
                 return entry
         return None
 
-    def _use_served(self, spec, shape, dtype, attrs, served: dict[str, Any], notes: list[str]) -> KernelEntry | None:
+    def _use_served(
+        self, spec, shape, dtype, attrs, served: dict[str, Any], notes: list[str], cached: KernelEntry | None = None
+    ) -> KernelEntry | None:
         exact = bool(served.get("exact"))
+        if cached is not None and cached.kernel_id == served["id"] and cached.source == (TUNED if exact else NEAREST):
+            cached.note = "from the local cache; still the service's"
+            return cached  # the kernel the cache holds: no download
         reason = self._usable(spec, shape, dtype, attrs, served["family"], served["params"], served.get("attrs"))
         if not reason and not exact and not _close(served["shape"], shape):
             # Tuned at a shape more than twice as large or small in some dimension, a kernel stands in only for a

@@ -92,15 +92,15 @@ class _NoCompile:
         raise _Compiled(arch)
 
 
-def _mock_service(kernel: dict, calls: list):
+def _mock_service(kernel: dict | None, calls: list, cubin: bytes = b"served-cubin"):
     def handler(request: httpx.Request) -> httpx.Response:
         calls.append(str(request.url))
         if request.url.path == "/api/kernels/best":
-            if request.url.params.get("arch") != kernel["arch"]:
+            if kernel is None or request.url.params.get("arch") != kernel["arch"]:
                 return httpx.Response(404, json={"detail": "none"})
             return httpx.Response(200, json=kernel)
-        if request.url.path == f"/api/kernels/{kernel['id']}/cubin":
-            return httpx.Response(200, content=b"served-cubin")
+        if kernel is not None and request.url.path == f"/api/kernels/{kernel['id']}/cubin":
+            return httpx.Response(200, content=cubin)
         return httpx.Response(404, json={"detail": "?"})
 
     return httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
@@ -136,6 +136,33 @@ def test_nearest_kernel_used_only_when_its_family_accepts_the_shape(tmp_path):
     # batch 40 > max_batch 16 of the served small_batch variant: not used, the default is compiled instead.
     with pytest.raises(_Compiled):
         reg.get("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+
+def test_the_service_revalidates_the_local_cache(tmp_path):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+    def registry(kernel, calls, cubin=b"served-cubin", **kw):
+        client = _mock_service(kernel, calls, cubin)
+        return KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile(), **kw)
+
+    first = registry(_fused_kernel(exact=True), []).get(*problem)
+    assert first.source == TUNED and first.kernel_id == 7 and first.cubin == b"served-cubin"
+    # The service still serves kernel 7: the cached cubin, nothing downloaded.
+    calls: list = []
+    same = registry(_fused_kernel(exact=True), calls).get(*problem)
+    assert same.kernel_id == 7 and same.note == "from the local cache; still the service's"
+    assert not any("/cubin" in c for c in calls)
+    # A kernel tuned since (8) replaces it, here and in the cache.
+    calls = []
+    newer = registry(_fused_kernel(exact=True, id=8), calls, b"newer-cubin").get(*problem)
+    assert newer.source == TUNED and newer.kernel_id == 8 and newer.cubin == b"newer-cubin"
+    assert any("/api/kernels/8/cubin" in c for c in calls)
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    assert offline.get(*problem).cubin == b"newer-cubin"
+    # A service with nothing for the shape, or only a nearest shape's kernel: the cached exact one stays.
+    assert registry(None, []).get(*problem).kernel_id == 8
+    nearest = _fused_kernel(id=9, shape=[8, 64, 128, 64])
+    assert registry(nearest, []).get(*problem).kernel_id == 8
 
 
 def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
