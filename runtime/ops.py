@@ -209,10 +209,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if a.shape[-1] != k:
         raise ValueError(f"matmul: {a.shape} @ {b.shape}")
     m = a.numel // k if k else 0
-    if not _on_cuda(a, b):
-        _note("matmul", (m, n, k), a.dtype, {})
-        return _cpu(_f32(a) @ _f32(b))
     dtype = _float_dtype(a, b)
+    if not _on_cuda(a, b):
+        _note("matmul", (m, n, k), dtype, {})
+        return _cpu(_f32(a) @ _f32(b))
     out = Tensor.empty((*a.shape[:-1], n), dtype, "cuda")
     _launch("matmul", (m, n, k), dtype, {}, {"A": a, "B": b, "C": out})
     return out
@@ -225,10 +225,10 @@ def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
     rows = x.numel // cols if cols else 0
     if b.shape != (cols,):
         raise ValueError(f"bias_act: bias {b.shape} for input {x.shape}")
-    if not _on_cuda(x, b):
-        _note("bias_act", (rows, cols), x.dtype, {"act": act})
-        return _cpu(_act_np(_f32(x) + _f32(b), act))
     dtype = _float_dtype(x, b)
+    if not _on_cuda(x, b):
+        _note("bias_act", (rows, cols), dtype, {"act": act})
+        return _cpu(_act_np(_f32(x) + _f32(b), act))
     out = Tensor.empty(x.shape, dtype, "cuda")
     _launch("bias_act", (rows, cols), dtype, {"act": act}, {"X": x, "b": b, "Y": out})
     return out
@@ -264,10 +264,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> 
         y = matmul(x, w)
         return y if act == "none" else activation(y, act)
     m = x.numel // k if k else 0
-    if not _on_cuda(x, w, b):
-        _note("linear", (m, n, k), x.dtype, {"act": act})
-        return _cpu(_act_np(_f32(x) @ _f32(w) + _f32(b), act))
     dtype = _float_dtype(x, w, b)
+    if not _on_cuda(x, w, b):
+        _note("linear", (m, n, k), dtype, {"act": act})
+        return _cpu(_act_np(_f32(x) @ _f32(w) + _f32(b), act))
     out = Tensor.empty((*x.shape[:-1], n), dtype, "cuda")
     _launch("linear", (m, n, k), dtype, {"act": act}, {"X": x, "W": w, "b": b, "Y": out})
     return out
@@ -277,10 +277,10 @@ def add(x: Tensor, y: Tensor) -> Tensor:
     """x + y (same shapes: residual connections)."""
     if x.shape != y.shape:
         raise ValueError(f"add: shapes {x.shape} and {y.shape} differ")
-    if not _on_cuda(x, y):
-        _note("add", (x.numel,), x.dtype, {})
-        return _cpu(_f32(x) + _f32(y))
     dtype = _float_dtype(x, y)
+    if not _on_cuda(x, y):
+        _note("add", (x.numel,), dtype, {})
+        return _cpu(_f32(x) + _f32(y))
     out = Tensor.empty(x.shape, dtype, "cuda")
     _launch("add", (x.numel,), dtype, {}, {"X": x, "R": y, "Y": out})
     return out
@@ -290,10 +290,10 @@ def softmax(x: Tensor) -> Tensor:
     """softmax over the last dim."""
     cols = x.shape[-1]
     rows = x.numel // cols if cols else 0
-    if not x.is_cuda:
-        _note("softmax", (rows, cols), x.dtype, {})
-        return _cpu(_softmax_np(_f32(x)))
     dtype = _float_dtype(x)
+    if not x.is_cuda:
+        _note("softmax", (rows, cols), dtype, {})
+        return _cpu(_softmax_np(_f32(x)))
     out = Tensor.empty(x.shape, dtype, "cuda")
     _launch("softmax", (rows, cols), dtype, {}, {"x": x, "y": out})
     return out
@@ -307,13 +307,13 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
         raise ValueError(f"layernorm: residual {residual.shape} for input {x.shape}")
     op = "layernorm" if residual is None else "add_layernorm"
     attrs = {"eps": float(eps)}
+    dtype = _float_dtype(x, gamma, beta, residual)
     if not _on_cuda(x, gamma, beta, residual):
-        _note(op, (rows, cols), x.dtype, attrs)
+        _note(op, (rows, cols), dtype, attrs)
         h = _f32(x) if residual is None else _f32(x) + _f32(residual)
         mean = h.mean(axis=-1, keepdims=True)
         var = ((h - mean) ** 2).mean(axis=-1, keepdims=True)
         return _cpu((h - mean) / np.sqrt(var + eps) * _f32(gamma) + _f32(beta))
-    dtype = _float_dtype(x, gamma, beta, residual)
     out = Tensor.empty(x.shape, dtype, "cuda")
     tensors = {"X": x, "gamma": gamma, "beta": beta, "Y": out}
     if residual is not None:
@@ -339,11 +339,11 @@ def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: st
     if act not in FUSED_ACTIVATIONS:
         return linear(linear(x, w1, b1, act), w2, b2)
     batch = x.numel // d_in if d_in else 0
+    dtype = _float_dtype(x, w1, b1, w2, b2)
     if not _on_cuda(x, w1, b1, w2, b2):
-        _note("fused_mlp", (batch, d_in, d_hidden, d_out), x.dtype, {"act": act})
+        _note("fused_mlp", (batch, d_in, d_hidden, d_out), dtype, {"act": act})
         h = _act_np(_f32(x) @ _f32(w1) + _f32(b1), act)
         return _cpu(h @ _f32(w2) + _f32(b2))
-    dtype = _float_dtype(x, w1, b1, w2, b2)
     shape = (batch, d_in, d_hidden, d_out)
     if batch > FUSED_MLP_DEFAULT_MAX_BATCH and current_registry().find("fused_mlp", shape, dtype, {"act": act}) is None:
         # Nothing tuned for the fused op: its two linears (gemv / wgmma defaults) beat the fused templates'
@@ -419,14 +419,14 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     if mask is not None and mask.shape != (batch, seq):
         raise ValueError(f"attention: mask {mask.shape}, expected {(batch, seq)}")
     shape = (batch, heads, seq, head_dim)
+    dtype = _float_dtype(qkv, mask)
     if not _on_cuda(qkv, mask):
-        _note("attention", shape, qkv.dtype, {})
+        _note("attention", shape, dtype, {})
         m = np.zeros((batch, seq), np.float32) if mask is None else _f32(mask)
         x = _f32(qkv).reshape(batch, seq, 3, heads, head_dim).transpose(2, 0, 3, 1, 4)
         scores = x[0] @ x[1].transpose(0, 1, 3, 2) / np.float32(math.sqrt(head_dim)) + m[:, None, None, :]
         out = _softmax_np(scores) @ x[2]
         return _cpu(out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim))
-    dtype = _float_dtype(qkv, mask)
     mask = _zeros((batch, seq), dtype) if mask is None else mask
     out = Tensor.empty((batch, seq, heads * head_dim), dtype, "cuda")
     _launch("attention", shape, dtype, {}, {"qkv": qkv, "mask": mask, "out": out})

@@ -138,3 +138,13 @@ def test_mixed_devices_are_refused():
     fake_cuda = Tensor((3, 3), "float32", "cuda", buffer=object())
     with pytest.raises(ValueError, match="different devices"):
         ops.matmul(x, fake_cuda)
+
+
+def test_integer_inputs_are_refused_on_the_cpu_as_on_the_gpu():
+    ids = Tensor.from_numpy(np.ones((2, 3), dtype=np.int64))
+    with pytest.raises(TypeError, match="one float dtype, got float32, int64"):
+        ops.linear(ids, t(3, 4), t(4))
+    with pytest.raises(TypeError, match="one float dtype, got int64"):
+        ops.softmax(ids)
+    with pytest.raises(TypeError, match="one float dtype"):
+        ops.fused_mlp(ids, t(3, 5), t(5), t(5, 3), t(3))
