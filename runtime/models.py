@@ -281,10 +281,14 @@ class Model:
         self.device, self.dtype = device, dtype
         self.backend = None
         if device == "cuda":
+            from kernelmill.kernels.device import GpuUnavailable
             from kernelmill.runtime.backend import get_backend
             from kernelmill.runtime.registry import KernelRegistry
 
-            self.backend = get_backend()
+            try:
+                self.backend = get_backend()
+            except GpuUnavailable as exc:
+                raise GpuUnavailable(f"{exc}; device='cpu' runs the model on NumPy") from None
             if registry is None:
                 registry = KernelRegistry(server, backend=self.backend)
         self.registry = registry

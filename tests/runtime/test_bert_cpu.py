@@ -175,3 +175,15 @@ def test_random_bert_runs_on_cpu():
     model = runtime.Model(runtime.BertModel.random(config), device="cpu")
     out = model.forward(np.arange(10).reshape(2, 5))
     assert out.shape == (2, 5, 32) and np.isfinite(out.numpy()).all()
+
+
+def test_a_cuda_model_without_a_gpu_says_the_cpu_runs_it(bert_dir, monkeypatch):
+    from kernelmill.kernels.device import GpuUnavailable
+    from kernelmill.runtime import backend
+
+    def no_gpu(ordinal=0):
+        raise GpuUnavailable("no CUDA device is visible")
+
+    monkeypatch.setattr(backend, "get_backend", no_gpu)
+    with pytest.raises(GpuUnavailable, match="no CUDA device is visible; device='cpu' runs the model on NumPy"):
+        runtime.load_model(bert_dir[0], device="cuda")
