@@ -302,6 +302,29 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+#: Issue 4's targets: the runtime at least this much faster than eager at MLP batch 1, and never slower than
+#: eager at any size.
+TARGET_BATCH1 = 1.3
+TARGET_EVERYWHERE = 1.0
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 4's targets against this run's medians, one line each: the figure, the bar, met or missed."""
+    lines = []
+    ratio = {(r["case"], r["batch"]): r["eager"]["median_ms"] / r["runtime"]["median_ms"] for r in rows}
+    batch1 = [v for (case, batch), v in ratio.items() if case.startswith("mlp") and batch == 1]
+    if batch1:
+        verdict = "met" if batch1[0] >= TARGET_BATCH1 else "missed"
+        lines.append(f"MLP batch 1 vs eager {batch1[0]:.2f}x (target >= {TARGET_BATCH1:.2f}x): {verdict}")
+    if ratio:
+        (case, batch), worst = min(ratio.items(), key=lambda kv: kv[1])
+        verdict = "met" if worst >= TARGET_EVERYWHERE else "missed"
+        lines.append(
+            f"slowest vs eager {worst:.2f}x ({case}, batch {batch}; target >= {TARGET_EVERYWHERE:.2f}x): {verdict}"
+        )
+    return lines
+
+
 #: The contenders of a row, in the order the power table lists them, with their column names.
 _CONTENDERS = (
     ("runtime", "runtime"),
@@ -413,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += bert_cases(torch, runtime, args, Path(tmp))
     print_table(rows)
     print_power(rows)
+    print("\ntargets (issue 4, medians of this run):\n" + "\n".join(f"  {line}" for line in targets(rows)))
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -426,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f" after {args.warmup} warm-up, median of {args.repeats} (contenders take turns)",
         "rows": rows,
+        "targets": targets(rows),
     }
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")

@@ -156,3 +156,17 @@ def test_gpu_sampler_reads_nvidia_smi_or_gives_none(forward, monkeypatch, tmp_pa
     sampler = forward.GpuSampler(_FakeTorch)
     time.sleep(0.3)  # the fake prints its samples at once, then waits to be stopped
     assert sampler.stop() == (1490.0, 691.0)
+
+
+def test_targets_say_met_or_missed_against_the_issue_bars(forward):
+    rows = [_row(1, 0.266, 0.333), _row(256, 0.385, 0.417)]
+    assert forward.targets(rows) == [
+        "MLP batch 1 vs eager 1.25x (target >= 1.30x): missed",
+        "slowest vs eager 1.08x (mlp 4x(4096-11008-4096), batch 256; target >= 1.00x): met",
+    ]
+    rows = [_row(1, 0.19, 0.30), {**_row(8, 1.0, 0.98), "case": "bert-base seq 128"}]
+    assert forward.targets(rows) == [
+        "MLP batch 1 vs eager 1.58x (target >= 1.30x): met",
+        "slowest vs eager 0.98x (bert-base seq 128, batch 8; target >= 1.00x): missed",
+    ]
+    assert forward.targets([]) == []
