@@ -2,11 +2,11 @@
 # One call on a GPU host: the whole gpu suite, the softmax bench next to PyTorch, and (CHECK_SERVE=1) a served
 # tuning job over REST. Logs go to $OUT (or ./out); the last lines printed are a summary a file each.
 #
-# The verification files run under pytest-xdist where it is importable (NW workers, 8 by default: each its
-# own process and CUDA context, so a kernel that faults takes down one worker, which xdist replaces, and the
-# compiles spread over the host's cores: the whole suite took about 7 minutes on an H100 host of 16 cores, where one
-# process had run 67 of its 216 tests in 520 s). The files that start services, subprocesses or Nsight run after
-# them, one process each.
+# The verification files run under pytest-xdist where it is importable (NW workers, 8 by default). Each
+# worker is its own process and CUDA context, so a kernel that faults takes down one worker, which xdist
+# replaces, and the compiles spread over the host's cores: the whole suite took about 7 minutes on an H100
+# host of 16 cores, where one process had run 67 of its 216 tests in 520 s. The files that start services,
+# subprocesses or Nsight run after them, one process each.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
