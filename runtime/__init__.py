@@ -12,13 +12,14 @@ from kernelmill.runtime import nn, ops
 from kernelmill.runtime.models import BertModel, Model, load_model, load_module, mlp_from_state_dict
 from kernelmill.runtime.registry import KernelRegistry
 from kernelmill.runtime.tensor import Tensor, as_tensor, from_numpy, from_torch, to_torch
-from kernelmill.runtime.tune import model_problems, tune_model
+from kernelmill.runtime.tune import TuneError, model_problems, tune_model
 
 __all__ = [
     "BertModel",
     "KernelRegistry",
     "Model",
     "Tensor",
+    "TuneError",
     "as_tensor",
     "from_numpy",
     "from_torch",

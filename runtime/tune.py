@@ -14,6 +14,17 @@ log = logging.getLogger(__name__)
 MAX_SHAPES_PER_JOB = 32
 
 
+class TuneError(ValueError):
+    """The service could not be reached or refused a job. ``jobs``: the jobs it had created before (they run
+    on; the message gives their ids)."""
+
+    def __init__(self, message: str, jobs: list[dict[str, Any]]) -> None:
+        if jobs:
+            message += f"; submitted before it: job {', '.join(str(j.get('id')) for j in jobs)}"
+        super().__init__(message)
+        self.jobs = jobs
+
+
 def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...], str, dict]]:
     """The (op, shape, dtype, attrs) problems one forward of ``model`` on these inputs meets."""
     from kernelmill.runtime.models import Model
@@ -59,28 +70,37 @@ def tune_model(
         if list(shape) not in groups.setdefault(key, []):
             groups[key].append(list(shape))
     base = (server or os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
-    if client is None:
+    own_client = client is None
+    if own_client:
         if not base:
             raise ValueError("tune_model needs a server (argument or KERNELMILL_SERVER)")
         client = httpx.Client(base_url=base, timeout=30.0)
     token = get_settings().api_token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    jobs = []
-    for (op, job_dtype, _), shapes in groups.items():
-        for start in range(0, len(shapes), MAX_SHAPES_PER_JOB):
-            body = {
-                "op": op,
-                "shapes": shapes[start : start + MAX_SHAPES_PER_JOB],
-                "dtype": job_dtype,
-                "arch": arch,
-                "strategy": strategy,
-                "attrs": attrs_of[(op, job_dtype, _)],
-                "budget": {"trials": trials, "seconds": seconds},
-            }
-            resp = client.post("/api/jobs", json=body, headers=headers)
-            if resp.status_code >= 400:
-                raise ValueError(f"the service refused the {op} job ({resp.status_code}): {resp.text}")
-            job = resp.json()
-            log.info("runtime: submitted job %s: %s %s x%d shapes", job.get("id"), op, job_dtype, len(body["shapes"]))
-            jobs.append(job)
+    jobs: list[dict[str, Any]] = []
+    try:
+        for (op, job_dtype, _), shapes in groups.items():
+            for start in range(0, len(shapes), MAX_SHAPES_PER_JOB):
+                body = {
+                    "op": op,
+                    "shapes": shapes[start : start + MAX_SHAPES_PER_JOB],
+                    "dtype": job_dtype,
+                    "arch": arch,
+                    "strategy": strategy,
+                    "attrs": attrs_of[(op, job_dtype, _)],
+                    "budget": {"trials": trials, "seconds": seconds},
+                }
+                try:
+                    resp = client.post("/api/jobs", json=body, headers=headers)
+                except httpx.HTTPError as exc:
+                    raise TuneError(f"cannot reach the service at {base or client.base_url}: {exc}", jobs) from None
+                if resp.status_code >= 400:
+                    raise TuneError(f"the service refused the {op} job ({resp.status_code}): {resp.text}", jobs)
+                job = resp.json()
+                shown = len(body["shapes"])
+                log.info("runtime: submitted job %s: %s %s x%d shapes", job.get("id"), op, job_dtype, shown)
+                jobs.append(job)
+    finally:
+        if own_client:
+            client.close()
     return jobs

@@ -423,3 +423,28 @@ def test_tune_model_submits_one_job_per_op_and_attrs(service):
     assert json.loads(json.dumps(by_op["layernorm"]["attrs"])) == {"eps": 1e-12}
     for job in jobs:
         assert _wait_done(service, job["id"])["state"] == "done"
+
+
+def test_tune_model_failures_name_the_jobs_already_submitted(service, tmp_path):
+    config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config.update({"intermediate_size": 64, "max_position_embeddings": 16})
+    model = runtime.Model(runtime.BertModel.random(config), device="cpu")
+    ids = np.arange(10).reshape(2, 5)
+
+    class Refusing:
+        """The service until the third job, then a 503."""
+
+        base_url = "http://svc"
+        posts = 0
+
+        def post(self, *args, **kwargs):
+            self.posts += 1
+            return service.post(*args, **kwargs) if self.posts < 3 else httpx.Response(503, text="draining")
+
+    with pytest.raises(
+        runtime.TuneError, match=r"refused the \w+ job \(503\): draining; submitted before it: job 1, 2"
+    ):
+        runtime.tune_model(model, ids, client=Refusing(), dtype="float16", trials=4, seconds=30)
+    with pytest.raises(runtime.TuneError, match="cannot reach the service at http://127.0.0.1:9") as unreachable:
+        runtime.tune_model(model, ids, server="http://127.0.0.1:9", dtype="float16")
+    assert unreachable.value.jobs == []
