@@ -90,9 +90,12 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
 
 def _say_why_queued(base: str, job_id: int, console: Console) -> bool:
     """While a job waits: if the server has no GPU worker, says so once with the server's reason (else the
-    bar would sit at "queued" with no word of why). True once said."""
-    workers = _request("GET", f"{base}/api/workers")
-    if workers["workers"]:
+    bar would sit at "queued" with no word of why). True once said, or where the server cannot tell."""
+    try:
+        workers = _request("GET", f"{base}/api/workers")
+    except ServerError:  # only a hint: watching the job goes on
+        return True
+    if workers.get("workers"):
         return False
     console.print(
         f"{base} has no GPU worker: {workers.get('reason') or 'none has joined'}. Job {job_id} waits in the queue "

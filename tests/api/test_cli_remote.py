@@ -74,3 +74,19 @@ def test_tune_against_an_unreachable_server_is_one_line_and_exit_2():
     result = CliRunner().invoke(app, ["tune", "softmax", "--shape", "64x64", "--server", "http://127.0.0.1:9"])
     assert result.exit_code == 2
     assert "cannot reach http://127.0.0.1:9/api/jobs" in result.output and "Traceback" not in result.output
+
+
+def test_a_server_that_cannot_list_its_workers_still_has_its_job_followed(serve, monkeypatch):
+    serve(workers=1)
+    routed = httpx.request
+
+    def no_workers_route(method, url, **kw):
+        if url.endswith("/api/workers"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return routed(method, url, **kw)
+
+    monkeypatch.setattr(httpx, "request", no_workers_route)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    result = CliRunner().invoke(app, TUNE)
+    assert result.exit_code == 0, result.output
+    assert "job 1 done" in result.output and "no GPU worker" not in result.output
