@@ -458,7 +458,9 @@ def tune(
     op: str,
     shape: Annotated[list[str], typer.Option("--shape", "-s", help="repeatable, e.g. 8192x8192")],
     dtype: DtypeOpt = "float16",
-    strategy: Annotated[str, typer.Option(help="exhaustive, random or evolutionary")] = "random",
+    strategy: Annotated[
+        str, typer.Option(help="exhaustive, random, evolutionary, guided (profile-guided, warm-started) or llm")
+    ] = "random",
     budget: Annotated[int, typer.Option(help="trials over all shapes")] = 64,
     seconds: Annotated[float, typer.Option(help="wall-clock budget")] = 3600.0,
     attr: AttrOpt = None,
