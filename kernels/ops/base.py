@@ -44,6 +44,8 @@ SM_REGS = 65536
 SM_THREADS, SM_BLOCKS, MAX_THREAD_REGS = 2048, 32, 255
 #: Kernels index their tensors with 32-bit element offsets: a tensor must hold fewer elements than this.
 MAX_INDEXED_ELEMS = 2**31
+#: Kernels take each shape dim as a 32-bit int: the largest dim a shape may have.
+MAX_DIM = 2**31 - 1
 
 
 class SpecError(ValueError):
@@ -320,6 +322,10 @@ class OpSpec(ABC):
         for dim, value in zip(self.dims, shape, strict=True):
             if value <= 0:
                 raise SpecError(f"{self.name} shape dim {dim} must be > 0, got {value}")
+            if value > MAX_DIM:
+                raise SpecError(
+                    f"{self.name} shape dim {dim} must be at most {MAX_DIM} (kernels take 32-bit sizes), got {value}"
+                )
         return shape
 
     def resolve_attrs(self, raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -70,6 +70,7 @@ def test_cancel(client):
         ({"shapes": [[1024]]}, "2 dims"),
         ({"shapes": [[1024, 0]]}, "must be > 0"),
         ({"shapes": [[1024, -3]]}, "must be > 0"),
+        ({"shapes": [[1, 99999999999]]}, "must be at most 2147483647"),
         ({"shapes": []}, "shapes"),
         ({"shapes": ["12xq"]}, "malformed shape"),
         ({"budget": {"trials": 0, "seconds": 10}}, "budget.trials"),

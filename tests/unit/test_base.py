@@ -18,10 +18,16 @@ def test_parse_shape_roundtrip(dims):
     assert op.parse_shape(dims) == tuple(dims)
 
 
-@pytest.mark.parametrize("text", ["8192", "8x8x8", "axb", "8x-1", "0x5", ""])
+@pytest.mark.parametrize("text", ["8192", "8x8x8", "axb", "8x-1", "0x5", "", "1x2147483648"])
 def test_parse_shape_rejects(text):
     with pytest.raises(SpecError):
         get_op("softmax").parse_shape(text)
+
+
+def test_a_dim_past_a_32_bit_int_is_refused_with_the_reason():
+    assert get_op("softmax").parse_shape("1x2147483647") == (1, 2147483647)
+    with pytest.raises(SpecError, match=r"dim cols must be at most 2147483647 \(kernels take 32-bit sizes\)"):
+        get_op("softmax").parse_shape([1, 99999999999])
 
 
 def test_param_coerce():
