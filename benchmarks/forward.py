@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += bert_cases(torch, runtime, args, Path(tmp))
     print_table(rows)
     print_power(rows)
-    print("\ntargets (issue 4, medians of this run):\n" + "\n".join(f"  {line}" for line in targets(rows)))
+    verdicts = targets(rows)
+    print("\ntargets (issue 4, medians of this run):\n" + "\n".join(f"  {line}" for line in verdicts))
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         + f" after {args.warmup} warm-up, median of {args.repeats} (contenders take turns)",
         "rows": rows,
-        "targets": targets(rows),
+        "targets": verdicts,
     }
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")

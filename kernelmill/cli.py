@@ -22,7 +22,7 @@ from rich.table import Table
 from kernelmill import __version__
 from kernelmill.kernels.compile import CompileError, Compiler, normalize_arch
 from kernelmill.kernels.ops import OPS, get_op
-from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
+from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import RenderError
 
 app = typer.Typer(
@@ -340,9 +340,6 @@ if __name__ == "__main__":  # pragma: no cover
 
 # -- service commands ----------------------------------------------------------------------
 
-#: The most jobs one listing shows (the API's limit on GET /api/jobs).
-MAX_LISTED_JOBS = 500
-
 ServerOpt = Annotated[
     str | None,
     typer.Option("--server", envvar="KERNELMILL_SERVER", help="kernelmill service URL, e.g. http://127.0.0.1:8000"),
@@ -495,12 +492,13 @@ def jobs(
 ) -> None:
     """List recent jobs (from the server, or the local database)."""
     from kernelmill.client import fetch_jobs
+    from kernelmill.service.api.jobs import MAX_JOBS_PAGE
     from kernelmill.service.db.models import JOB_STATES
 
     if state is not None and state not in JOB_STATES:
         raise fail(f"unknown state {state!r}; use one of {', '.join(JOB_STATES)}")
-    if not 1 <= limit <= MAX_LISTED_JOBS:
-        raise fail(f"--limit {limit} is out of range 1..{MAX_LISTED_JOBS}")
+    if not 1 <= limit <= MAX_JOBS_PAGE:
+        raise fail(f"--limit {limit} is out of range 1..{MAX_JOBS_PAGE}")
     listed = fetch_jobs(server, state, limit)
     if not listed:
         where = server or "the local database"
@@ -538,8 +536,8 @@ def kernels(
 
     if op is not None:
         get_op(op)  # an unknown op is a one-line error naming the ops
-    if dtype is not None and dtype not in DTYPES:
-        raise fail(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dtype is not None:
+        numpy_dtype(dtype)  # and an unknown dtype one naming the dtypes
     listed = fetch_kernels(server, op, dtype)
     if not listed:
         what = " ".join(v for v in (op, dtype) if v)

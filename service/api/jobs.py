@@ -25,6 +25,9 @@ from kernelmill.settings import Settings
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 
+#: The most jobs one page of GET /api/jobs holds (`kernelmill jobs --limit` takes the same bound).
+MAX_JOBS_PAGE = 500
+
 
 def job_out(store: Store, job: Job) -> JobOut:
     per_shape = [ShapeProgress(**s.__dict__, speedup=s.speedup) for s in store.summary(job)]
@@ -94,7 +97,7 @@ def list_jobs(
     store: Store = Depends(get_store),
     state: Literal["queued", "running", "done", "failed", "cancelled"] | None = None,
     op: str | None = None,
-    limit: int = Query(50, ge=1, le=500),
+    limit: int = Query(50, ge=1, le=MAX_JOBS_PAGE),
     offset: Offset = 0,
 ) -> Page[JobOut]:
     jobs, total = store.list_jobs(state, op, limit, offset)
