@@ -15,6 +15,10 @@ export PYTHONUNBUFFERED=1
 # package (whose subpackages live in other folders): run the tests from a copy.
 rm -rf /tmp/kmtests && mkdir -p /tmp/kmtests && cp -r tests pyproject.toml /tmp/kmtests/
 py="python3"
+# `python3 -m kernelmill`, not the console script: pip install --target into a folder that already has a bin/
+# (another wheel's scripts) leaves the script out with only a warning. Run from /tmp, where no source folder
+# shadows the installed package.
+km() { (cd /tmp && "$py" -m kernelmill "$@"); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 parallel=(tests/gpu/test_families_gpu.py tests/gpu/test_wgmma_gpu.py tests/gpu/test_softmax_gpu.py
   tests/gpu/test_mlp_stack_gpu.py tests/gpu/test_runtime_gpu.py)
@@ -30,16 +34,16 @@ for f in "${serial[@]}"; do
   (cd /tmp/kmtests && $py -m pytest -q -p no:cacheprovider -rfEs "tests/gpu/$f.py") > "$OUT/$f.log" 2>&1
   summary+=("$f: $(tail -1 "$OUT/$f.log") [$(($(date +%s) - start)) s]")
 done
-kernelmill bench softmax --shape 8192x8192 --dtype float16 2>&1 | tee "$OUT/bench-softmax.txt"
+km bench softmax --shape 8192x8192 --dtype float16 2>&1 | tee "$OUT/bench-softmax.txt"
 # Issue 3's acceptance (CHECK_SERVE=1): a served tuning job over REST, against torch.softmax in the same job.
 if [ "${CHECK_SERVE:-0}" = 1 ]; then
   export KERNELMILL_DATABASE_URL=sqlite:////tmp/kernelmill-check.db
-  kernelmill serve --port 8000 > "$OUT/serve.log" 2>&1 &
+  km serve --port 8000 > "$OUT/serve.log" 2>&1 &
   for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/api/health > /dev/null && break; sleep 0.5; done
   curl -s http://127.0.0.1:8000/api/workers
   echo
-  timeout 480 kernelmill tune softmax --shape 8192x8192 --dtype float16 --budget 64 \
-    --server http://127.0.0.1:8000 2>&1 | tail -5
-  kernelmill kernels --server http://127.0.0.1:8000
+  (cd /tmp && timeout 480 "$py" -m kernelmill tune softmax --shape 8192x8192 --dtype float16 --budget 64 \
+    --server http://127.0.0.1:8000) 2>&1 | tail -5
+  km kernels --server http://127.0.0.1:8000
 fi
 printf '%s\n' "${summary[@]}"
