@@ -312,10 +312,14 @@ def targets(rows: list[dict]) -> list[str]:
     """Issue 4's targets against this run's medians, one line each: the figure, the bar, met or missed."""
     lines = []
     ratio = {(r["case"], r["batch"]): r["eager"]["median_ms"] / r["runtime"]["median_ms"] for r in rows}
-    batch1 = [v for (case, batch), v in ratio.items() if case.startswith("mlp") and batch == 1]
+    batch1 = [r for r in rows if r["case"].startswith("mlp") and r["batch"] == 1]
     if batch1:
-        verdict = "met" if batch1[0] >= TARGET_BATCH1 else "missed"
-        lines.append(f"MLP batch 1 vs eager {batch1[0]:.2f}x (target >= {TARGET_BATCH1:.2f}x): {verdict}")
+        row = batch1[0]
+        value = ratio[(row["case"], 1)]
+        verdict = "met" if value >= TARGET_BATCH1 else "missed"
+        lines.append(
+            f"MLP batch 1 vs eager {value:.2f}x (target >= {TARGET_BATCH1:.2f}x): {verdict}{_eager_context(row)}"
+        )
     if ratio:
         (case, batch), worst = min(ratio.items(), key=lambda kv: kv[1])
         verdict = "met" if worst >= TARGET_EVERYWHERE else "missed"
@@ -323,6 +327,19 @@ def targets(rows: list[dict]) -> list[str]:
             f"slowest vs eager {worst:.2f}x ({case}, batch {batch}; target >= {TARGET_EVERYWHERE:.2f}x): {verdict}"
         )
     return lines
+
+
+def _eager_context(row: dict) -> str:
+    """What the batch-1 verdict rests on: eager's time over its own CUDA graph (above 1, eager paid launch
+    gaps, which the ratio then rewards) and the runtime against eager's fastest turn; empty where the row
+    has neither."""
+    eager, parts = row["eager"], []
+    graphed = row.get("eager_graph", {}).get("median_ms")
+    if graphed:
+        parts.append(f"eager {eager['median_ms']:.3f} ms, {eager['median_ms'] / graphed:.2f}x its CUDA graph")
+    if "min_ms" in eager:
+        parts.append(f"{eager['min_ms'] / row['runtime']['median_ms']:.2f}x eager's fastest turn")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 #: The contenders of a row, in the order the power table lists them, with their column names.
