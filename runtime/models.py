@@ -16,6 +16,7 @@ logs why once and keeps plain launches. On "cpu" it runs the NumPy float32 ops.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import statistics
@@ -200,6 +201,16 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
     )
     if not linears:
         raise ValueError("the state_dict has no 2-D '<name>.weight' entries (Linear layers)")
+    for name in linears:
+        weight, bias = arrays[f"{name}.weight"], arrays.get(f"{name}.bias")
+        if bias is not None and bias.shape != weight.shape[:1]:
+            raise ValueError(f"{name}.bias has shape {bias.shape} for {name}.weight {weight.shape}")
+    for prev, cur in itertools.pairwise(linears):
+        gives, takes = arrays[f"{prev}.weight"].shape[0], arrays[f"{cur}.weight"].shape[1]
+        if takes != gives:
+            raise ValueError(
+                f"{cur}.weight takes {takes} inputs but {prev}.weight gives {gives}: the layers do not chain"
+            )
 
     def make(name: str, layer_act: str) -> Linear:
         w = arrays[f"{name}.weight"]

@@ -122,6 +122,19 @@ def _float_dtype(*tensors: Tensor | None) -> str:
     return dtypes.pop()
 
 
+def _expect(op: str, name: str, t: Tensor, shape: tuple[int, ...], of: str) -> None:
+    """A ValueError naming ``op``, ``name`` and both shapes where ``t`` is not ``shape``: the kernels read
+    exactly that many elements, so a short bias or scale would be read past its end."""
+    if t.shape != shape:
+        raise ValueError(f"{op}: {name} {t.shape} for {of}: expected {shape}")
+
+
+def _matrix(op: str, name: str, w: Tensor) -> tuple[int, int]:
+    if w.ndim != 2:
+        raise ValueError(f"{op}: {name} {w.shape} is not a matrix (in_features, out_features)")
+    return w.shape
+
+
 def _aligned(t: Tensor) -> Tensor:
     """``t``, or an aligned copy when its address does not allow 16-byte accesses (e.g. a view)."""
     return t if t.ptr % ALIGNMENT == 0 else t.clone()
@@ -205,7 +218,7 @@ def _softmax_np(x: np.ndarray) -> np.ndarray:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a (..., K) @ b (K, N) -> (..., N)."""
-    k, n = b.shape
+    k, n = _matrix("matmul", "b", b)
     if a.shape[-1] != k:
         raise ValueError(f"matmul: {a.shape} @ {b.shape}")
     m = a.numel // k if k else 0
@@ -257,9 +270,11 @@ def silu(x: Tensor) -> Tensor:
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> Tensor:
     """act(x @ w + b): x (..., K), w (K, N), b (N,) or None."""
     act = canonical_act(act)
-    k, n = w.shape
+    k, n = _matrix("linear", "weight", w)
     if x.shape[-1] != k:
         raise ValueError(f"linear: input {x.shape} for weight {w.shape} (in_features, out_features)")
+    if b is not None:
+        _expect("linear", "bias", b, (n,), f"weight {w.shape}")
     if b is None:
         y = matmul(x, w)
         return y if act == "none" else activation(y, act)
@@ -305,6 +320,8 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
     rows = x.numel // cols if cols else 0
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"layernorm: residual {residual.shape} for input {x.shape}")
+    _expect("layernorm", "gamma", gamma, (cols,), f"input {x.shape}")
+    _expect("layernorm", "beta", beta, (cols,), f"input {x.shape}")
     op = "layernorm" if residual is None else "add_layernorm"
     attrs = {"eps": float(eps)}
     dtype = _float_dtype(x, gamma, beta, residual)
@@ -332,10 +349,12 @@ FUSED_MLP_DEFAULT_MAX_BATCH = 0
 def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: str = "gelu_erf") -> Tensor:
     """act(x @ w1 + b1) @ w2 + b2 in one fused_mlp kernel (two linear kernels for acts it lacks)."""
     act = canonical_act(act)
-    d_in, d_hidden = w1.shape
-    d_out = w2.shape[1]
+    d_in, d_hidden = _matrix("fused_mlp", "w1", w1)
+    d_out = _matrix("fused_mlp", "w2", w2)[1]
     if x.shape[-1] != d_in or w2.shape[0] != d_hidden:
         raise ValueError(f"fused_mlp: input {x.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    _expect("fused_mlp", "b1", b1, (d_hidden,), f"w1 {w1.shape}")
+    _expect("fused_mlp", "b2", b2, (d_out,), f"w2 {w2.shape}")
     if act not in FUSED_ACTIVATIONS:
         return linear(linear(x, w1, b1, act), w2, b2)
     batch = x.numel // d_in if d_in else 0
@@ -369,6 +388,9 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
     batch, seq = (ids.shape[:2] if packed else ids.shape) if ids_np is None else ids_np.shape
     vocab, hidden = word.shape
     type_vocab = types.shape[0]
+    for name, table in (("position", pos), ("token type", types)):
+        if table.ndim != 2 or table.shape[1] != hidden:
+            raise ValueError(f"embedding: {name} embeddings {table.shape} for word embeddings {word.shape}")
     if seq > pos.shape[0]:
         raise ValueError(f"embedding: sequence of {seq} > {pos.shape[0]} position embeddings")
     shape = (batch, seq, hidden, vocab, type_vocab)

@@ -169,6 +169,27 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         runtime.load_model(tmp_path / "missing.pt", device="cpu")
 
 
+def test_mlp_state_dicts_whose_layers_do_not_fit_are_refused_at_load(tmp_path):
+    """A bias of the wrong length or layers whose widths do not chain: a one-line error at load naming the
+    keys, not a broadcast error (CPU) or a kernel reading past a bias (GPU) at the first forward."""
+    path = tmp_path / "mlp.pt"
+    torch.save({"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(15)}, path)
+    with pytest.raises(ValueError, match=r"0.bias has shape \(15,\) for 0.weight \(16, 8\)"):
+        runtime.load_model(path, device="cpu", act="relu")
+    sd = {"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(16), "2.weight": torch.zeros(8, 12)}
+    torch.save(sd, path)
+    with pytest.raises(ValueError, match="2.weight takes 12 inputs but 0.weight gives 16: the layers do not chain"):
+        runtime.load_model(path, device="cpu", act="relu")
+    blocks = {f"{i}.{j}.weight": torch.zeros(*s) for i in range(2) for j, s in ((0, (16, 8)), (2, (8, 16)))}
+    blocks["1.2.weight"] = torch.zeros(4, 16)  # the second block's output (4) does not feed a third: fine
+    torch.save(blocks, path)
+    assert runtime.load_model(path, device="cpu", act="relu").forward(np.zeros((1, 8), np.float32)).shape == (1, 4)
+    blocks["1.0.weight"] = torch.zeros(16, 5)
+    torch.save(blocks, path)
+    with pytest.raises(ValueError, match="1.0.weight takes 5 inputs but 0.2.weight gives 8"):
+        runtime.load_model(path, device="cpu", act="relu")
+
+
 def test_random_bert_runs_on_cpu():
     config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     config.update({"intermediate_size": 64, "max_position_embeddings": 16})

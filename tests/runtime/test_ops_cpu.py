@@ -148,3 +148,27 @@ def test_integer_inputs_are_refused_on_the_cpu_as_on_the_gpu():
         ops.softmax(ids)
     with pytest.raises(TypeError, match="one float dtype"):
         ops.fused_mlp(ids, t(3, 5), t(5), t(5, 3), t(3))
+
+
+def test_operands_of_the_wrong_shape_are_refused_before_any_kernel():
+    """The GPU kernels read exactly N bias / scale elements: a short one would be read past its end, so the
+    shapes are checked (on every device, before the device branch) and the error names both."""
+    x = t(3, 8)
+    with pytest.raises(ValueError, match=r"linear: bias \(15,\) for weight \(8, 16\): expected \(16,\)"):
+        ops.linear(x, t(8, 16), t(15))
+    with pytest.raises(ValueError, match=r"linear: weight \(2, 8, 16\) is not a matrix"):
+        ops.linear(x, t(2, 8, 16), t(16))
+    with pytest.raises(ValueError, match="matmul: b"):
+        ops.matmul(x, t(8))
+    with pytest.raises(ValueError, match=r"fused_mlp: b1 \(40,\) for w1 \(8, 24\): expected \(24,\)"):
+        ops.fused_mlp(x, t(8, 24), t(40), t(24, 8), t(8))
+    with pytest.raises(ValueError, match=r"fused_mlp: b2 \(7,\) for w2 \(24, 8\): expected \(8,\)"):
+        ops.fused_mlp(x, t(8, 24), t(24), t(24, 8), t(7))
+    with pytest.raises(ValueError, match=r"layernorm: gamma \(7,\) for input \(3, 8\)"):
+        ops.layernorm(x, t(7), t(8))
+    with pytest.raises(ValueError, match=r"layernorm: beta \(1, 8\) for input \(3, 8\)"):
+        ops.layernorm(x, t(8), t(1, 8), residual=t(3, 8))
+    with pytest.raises(ValueError, match=r"embedding: position embeddings \(12, 8\) for word embeddings \(50, 16\)"):
+        ops.embedding(RNG.integers(0, 50, size=(1, 4)), t(50, 16), t(12, 8), t(3, 16))
+    with pytest.raises(ValueError, match="token type embeddings"):
+        ops.embedding(RNG.integers(0, 50, size=(1, 4)), t(50, 16), t(12, 16), t(3, 15))
