@@ -330,6 +330,8 @@ def as_tensor(x: Any, device: str | None = None, dtype: str | None = None) -> Te
     if isinstance(x, Tensor):
         return x.to(device or x.device, dtype or x.dtype)
     if type(x).__module__.startswith("torch"):
+        if str(x.dtype) == "torch.float64":  # as from_numpy does for float64 arrays: float32 (a copy)
+            x = x.float()
         t = from_torch(x.contiguous())
         return t.to(device or t.device, dtype or t.dtype)
     return Tensor.from_numpy(x, device=device or "cpu", dtype=dtype)

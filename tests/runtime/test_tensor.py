@@ -98,3 +98,8 @@ def test_as_tensor_accepts_torch_lists_and_tensors():
     assert as_tensor(torch.ones(3)).dtype == "float32"
     x = from_numpy(np.ones(2, np.float32))
     assert as_tensor(x) is x
+    # float64 comes in as float32, from torch as from NumPy (from_torch itself stays zero-copy and refuses it)
+    d = as_tensor(torch.tensor([0.5, 1.5], dtype=torch.float64))
+    assert d.dtype == "float32" and d.numpy().tolist() == [0.5, 1.5]
+    with pytest.raises(TypeError, match="unsupported torch dtype torch.float64"):
+        from_torch(torch.zeros(2, dtype=torch.float64))
