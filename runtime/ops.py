@@ -131,7 +131,7 @@ def _expect(op: str, name: str, t: Tensor, shape: tuple[int, ...], of: str) -> N
 
 def _matrix(op: str, name: str, w: Tensor) -> tuple[int, int]:
     if w.ndim != 2:
-        raise ValueError(f"{op}: {name} {w.shape} is not a matrix (in_features, out_features)")
+        raise ValueError(f"{op}: {name} {w.shape} is not a matrix")
     return w.shape
 
 
@@ -273,11 +273,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> 
     k, n = _matrix("linear", "weight", w)
     if x.shape[-1] != k:
         raise ValueError(f"linear: input {x.shape} for weight {w.shape} (in_features, out_features)")
-    if b is not None:
-        _expect("linear", "bias", b, (n,), f"weight {w.shape}")
     if b is None:
         y = matmul(x, w)
         return y if act == "none" else activation(y, act)
+    _expect("linear", "bias", b, (n,), f"weight {w.shape}")
     m = x.numel // k if k else 0
     dtype = _float_dtype(x, w, b)
     if not _on_cuda(x, w, b):
@@ -386,11 +385,11 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
     packed = isinstance(ids, Tensor) and ids.is_cuda and ids.ndim == 3 and ids.shape[-1] == ID_ELEMS
     ids_np = None if isinstance(ids, Tensor) else np.asarray(ids)
     batch, seq = (ids.shape[:2] if packed else ids.shape) if ids_np is None else ids_np.shape
-    vocab, hidden = word.shape
-    type_vocab = types.shape[0]
+    vocab, hidden = _matrix("embedding", "word embeddings", word)
     for name, table in (("position", pos), ("token type", types)):
         if table.ndim != 2 or table.shape[1] != hidden:
             raise ValueError(f"embedding: {name} embeddings {table.shape} for word embeddings {word.shape}")
+    type_vocab = types.shape[0]
     if seq > pos.shape[0]:
         raise ValueError(f"embedding: sequence of {seq} > {pos.shape[0]} position embeddings")
     shape = (batch, seq, hidden, vocab, type_vocab)
