@@ -26,17 +26,19 @@ class TuneError(ValueError):
 
 
 def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...], str, dict]]:
-    """The (op, shape, dtype, attrs) problems one forward of ``model`` on these inputs meets."""
+    """The (op, shape, dtype, attrs) problems one forward of ``model`` on these inputs meets. The inputs go
+    through the module's ``prepare`` as in ``Model.forward``: NumPy arrays, torch tensors and lists all do."""
     from kernelmill.runtime.models import Model
 
     module = model.module if isinstance(model, Model) else model
     registry = model.registry if isinstance(model, Model) else None
+    prepared = module.prepare(*inputs, **kwargs)
     with ops.recording() as seen:
         if registry is not None:
             with ops.using_registry(registry):
-                module.forward(*inputs, **kwargs)
+                module.forward_prepared(*prepared)
         else:
-            module.forward(*inputs, **kwargs)
+            module.forward_prepared(*prepared)
     return list(seen)
 
 

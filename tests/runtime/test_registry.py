@@ -425,6 +425,18 @@ def test_tune_model_submits_one_job_per_op_and_attrs(service):
         assert _wait_done(service, job["id"])["state"] == "done"
 
 
+def test_tune_model_takes_what_forward_takes(service):
+    """An MLP from random weights with a NumPy batch (and a list), as Model.forward takes them: the inputs
+    go through the module's prepare (the module's forward alone got the raw array and failed)."""
+    model = runtime.Model(runtime.nn.Sequential(runtime.nn.MLP.random(16, 48, 16, "gelu_tanh")), device="cpu")
+    jobs = runtime.tune_model(model, np.zeros((3, 16), np.float32), client=service, dtype="float16", trials=2)
+    assert [(j["op"], j["shapes"], j["dtype"], j["attrs"]) for j in jobs] == [
+        ("fused_mlp", [[3, 16, 48, 16]], "float16", {"act": "gelu_tanh"})
+    ]
+    jobs = runtime.tune_model(model, [[0.5] * 16], client=service, trials=2)
+    assert [(j["shapes"], j["dtype"]) for j in jobs] == [([[1, 16, 48, 16]], "float32")]
+
+
 def test_tune_model_failures_name_the_jobs_already_submitted(service, tmp_path):
     config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     config.update({"intermediate_size": 64, "max_position_embeddings": 16})
