@@ -449,15 +449,18 @@ def worker(
         raise fail(str(exc), EXIT_UNAVAILABLE) from None
 
 
+StrategyOpt = Annotated[
+    str, typer.Option(help="exhaustive, random, evolutionary, guided (profile-guided, warm-started) or llm")
+]
+
+
 @app.command()
 @user_errors
 def tune(
     op: str,
     shape: Annotated[list[str], typer.Option("--shape", "-s", help="repeatable, e.g. 8192x8192")],
     dtype: DtypeOpt = "float16",
-    strategy: Annotated[
-        str, typer.Option(help="exhaustive, random, evolutionary, guided (profile-guided, warm-started) or llm")
-    ] = "random",
+    strategy: StrategyOpt = "random",
     budget: Annotated[int, typer.Option(help="trials over all shapes")] = 64,
     seconds: Annotated[float, typer.Option(help="wall-clock budget")] = 3600.0,
     attr: AttrOpt = None,
@@ -565,22 +568,87 @@ def kernels(
     console.print(table)
 
 
-# -- profiling a model's forward (nsys) -------------------------------------------------------------------
+# -- a model's forward: tuning its problems, profiling it (nsys) ----------------------------------------------
+
+ModelArg = Annotated[
+    str | None, typer.Argument(help="a HuggingFace BERT directory or an MLP state_dict file", show_default=False)
+]
+PresetOpt = Annotated[str | None, typer.Option(help="a built-in model instead: bert-base, bert-tiny, mlp, mlp-tiny")]
+BatchOpt = Annotated[int, typer.Option(help="rows (MLP) or sequences (BERT) per forward")]
+SeqOpt = Annotated[int, typer.Option(help="sequence length (BERT)")]
+ActOpt = Annotated[str | None, typer.Option(help="an MLP file's activation (default relu)")]
+
+
+@app.command("tune-model")
+@user_errors
+def tune_model(
+    model: ModelArg = None,
+    preset: PresetOpt = None,
+    batch: BatchOpt = 8,
+    seq: SeqOpt = 128,
+    dtype: DtypeOpt = "float16",
+    act: ActOpt = None,
+    strategy: StrategyOpt = "evolutionary",
+    budget: Annotated[int, typer.Option(help="trials per job (one job per op, its shapes together)")] = 64,
+    seconds: Annotated[float, typer.Option(help="wall-clock budget per job")] = 1800.0,
+    server: ServerOpt = None,
+    follow: Annotated[bool, typer.Option("--follow/--no-follow", help="watch the jobs to their end")] = True,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the problems; submit nothing")] = False,
+) -> None:
+    """Tune what a model's forward runs: one forward on the CPU collects its problems (op, shape, dtype),
+    then a job per op goes to the server. Models loaded with that server then pull the tuned kernels."""
+    from kernelmill.agents.strategies import STRATEGIES
+    from kernelmill.runtime import Model
+    from kernelmill.runtime import tune_model as submit
+    from kernelmill.runtime.profile import ForwardSpec, build_module, example_inputs
+    from kernelmill.runtime.tune import model_problems
+
+    spec = ForwardSpec(model, preset, batch, seq, dtype, act)
+    spec.check()
+    if strategy not in STRATEGIES:
+        raise fail(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if budget < 1 or not seconds > 0:
+        raise fail("--budget must be at least 1 and --seconds above 0")
+    if not dry_run and not server:
+        raise fail("tune-model submits jobs to a service: give --server URL (or set KERNELMILL_SERVER)")
+    with console.status(f"one forward of {spec.model_name} on the CPU to collect its problems"):
+        module = build_module(spec)
+        inputs = example_inputs(module, batch, seq)
+        cpu_model = Model(module, "cpu")
+        if dry_run:
+            problems = model_problems(cpu_model, *inputs)
+    if dry_run:
+        table = Table(title=f"problems of one forward ({len(problems)}), as jobs would tune them in {dtype}")
+        for col in ("op", "shape", "attrs"):
+            table.add_column(col)
+        for op, shape, _dtype, attrs in problems:
+            table.add_row(op, format_shape(shape), " ".join(f"{k}={v}" for k, v in attrs.items()))
+        console.print(table)
+        return
+    import httpx
+
+    from kernelmill.client import follow_jobs
+
+    base = server.rstrip("/")
+    with httpx.Client(base_url=base, timeout=30.0) as client:
+        jobs = submit(cpu_model, inputs, dtype=dtype, strategy=strategy, trials=budget, seconds=seconds, client=client)
+    for job in jobs:
+        shapes = ", ".join(format_shape(s) for s in job["shapes"])
+        console.print(f"job {job['id']} submitted to {base}: {job['op']} {job['dtype']} {shapes}", highlight=False)
+    if follow:
+        follow_jobs(base, jobs, console)
+    console.print(f"models loaded with server={base} (or KERNELMILL_SERVER) pull the tuned kernels")
 
 
 @app.command("profile-forward")
 @user_errors
 def profile_forward(
-    model: Annotated[
-        str | None, typer.Argument(help="a HuggingFace BERT directory or an MLP state_dict file", show_default=False)
-    ] = None,
-    preset: Annotated[
-        str | None, typer.Option(help="a built-in model instead: bert-base, bert-tiny, mlp, mlp-tiny")
-    ] = None,
-    batch: Annotated[int, typer.Option(help="rows (MLP) or sequences (BERT) per forward")] = 8,
-    seq: Annotated[int, typer.Option(help="sequence length (BERT)")] = 128,
+    model: ModelArg = None,
+    preset: PresetOpt = None,
+    batch: BatchOpt = 8,
+    seq: SeqOpt = 128,
     dtype: DtypeOpt = "float16",
-    act: Annotated[str | None, typer.Option(help="an MLP file's activation (default relu)")] = None,
+    act: ActOpt = None,
     iters: Annotated[int, typer.Option(help="forwards profiled")] = 10,
     warmup: Annotated[int, typer.Option(help="forwards before the capture (kernels are compiled then)")] = 2,
     graphs: Annotated[

@@ -64,28 +64,49 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
     }
     job = _request("POST", f"{base}/api/jobs", json=body)
     console.print(f"job {job['id']} submitted to {base}")
+    return follow_jobs(base, [job], console, poll_s)[0]
+
+
+def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_s: float = 1.0) -> list[dict[str, Any]]:
+    """Watches submitted jobs to their end, a progress bar each (trials, failures, best time, speedup), then
+    prints each one's summary; returns their last states. While one waits on a server with no GPU worker it
+    says why, once. Ctrl-C stops watching and says the jobs go on."""
+    base = server.rstrip("/")
+    jobs = list(jobs)
     said_idle, next_check = False, 0.0
     try:
         with _progress(console) as bar:
-            task = bar.add_task(f"job {job['id']} queued", total=job["budget"]["trials"], failed=0, **_fmt(None, None))
-            while job["state"] in ("queued", "running"):
-                if job["state"] == "queued" and not said_idle and time.monotonic() >= next_check:
-                    said_idle, next_check = _say_why_queued(base, job["id"], bar.console), time.monotonic() + 15.0
+            tasks = [
+                bar.add_task(f"job {j['id']} {j['state']}", total=j["budget"]["trials"], failed=0, **_fmt(None, None))
+                for j in jobs
+            ]
+            while any(j["state"] in ("queued", "running") for j in jobs):
+                queued = next((j for j in jobs if j["state"] == "queued"), None)
+                if queued is not None and not said_idle and time.monotonic() >= next_check:
+                    said_idle, next_check = _say_why_queued(base, queued["id"], bar.console), time.monotonic() + 15.0
                 time.sleep(poll_s)
-                job = _request("GET", f"{base}/api/jobs/{job['id']}")
-                best = min((s for s in job["per_shape"] if s["best_ms"]), key=lambda s: s["best_ms"], default=None)
-                bar.update(
-                    task,
-                    completed=job["trials_done"],
-                    failed=job["trials_failed"],
-                    description=f"job {job['id']} {job['state']}",
-                    **_fmt(best and best["best_ms"], best and best["speedup"]),
-                )
+                for i, job in enumerate(jobs):
+                    if job["state"] not in ("queued", "running"):
+                        continue
+                    jobs[i] = job = _request("GET", f"{base}/api/jobs/{job['id']}")
+                    shapes = [s for s in job["per_shape"] if s["best_ms"]]
+                    best = min(shapes, key=lambda s: s["best_ms"], default=None)
+                    bar.update(
+                        tasks[i],
+                        completed=job["trials_done"],
+                        failed=job["trials_failed"],
+                        description=f"job {job['id']} {job['state']}",
+                        **_fmt(best and best["best_ms"], best and best["speedup"]),
+                    )
     except KeyboardInterrupt:
-        console.print(f"stopped watching; job {job['id']} goes on (cancel: POST {base}/api/jobs/{job['id']}/cancel)")
-        return job
-    _summary(console, job)
-    return job
+        going = [j for j in jobs if j["state"] in ("queued", "running")] or jobs
+        ids = ", ".join(str(j["id"]) for j in going)
+        what, which = (f"job {ids} goes on", ids) if len(going) == 1 else (f"jobs {ids} go on", "ID")
+        console.print(f"stopped watching; {what} (cancel: POST {base}/api/jobs/{which}/cancel)")
+        return jobs
+    for job in jobs:
+        _summary(console, job)
+    return jobs
 
 
 def _say_why_queued(base: str, job_id: int, console: Console) -> bool:

@@ -90,3 +90,96 @@ def test_a_server_that_cannot_list_its_workers_still_has_its_job_followed(serve,
     result = CliRunner().invoke(app, TUNE)
     assert result.exit_code == 0, result.output
     assert "job 1 done" in result.output and "no GPU worker" not in result.output
+
+
+# -- tune-model: a model's problems as jobs --------------------------------------------------------------------
+
+TUNE_MODEL = ["tune-model", "--preset", "bert-tiny", "--batch", "2", "--seq", "16", "--budget", "4"]
+BERT_TINY_JOBS = [
+    ("embedding", "2x16x128x1000x2"),
+    ("layernorm", "32x128"),
+    ("linear", "32x384x128, 32x128x128"),
+    ("attention", "2x2x16x64"),
+    ("add_layernorm", "32x128"),
+    ("fused_mlp", "32x128x512x128"),
+]
+
+
+@pytest.fixture
+def job_client(monkeypatch):
+    """Routes the httpx.Client that tune-model submits through to the app that ``serve`` started."""
+
+    class Routed:
+        def __init__(self, tc: TestClient) -> None:
+            self.tc, self.base_url = tc, SERVER
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def post(self, path, **kw):
+            return self.tc.post(path, **kw)
+
+    def route(tc: TestClient) -> None:
+        monkeypatch.setattr(httpx, "Client", lambda base_url, timeout: Routed(tc))
+
+    return route
+
+
+def test_tune_model_submits_a_job_per_op_and_follows_them(serve, job_client, monkeypatch):
+    tc = serve(workers=1)
+    job_client(tc)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
+    assert result.exit_code == 0, result.output
+    for i, (op, shapes) in enumerate(BERT_TINY_JOBS, 1):
+        assert f"job {i} submitted to {SERVER}: {op} float16 {shapes}" in result.output
+        assert f"job {i} done" in result.output
+        job = tc.get(f"/api/jobs/{i}").json()
+        assert (job["op"], job["state"], job["strategy"], job["budget"]["trials"]) == (op, "done", "evolutionary", 4)
+    assert f"models loaded with server={SERVER}" in result.output
+
+
+def test_tune_model_without_following_and_stopped_watching(serve, job_client, monkeypatch):
+    tc = serve(workers=0)  # the jobs stay queued
+    job_client(tc)
+    result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER, "--no-follow"])
+    assert result.exit_code == 0, result.output
+    assert "job 6 submitted" in result.output and "done" not in result.output
+
+    def stop_watching(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=stop_watching, monotonic=time.monotonic))
+    result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "stopped watching; jobs 7, 8, 9, 10, 11, 12 go on (cancel: POST http://testserver/api/jobs/ID/cancel)" in out
+    assert [tc.get(f"/api/jobs/{i}").json()["state"] for i in (7, 12)] == ["queued", "queued"]
+
+
+def test_tune_model_dry_run_lists_the_problems_without_a_server():
+    result = CliRunner().invoke(app, [*TUNE_MODEL, "--dry-run", "-d", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    assert "problems of one forward (7), as jobs would tune them in bfloat16" in " ".join(result.output.split())
+    for op, shape in (("embedding", "2x16x128x1000x2"), ("fused_mlp", "32x128x512x128"), ("linear", "32x128x128")):
+        assert op in result.output and shape in result.output
+    assert "act=gelu_erf" in result.output and "eps=1e-12" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "tune-model submits jobs to a service: give --server URL"),
+        (["--strategy", "hill"], "unknown strategy 'hill'; choose one of exhaustive"),
+        (["--budget", "0", "--server", SERVER], "--budget must be at least 1"),
+        (["--server", "http://127.0.0.1:9"], "cannot reach the service at http://127.0.0.1:9"),
+    ],
+)
+def test_tune_model_bad_input_is_one_line_and_exit_2(args, message, monkeypatch):
+    monkeypatch.delenv("KERNELMILL_SERVER", raising=False)
+    result = CliRunner().invoke(app, [*TUNE_MODEL, *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
