@@ -611,12 +611,21 @@ def tune_model(
         raise fail("--budget must be at least 1 and --seconds above 0")
     if not dry_run and not server:
         raise fail("tune-model submits jobs to a service: give --server URL (or set KERNELMILL_SERVER)")
+    import httpx
+
+    from kernelmill.client import follow_jobs
+
+    base = (server or "").rstrip("/")
     with console.status(f"one forward of {spec.model_name} on the CPU to collect its problems"):
         module = build_module(spec)
         inputs = example_inputs(module, batch, seq)
         cpu_model = Model(module, "cpu")
         if dry_run:
             problems = model_problems(cpu_model, *inputs)
+        else:
+            with httpx.Client(base_url=base, timeout=30.0) as client:
+                tuning = dict(dtype=dtype, strategy=strategy, trials=budget, seconds=seconds, client=client)
+                jobs = submit(cpu_model, inputs, **tuning)
     if dry_run:
         table = Table(title=f"problems of one forward ({len(problems)}), as jobs would tune them in {dtype}")
         for col in ("op", "shape", "attrs"):
@@ -625,13 +634,6 @@ def tune_model(
             table.add_row(op, format_shape(shape), " ".join(f"{k}={v}" for k, v in attrs.items()))
         console.print(table)
         return
-    import httpx
-
-    from kernelmill.client import follow_jobs
-
-    base = server.rstrip("/")
-    with httpx.Client(base_url=base, timeout=30.0) as client:
-        jobs = submit(cpu_model, inputs, dtype=dtype, strategy=strategy, trials=budget, seconds=seconds, client=client)
     for job in jobs:
         shapes = ", ".join(format_shape(s) for s in job["shapes"])
         console.print(f"job {job['id']} submitted to {base}: {job['op']} {job['dtype']} {shapes}", highlight=False)
