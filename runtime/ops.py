@@ -455,17 +455,27 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, seq, head_dim) tensors (CPU). On the GPU
-    the runtime runs attention on packed q|k|v: use ``attention(qkv, heads, mask)``."""
-    if _on_cuda(q, k, v, mask):
-        raise NotImplementedError(
-            "on the GPU the runtime's attention kernel reads packed q|k|v (batch, seq, 3*hidden): use attention()"
-        )
-    d = q.shape[-1]
-    scores = _f32(q) @ np.swapaxes(_f32(k), -1, -2) / np.float32(math.sqrt(d))
-    if mask is not None:
-        scores = scores + _f32(mask)
-    return _cpu(_softmax_np(scores) @ _f32(v))
+    """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, seq, head_dim) q, k, v (PyTorch's layout) with an
+    additive key mask (batch, seq) or None -> (batch, heads, seq, head_dim). On the GPU one fused kernel (the
+    sdpa op); models hold q | k | v packed and run ``attention`` instead, which needs no transposes."""
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"scaled_dot_product_attention: q {q.shape}, k {k.shape}, v {v.shape}: expected 4-D, alike")
+    batch, heads, seq, head_dim = q.shape
+    if mask is not None and mask.shape != (batch, seq):
+        expected = (batch, seq)
+        raise ValueError(f"scaled_dot_product_attention: mask {mask.shape}, expected an additive key mask {expected}")
+    shape = (batch, heads, seq, head_dim)
+    dtype = _float_dtype(q, k, v, mask)
+    if not _on_cuda(q, k, v, mask):
+        _note("sdpa", shape, dtype, {})
+        scores = _f32(q) @ np.swapaxes(_f32(k), -1, -2) / np.float32(math.sqrt(head_dim))
+        if mask is not None:
+            scores = scores + _f32(mask)[:, None, None, :]
+        return _cpu(_softmax_np(scores) @ _f32(v))
+    mask = _zeros((batch, seq), dtype) if mask is None else mask
+    out = Tensor.empty(shape, dtype, "cuda")
+    _launch("sdpa", shape, dtype, {}, {"q": q, "k": k, "v": v, "mask": mask, "out": out})
+    return out
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The op registry: one OpSpec per op."""
 
-from kernelmill.kernels.ops.attention import ATTENTION
+from kernelmill.kernels.ops.attention import ATTENTION, SDPA
 from kernelmill.kernels.ops.base import DTYPES, Family, Launch, OpSpec, Param, Problem, SpecError
 from kernelmill.kernels.ops.elementwise import ADD, BIAS_ACT
 from kernelmill.kernels.ops.embedding import EMBEDDING
@@ -15,7 +15,7 @@ OPS: dict[str, OpSpec] = {
     op.name: op
     for op in (SOFTMAX, MATMUL, FUSED_MLP)
     # The tensor runtime's ops (kernelmill.runtime): one template family each, tunable like the rest.
-    + (LINEAR, LINEAR_T, BIAS_ACT, ADD, LAYERNORM, ADD_LAYERNORM, EMBEDDING, ATTENTION, MLP_STACK)
+    + (LINEAR, LINEAR_T, BIAS_ACT, ADD, LAYERNORM, ADD_LAYERNORM, EMBEDDING, ATTENTION, SDPA, MLP_STACK)
 }
 
 

@@ -1,4 +1,6 @@
-"""attention: multi-head scaled-dot-product self-attention on a packed QKV tensor.
+"""attention: multi-head scaled-dot-product self-attention on a packed QKV tensor; sdpa: the same on
+separate q, k, v tensors of shape (batch, heads, seq, head_dim), PyTorch's layout for
+``F.scaled_dot_product_attention``.
 
 Shape: batch x heads x seq x head_dim. Inputs:
 
@@ -9,6 +11,10 @@ Shape: batch x heads x seq x head_dim. Inputs:
 
 Output ``out`` (batch, seq, heads, head_dim) = per head softmax(q k^T / sqrt(head_dim) + mask) v,
 heads side by side again: the layout the output projection reads. No transposes anywhere.
+
+``sdpa`` takes ``q``, ``k``, ``v`` and gives ``out`` as (batch, heads, seq, head_dim) each, with the same
+(batch, seq) key mask; its family renders the same template with ``layout = "bhsd"`` (the kernel's pointers
+and token strides differ, nothing else).
 
 One family, ``fused`` (flash-style, CUDA cores): a block owns ``warps * rows_per_warp`` queries of one
 (batch, head); it walks the keys in tiles of ``block_kv`` staged in shared memory (fp32), keeps a running
@@ -47,8 +53,14 @@ class Fused(Family):
         Param("max_head_dim", (32, 64, 128, 256), "largest head_dim the variant serves (accumulators per lane)"),
     )
 
+    #: How q, k, v and out lie in memory (the template's ``layout``): "packed" (the attention op) or "bhsd".
+    layout = "packed"
+
     def defaults(self, dtype):
         return {"warps": 4, "rows_per_warp": 4, "block_kv": 64, "max_head_dim": 128}
+
+    def context(self, params, dtype, attrs):
+        return {"layout": self.layout}
 
     def check(self, params, dtype):
         state = params["rows_per_warp"] * (params["max_head_dim"] + params["block_kv"]) // 32
@@ -72,15 +84,23 @@ class Fused(Family):
     def launches(self, shape, params, dtype):
         batch, heads, seq, head_dim = shape
         bq = params["warps"] * params["rows_per_warp"]
+        tensors = ("qkv",) if self.layout == "packed" else ("q", "k", "v")
         return [
             Launch(
                 "attention_fused",
                 (cdiv(seq, bq), heads, batch),
                 (32 * params["warps"], 1, 1),
                 smem_bytes(params, head_dim),
-                ("qkv", "mask", "out", heads, seq, head_dim),
+                (*tensors, "mask", "out", heads, seq, head_dim),
             )
         ]
+
+
+class FusedBhsd(Fused):
+    """The fused family on separate (batch, heads, seq, head_dim) q, k, v and out (the sdpa op)."""
+
+    layout = "bhsd"
+    description = "the attention op's fused kernel on separate q, k, v (batch, heads, seq, head_dim) tensors"
 
 
 def attention64(qkv: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -142,3 +162,34 @@ class Attention(OpSpec):
 
 
 ATTENTION = Attention()
+
+
+def sdpa64(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The float64 reference of sdpa: q, k, v (batch, heads, seq, head_dim), key mask (batch, seq)."""
+    qkv = np.stack([q, k, v]).transpose(1, 3, 0, 2, 4)  # (batch, seq, 3, heads, head_dim)
+    return attention64(qkv, mask).transpose(0, 2, 1, 3)
+
+
+class Sdpa(Attention):
+    """softmax(q k^T / sqrt(head_dim) + mask) v on (batch, heads, seq, head_dim) tensors (PyTorch's layout)."""
+
+    name = "sdpa"
+    inputs = ("q", "k", "v", "mask")
+    families = {"fused": FusedBhsd()}
+
+    def tensor_shapes(self, shape):
+        batch, heads, seq, head_dim = shape
+        each = (batch, heads, seq, head_dim)
+        return {"q": each, "k": each, "v": each, "mask": (batch, seq), "out": each}
+
+    def reference(self, inputs, attrs):
+        return {"out": sdpa64(inputs["q"], inputs["k"], inputs["v"], inputs["mask"])}
+
+    def torch_reference(self, tensors, attrs):  # pragma: no cover - GPU
+        import torch.nn.functional as F
+
+        q, k, v, mask = (tensors[n] for n in ("q", "k", "v", "mask"))
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+
+
+SDPA = Sdpa()

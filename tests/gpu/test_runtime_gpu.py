@@ -349,6 +349,25 @@ def test_cuda_array_interface_and_runtime_ops_on_torch_memory(backend, registry)
     torch.testing.assert_close(out, a + b)
 
 
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+def test_sdpa_on_torch_tensors_matches_torch(backend, registry, dtype, tol):
+    """ops.scaled_dot_product_attention on (batch, heads, seq, head_dim) CUDA tensors: the sdpa op's fused
+    kernel, against F.scaled_dot_product_attention on the same tensors, with and without a key mask."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 77, 64, device="cuda", dtype=dtype) for _ in range(3))
+    mask = torch.zeros(2, 77, device="cuda", dtype=dtype)
+    mask[1, 50:] = -1e4
+    for m in (None, mask):
+        with ops.using_registry(registry):
+            out = ops.scaled_dot_product_attention(*map(from_torch, (q, k, v)), None if m is None else from_torch(m))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=None if m is None else m.double()[:, None, None, :]
+        )
+        got = to_torch(out)
+        assert got.shape == q.shape and got.dtype == dtype
+        assert rel_err(got.double().cpu(), ref.cpu()) < tol
+
+
 def test_unaligned_views_are_copied_before_a_kernel(backend, registry):
     base = torch.randn(1001, device="cuda", dtype=torch.float16)
     x, y = from_torch(base[1:]), from_torch(base[:-1].clone())

@@ -118,10 +118,17 @@ def test_attention_matches_torch_sdpa():
         ref = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=am).transpose(1, 2).reshape(batch, seq, -1)
         close(ops.attention(qkv, heads, m), ref)
     q, k, v = (Tensor.from_numpy(np.ascontiguousarray(x[i].numpy())) for i in range(3))
-    ref = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=th(mask)[:, None, None, :])
-    close(ops.scaled_dot_product_attention(q, k, v, Tensor.from_numpy(mask_np[:, None, None, :])), ref)
+    with ops.recording() as seen:
+        for m in (None, mask):
+            am = None if m is None else th(m)[:, None, None, :]
+            close(ops.scaled_dot_product_attention(q, k, v, m), F.scaled_dot_product_attention(x[0], x[1], x[2], am))
+    assert seen == [("sdpa", (batch, heads, seq, head_dim), "float32", {})]
     with pytest.raises(ValueError, match="3 \\* heads"):
         ops.attention(qkv, 5)
+    with pytest.raises(ValueError, match=r"mask \(3, 1, 1, 11\), expected an additive key mask \(3, 11\)"):
+        ops.scaled_dot_product_attention(q, k, v, Tensor.from_numpy(mask_np[:, None, None, :]))
+    with pytest.raises(ValueError, match="expected 4-D, alike"):
+        ops.scaled_dot_product_attention(q, k, t(batch, heads, seq, head_dim + 1))
 
 
 def test_recording_collects_problems_once():

@@ -1,4 +1,4 @@
-"""The runtime's OpSpecs (linear, bias_act, add, layernorm, add_layernorm, embedding, attention): float64
+"""The runtime's OpSpecs (linear, bias_act, add, layernorm, add_layernorm, embedding, attention, sdpa): float64
 references against PyTorch, launch geometry, constraints (no GPU needed)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kernelmill.kernels.ops.layernorm import LAYERNORM
 from kernelmill.kernels.render import render
 from kernelmill.kernels.variant import Variant
 
-NEW_OPS = ["linear", "bias_act", "add", "layernorm", "add_layernorm", "embedding", "attention"]
+NEW_OPS = ["linear", "bias_act", "add", "layernorm", "add_layernorm", "embedding", "attention", "sdpa"]
 SHAPES = {
     "linear": (5, 7, 9),
     "bias_act": (3, 13),
@@ -23,6 +23,7 @@ SHAPES = {
     "add_layernorm": (4, 37),
     "embedding": (2, 5, 12, 30, 3),
     "attention": (2, 3, 7, 8),
+    "sdpa": (2, 3, 7, 8),
 }
 
 torch = pytest.importorskip("torch")
