@@ -213,6 +213,14 @@ def _softmax_np(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def _sdpa_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """softmax(q k^T / sqrt(d) + key mask) v on float32 (batch, heads, seq, head_dim) arrays, mask (batch, seq)."""
+    scores = q @ np.swapaxes(k, -1, -2) / np.float32(math.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = scores + mask[:, None, None, :]
+    return _softmax_np(scores) @ v
+
+
 # -- ops --------------------------------------------------------------------------------------------------
 
 
@@ -443,10 +451,8 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     dtype = _float_dtype(qkv, mask)
     if not _on_cuda(qkv, mask):
         _note("attention", shape, dtype, {})
-        m = np.zeros((batch, seq), np.float32) if mask is None else _f32(mask)
         x = _f32(qkv).reshape(batch, seq, 3, heads, head_dim).transpose(2, 0, 3, 1, 4)
-        scores = x[0] @ x[1].transpose(0, 1, 3, 2) / np.float32(math.sqrt(head_dim)) + m[:, None, None, :]
-        out = _softmax_np(scores) @ x[2]
+        out = _sdpa_np(x[0], x[1], x[2], None if mask is None else _f32(mask))
         return _cpu(out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim))
     mask = _zeros((batch, seq), dtype) if mask is None else mask
     out = Tensor.empty((batch, seq, heads * head_dim), dtype, "cuda")
@@ -468,10 +474,7 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
     dtype = _float_dtype(q, k, v, mask)
     if not _on_cuda(q, k, v, mask):
         _note("sdpa", shape, dtype, {})
-        scores = _f32(q) @ np.swapaxes(_f32(k), -1, -2) / np.float32(math.sqrt(head_dim))
-        if mask is not None:
-            scores = scores + _f32(mask)[:, None, None, :]
-        return _cpu(_softmax_np(scores) @ _f32(v))
+        return _cpu(_sdpa_np(_f32(q), _f32(k), _f32(v), None if mask is None else _f32(mask)))
     mask = _zeros((batch, seq), dtype) if mask is None else mask
     out = Tensor.empty(shape, dtype, "cuda")
     _launch("sdpa", shape, dtype, {}, {"q": q, "k": k, "v": v, "mask": mask, "out": out})
