@@ -597,7 +597,7 @@ def tune_model(
 ) -> None:
     """Tune what a model's forward runs: one forward on the CPU collects its problems (op, shape, dtype),
     then a job per op goes to the server. Models loaded with that server then pull the tuned kernels."""
-    from kernelmill.agents.strategies import STRATEGIES
+    from kernelmill.agents.strategies import strategy_class
     from kernelmill.runtime import Model
     from kernelmill.runtime import tune_model as submit
     from kernelmill.runtime.profile import ForwardSpec, build_module, example_inputs
@@ -605,8 +605,7 @@ def tune_model(
 
     spec = ForwardSpec(model, preset, batch, seq, dtype, act)
     spec.check()
-    if strategy not in STRATEGIES:
-        raise fail(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    strategy_class(strategy)  # an unknown one is a ValueError: one line, exit 2
     if budget < 1 or not seconds > 0:
         raise fail("--budget must be at least 1 and --seconds above 0")
     if not dry_run and not server:

@@ -16,7 +16,7 @@ from typing import Any
 from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation
-from kernelmill.agents.strategies import STRATEGIES
+from kernelmill.agents.strategies import strategy_class
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.service.db.models import Job
@@ -53,8 +53,10 @@ def validate_submission(
         resolved_attrs = spec.resolve_attrs(attrs or {})
     except SpecError as exc:
         raise JobError(str(exc)) from None
-    if strategy not in STRATEGIES:
-        raise JobError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    try:
+        strategy_class(strategy)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
     if not 1 <= budget_trials <= settings.max_budget_trials:
         raise JobError(f"budget.trials must be in 1..{settings.max_budget_trials}, got {budget_trials}")
     if not 0 < budget_seconds <= settings.max_budget_seconds:

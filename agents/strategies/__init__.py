@@ -10,11 +10,16 @@ from kernelmill.agents.strategies.random_search import RandomSearch
 STRATEGIES = {cls.name: cls for cls in (Exhaustive, RandomSearch, Evolutionary, Guided, LlmProposer)}
 
 
-def get_strategy(name: str, seed: int = 0) -> Strategy:
+def strategy_class(name: str) -> type[Strategy]:
+    """The strategy called ``name``; a ValueError naming the known ones otherwise."""
     try:
-        return STRATEGIES[name](seed=seed)
+        return STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
 
 
-__all__ = ["STRATEGIES", "Strategy", "get_strategy"]
+def get_strategy(name: str, seed: int = 0) -> Strategy:
+    return strategy_class(name)(seed=seed)
+
+
+__all__ = ["STRATEGIES", "Strategy", "get_strategy", "strategy_class"]
