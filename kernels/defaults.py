@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kernelmill.kernels.ops.attention import Fused, Mma
 from kernelmill.kernels.ops.base import Family, itemsize
 from kernelmill.kernels.ops.gemv import GemvFamily
 from kernelmill.kernels.ops.gemv_t import RowDotGemv
@@ -25,11 +26,12 @@ GEMV_MAX_M = 16
 
 def default_rank(fam: Family, shape, dtype: str) -> int:
     """Order of the families a default tries (the first that accepts the shape wins). 16-bit types run on
-    tensor cores: gemv (fused_mlp: small_batch) for skinny M, then wgmma (sm_90), then WMMA; the CUDA-core
-    "simt" families go last; float32 stays exact (no TF32), with gemv / small_batch first for skinny M.
-    Otherwise declaration order."""
+    tensor cores: gemv (fused_mlp: small_batch) for skinny M, then wgmma (sm_90), then WMMA, and attention's
+    mma before its CUDA-core fused family; the CUDA-core "simt" families go last; float32 stays exact (no
+    TF32), with gemv / small_batch first for skinny M. Otherwise declaration order."""
     skinny = len(shape) >= 3 and shape[0] <= GEMV_MAX_M  # matmul / linear M, fused_mlp batch
     order = ["gemv", "small_batch", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
+    order.append("mma")  # attention / sdpa (16-bit only; head_dim a multiple of 16 up to 128)
     if itemsize(dtype) != 2:
         order = ["gemv", "small_batch"] if skinny else []
     if fam.name in order:
@@ -297,6 +299,8 @@ def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT
         return fam.shape_defaults(shape, dtype)
     if isinstance(fam, RowDotGemv):
         return fam.shape_defaults(shape, dtype, sm_count)
+    if isinstance(fam, (Fused, Mma)):
+        return fam.shape_defaults(shape, dtype)
     if isinstance(fam, WgmmaFamily) and len(shape) == 3:
         return _wgmma_params(fam, shape, dtype, sm_count)
     if isinstance(fam, GemvFamily) and params["mma"] and len(shape) == 3:

@@ -59,6 +59,13 @@ class Fused(Family):
     def defaults(self, dtype):
         return {"warps": 4, "rows_per_warp": 4, "block_kv": 64, "max_head_dim": 128}
 
+    def shape_defaults(self, shape, dtype):
+        """The defaults, with accumulators for head_dim up to 256 where 128 is too few."""
+        params = dict(self.defaults(dtype))
+        if shape[3] > params["max_head_dim"]:
+            params["max_head_dim"] = 256
+        return params
+
     def context(self, params, dtype, attrs):
         return {"layout": self.layout}
 
@@ -103,6 +110,86 @@ class FusedBhsd(Fused):
     description = "the attention op's fused kernel on separate q, k, v (batch, heads, seq, head_dim) tensors"
 
 
+def mma_smem_bytes(params) -> int:
+    """Dynamic shared memory of the mma family: a Q tile and `stages` K and V tiles of 16-bit rows padded by 8
+    elements."""
+    rows = 16 * params["warps"] + 2 * params["stages"] * params["block_kv"]
+    return rows * (params["max_head_dim"] + 8) * 2
+
+
+class Mma(Family):
+    """Flash-attention-2 style on tensor cores (templates/attention/mma.cu.j2): a warp owns 16 queries, S = Q K^T
+    and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments."""
+
+    name = "mma"
+    template = "attention/mma.cu.j2"
+    dtypes = ("float16", "bfloat16")
+    pdl = True
+    description = "tensor cores: mma.m16n8k16 for Q K^T and P V, online softmax on the fragments, K/V in shared"
+    params = (
+        Param("warps", (2, 4, 8), "warps per block, 16 queries each"),
+        Param("block_kv", (32, 64, 128), "keys per shared-memory tile"),
+        Param("stages", (1, 2, 3), "K/V tiles in shared memory: 1 loads then computes, 2-3 prefetch (cp.async)"),
+        Param("max_head_dim", (64, 128), "largest head_dim the variant serves (a multiple of 16)"),
+    )
+    layout = "packed"
+
+    def defaults(self, dtype):
+        return {"warps": 4, "block_kv": 64, "stages": 2, "max_head_dim": 64}
+
+    def shape_defaults(self, shape, dtype):
+        """The measured best by shape (sweeps of the whole space on an H200, 2026-11-27, docs/PERFORMANCE.md):
+        head_dim 64 at sequence 128 took warps 4, block_kv 64 within 3% of the best; long sequences gain from 8
+        warps (K and V tiles shared by 128 queries); head_dim 128 needs 32-key tiles (fewer S registers)."""
+        _batch, _heads, seq, head_dim = shape
+        params = dict(self.defaults(dtype))
+        if head_dim > 64:
+            params.update(max_head_dim=128, block_kv=32, warps=8)
+        elif seq > 256:
+            params.update(warps=8)
+        return params
+
+    def context(self, params, dtype, attrs):
+        return {"layout": self.layout}
+
+    def check(self, params, dtype):
+        # Accumulators per lane: S (block_kv / 8 tiles of 4) and O (max_head_dim / 8 tiles of 4).
+        floats = params["block_kv"] // 2 + params["max_head_dim"] // 2
+        if floats > 2 * MAX_STATE_FLOATS:
+            return f"{floats} accumulator floats per lane > {2 * MAX_STATE_FLOATS}"
+        smem = mma_smem_bytes(params)
+        if smem > MAX_SMEM_BYTES:
+            return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES}"
+        return None
+
+    def check_shape(self, shape, params, dtype):
+        batch, heads, _seq, head_dim = shape
+        if head_dim % 16 or head_dim > params["max_head_dim"]:
+            return f"head_dim {head_dim}: the mma family takes multiples of 16 up to {params['max_head_dim']}"
+        if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+            return f"batch and heads must be at most {MAX_GRID_YZ} (grid z and y)"
+        return None
+
+    def launches(self, shape, params, dtype):
+        batch, heads, seq, head_dim = shape
+        tensors = ("qkv",) if self.layout == "packed" else ("q", "k", "v")
+        return [
+            Launch(
+                "attention_mma",
+                (cdiv(seq, 16 * params["warps"]), heads, batch),
+                (32 * params["warps"], 1, 1),
+                mma_smem_bytes(params),
+                (*tensors, "mask", "out", heads, seq, head_dim),
+            )
+        ]
+
+
+class MmaBhsd(Mma):
+    """The mma family on separate (batch, heads, seq, head_dim) q, k, v and out (the sdpa op)."""
+
+    layout = "bhsd"
+
+
 def attention64(qkv: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The float64 reference: qkv (batch, seq, 3, heads, head_dim) and mask (batch, seq) give
     (batch, seq, heads, head_dim)."""
@@ -122,7 +209,8 @@ class Attention(OpSpec):
     dims = ("batch", "heads", "seq", "head_dim")
     inputs = ("qkv", "mask")
     outputs = ("out",)
-    families = {"fused": Fused()}
+    # 16-bit defaults take mma where head_dim allows (kernels/defaults.py), fused otherwise.
+    families = {"fused": Fused(), "mma": Mma()}
 
     def tensor_shapes(self, shape):
         batch, heads, seq, head_dim = shape
@@ -175,7 +263,7 @@ class Sdpa(Attention):
 
     name = "sdpa"
     inputs = ("q", "k", "v", "mask")
-    families = {"fused": FusedBhsd()}
+    families = {"fused": FusedBhsd(), "mma": MmaBhsd()}
 
     def tensor_shapes(self, shape):
         batch, heads, seq, head_dim = shape

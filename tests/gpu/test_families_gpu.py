@@ -36,8 +36,12 @@ SHAPES = {
     "layernorm": [(1, 1), (3, 17), (37, 768), (5, 4099), (64, 1024)],
     "add_layernorm": [(1, 1), (3, 17), (37, 768), (5, 4099), (64, 1024)],
     "embedding": [(1, 1, 1, 1, 1), (2, 7, 33, 50, 2), (3, 17, 768, 1000, 2), (1, 128, 100, 30522, 3)],
-    "attention": [(1, 1, 1, 1), (2, 3, 17, 8), (1, 2, 100, 64), (2, 12, 128, 64), (1, 1, 33, 128), (1, 2, 70, 100)],
-    "sdpa": [(1, 1, 1, 1), (2, 3, 17, 8), (2, 12, 128, 64), (1, 2, 70, 100)],
+    # head_dim 16 / 64 / 128 for the mma family (multiples of 16), sequences across several key tiles with a tail.
+    "attention": [
+        *[(1, 1, 1, 1), (2, 3, 17, 8), (1, 2, 100, 64), (2, 12, 128, 64), (1, 1, 33, 128), (1, 2, 70, 100)],
+        *[(2, 3, 17, 16), (1, 4, 300, 64), (1, 2, 257, 128)],
+    ],
+    "sdpa": [(1, 1, 1, 1), (2, 3, 17, 8), (2, 12, 128, 64), (1, 2, 70, 100), (2, 3, 17, 16), (1, 4, 300, 128)],
     "mlp_stack": [(1, 64, 136, 1), (1, 136, 264, 3), (2, 64, 520, 2), (3, 768, 3072, 2), (1, 4096, 11008, 1)],
 }
 
@@ -194,6 +198,53 @@ def test_linear_t_gemv_element_loads_match(device, compiler, dtype):
     variant.plant("const bool w_vec = (reinterpret_cast<uintptr_t>(W) & 15) == 0;", "const bool w_vec = false;")
     variant.plant("const bool x_vec = (reinterpret_cast<uintptr_t>(X) & 15) == 0;", "const bool x_vec = false;")
     assert _verify_where_it_runs(variant, [(2, 1000, 72), (1, 37, 4104)], device, compiler) == 2
+
+
+@pytest.mark.parametrize("op", ["attention", "sdpa"])
+@pytest.mark.parametrize("family", ["fused", "mma"])
+def test_attention_keys_masked_with_minus_inf(device, compiler, op, family):
+    # A padding mask of -inf: the first 150 keys of batch 0 (whole key tiles: the running max stays -inf
+    # there) and the last 40 of batch 1. Exponents of -inf - -inf would be NaN.
+    import numpy as np
+
+    spec = OPS[op]
+    shape = (2, 3, 200, 64)
+    variant = Variant.create(op, family, "float16", spec.family(family).defaults("float16"))
+    for seed in (1, 2):
+        inputs = spec.make_inputs(shape, "float16", seed)
+        mask = inputs["mask"].astype(np.float32)
+        mask[0, :150] = -np.inf
+        mask[1, -40:] = -np.inf
+        inputs["mask"] = mask.astype(np.float16)
+        bound = BoundVariant(device, variant, variant.compile(compiler), shape)
+        bound.poison()
+        bound.set_inputs(inputs)
+        bound.run()
+        device.synchronize()
+        got = bound.outputs()["out"].astype(np.float64)
+        want = spec.reference(inputs, {})["out"]
+        assert np.isfinite(want).all() and np.isfinite(got).all()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < 1e-2, f"{family} seed {seed}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("op", ["attention", "sdpa"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "shape", [(2, 12, 128, 64), (1, 16, 600, 64), (2, 3, 140, 128), (1, 2, 64, 256), (2, 2, 30, 40)]
+)
+def test_attention_defaults_verify(device, compiler, op, dtype, shape):
+    # What the runtime runs untuned: the family and shape defaults kernels/defaults.py picks.
+    from kernelmill.kernels.defaults import default_params, default_rank
+
+    spec = OPS[op]
+    families = sorted(
+        (f for f in spec.families.values() if dtype in f.dtypes), key=lambda f: default_rank(f, shape, dtype)
+    )
+    fam = next(f for f in families if f.check_shape(shape, default_params(spec, f, shape, dtype), dtype) is None)
+    variant = Variant.create(op, fam.name, dtype, default_params(spec, fam, shape, dtype))
+    ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
+    assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
 
 
 def test_planted_wrong_kernel_is_rejected(device, compiler):

@@ -57,7 +57,8 @@ def test_launch_args_name_tensors_and_renders(op):
     spec = OPS[op]
     for fam in spec.families.values():
         # TMA (wgmma) needs 16-byte row strides: K and N multiples of 8.
-        shape = (5, 16, 24) if fam.name == "wgmma" else SHAPES[op]
+        # The mma attention takes head_dim in multiples of 16.
+        shape = {"wgmma": (5, 16, 24), "mma": (2, 3, 7, 16)}.get(fam.name, SHAPES[op])
         for dtype in fam.dtypes:
             params = fam.defaults(dtype)
             assert fam.check(params, dtype) is None

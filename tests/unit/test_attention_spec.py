@@ -1,0 +1,119 @@
+"""attention / sdpa families: which one a default takes, the mma family's shape defaults, constraints, launches
+and its rendered layouts. No GPU, no nvcc."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernelmill.kernels.defaults import default_params, default_rank
+from kernelmill.kernels.ops import OPS
+from kernelmill.kernels.ops.attention import mma_smem_bytes
+from kernelmill.kernels.ops.base import MAX_SMEM_BYTES
+from kernelmill.kernels.render import render
+
+
+def _default(op, shape, dtype):
+    spec = OPS[op]
+    families = sorted(
+        (f for f in spec.families.values() if dtype in f.dtypes), key=lambda f: default_rank(f, shape, dtype)
+    )
+    for fam in families:
+        params = default_params(spec, fam, shape, dtype)
+        if fam.check_shape(shape, params, dtype) is None:
+            return fam.name, params
+    raise AssertionError(f"no default for {op} {shape} {dtype}")
+
+
+@pytest.mark.parametrize("op", ["attention", "sdpa"])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "family"),
+    [
+        ((8, 12, 128, 64), "float16", "mma"),
+        ((1, 16, 1024, 64), "bfloat16", "mma"),
+        ((4, 16, 512, 128), "float16", "mma"),
+        ((2, 3, 17, 16), "float16", "mma"),
+        ((8, 12, 128, 64), "float32", "fused"),  # tensor cores take 16-bit inputs
+        ((2, 3, 17, 100), "float16", "fused"),  # head_dim not a multiple of 16
+        ((2, 3, 17, 8), "float16", "fused"),
+        ((1, 2, 64, 256), "float16", "fused"),  # past the mma family's largest head_dim
+    ],
+)
+def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape, dtype, family):
+    name, params = _default(op, shape, dtype)
+    assert name == family
+    fam = OPS[op].family(name)
+    assert fam.check(params, dtype) is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "want"),
+    [
+        ((8, 12, 128, 64), {"warps": 4, "block_kv": 64, "max_head_dim": 64}),
+        ((1, 16, 1024, 64), {"warps": 8, "block_kv": 64, "max_head_dim": 64}),
+        ((2, 3, 300, 48), {"warps": 8, "block_kv": 64, "max_head_dim": 64}),
+        ((4, 16, 512, 128), {"warps": 8, "block_kv": 32, "max_head_dim": 128}),
+        ((1, 1, 40, 80), {"warps": 8, "block_kv": 32, "max_head_dim": 128}),
+    ],
+)
+def test_mma_shape_defaults(shape, want):
+    fam = OPS["sdpa"].family("mma")
+    params = fam.shape_defaults(shape, "float16")
+    assert {k: params[k] for k in want} == want
+    assert params["stages"] == 2
+    assert fam.check(params, "float16") is None and fam.check_shape(shape, params, "float16") is None
+
+
+def test_mma_space_fits_shared_memory_and_rejects_what_does_not():
+    fam = OPS["attention"].family("mma")
+    space = list(fam.space("float16"))
+    assert len(space) == 3 * 3 * 3 * 2 - 1  # 8 warps, 128-key tiles, 3 stages at head_dim 128: 238 KB
+    for params in space:
+        assert mma_smem_bytes(params) <= MAX_SMEM_BYTES
+    biggest = {"warps": 8, "block_kv": 128, "stages": 3, "max_head_dim": 128}
+    assert mma_smem_bytes(biggest) == (128 + 2 * 3 * 128) * (128 + 8) * 2
+    assert "shared memory" in fam.check(biggest, "float16")
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "max_head_dim", "ok"),
+    [
+        (16, 64, True),
+        (64, 64, True),
+        (48, 64, True),
+        (80, 64, False),
+        (128, 128, True),
+        (72, 128, False),
+        (8, 64, False),
+    ],
+)
+def test_mma_head_dim_must_be_a_multiple_of_16_within_the_variant(head_dim, max_head_dim, ok):
+    fam = OPS["sdpa"].family("mma")
+    params = {**fam.defaults("float16"), "max_head_dim": max_head_dim}
+    why = fam.check_shape((2, 3, 50, head_dim), params, "float16")
+    assert (why is None) == ok
+    if not ok:
+        assert "multiples of 16" in why
+
+
+@pytest.mark.parametrize(("op", "tensors"), [("attention", ("qkv",)), ("sdpa", ("q", "k", "v"))])
+def test_mma_launch_grid_and_arguments(op, tensors):
+    fam = OPS[op].family("mma")
+    params = {"warps": 8, "block_kv": 32, "stages": 3, "max_head_dim": 128}
+    (launch,) = fam.launches((3, 5, 300, 96), params, "float16")
+    assert launch.entry == "attention_mma"
+    assert launch.grid == (3, 5, 3)  # 128 queries a block: cdiv(300, 128)
+    assert launch.block == (256, 1, 1)
+    assert launch.smem_bytes == mma_smem_bytes(params)
+    assert launch.args == (*tensors, "mask", "out", 5, 300, 96)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mma_renders_each_layout_and_type(dtype):
+    packed = render(OPS["attention"].family("mma"), OPS["attention"].family("mma").defaults(dtype), dtype, {})
+    bhsd = render(OPS["sdpa"].family("mma"), OPS["sdpa"].family("mma").defaults(dtype), dtype, {})
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if dtype == "bfloat16" else "f16.f16")
+    for src in (packed, bhsd):
+        assert "#define KM_STAGES 2" in src and "cp.async.cg.shared.global" in src
+        assert mma in src.replace('" KM_MMA_AB "', "bf16.bf16" if dtype == "bfloat16" else "f16.f16")
+    assert "const T* __restrict__ qkv" in packed and "q_in" not in packed
+    assert "const T* __restrict__ q_in" in bhsd and "qkv" not in bhsd
