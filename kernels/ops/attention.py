@@ -110,16 +110,22 @@ class FusedBhsd(Fused):
     description = "the attention op's fused kernel on separate q, k, v (batch, heads, seq, head_dim) tensors"
 
 
+#: Registers a lane of the mma family may hold across a key tile (S, O and Q fragments; Mma.check).
+MMA_MAX_STATE = 160
+
+
 def mma_smem_bytes(params) -> int:
     """Dynamic shared memory of the mma family: a Q tile and `stages` K and V tiles of 16-bit rows padded by 8
     elements."""
-    rows = 16 * params["warps"] + 2 * params["stages"] * params["block_kv"]
+    rows = 16 * params["m_tiles"] * params["warps"] + 2 * params["stages"] * params["block_kv"]
     return rows * (params["max_head_dim"] + 8) * 2
 
 
 class Mma(Family):
-    """Flash-attention-2 style on tensor cores (templates/attention/mma.cu.j2): a warp owns 16 queries, S = Q K^T
-    and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments."""
+    """Flash-attention-2 style on tensor cores (templates/attention/mma.cu.j2): a warp owns 16 or 32 queries,
+    S = Q K^T and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments, K
+    and V tiles come through a cp.async ring. head_dim is a multiple of 16 up to max_head_dim; at max_head_dim
+    itself the loops over it are unrolled at compile time."""
 
     name = "mma"
     template = "attention/mma.cu.j2"
@@ -127,7 +133,8 @@ class Mma(Family):
     pdl = True
     description = "tensor cores: mma.m16n8k16 for Q K^T and P V, online softmax on the fragments, K/V in shared"
     params = (
-        Param("warps", (2, 4, 8), "warps per block, 16 queries each"),
+        Param("warps", (2, 4, 8), "warps per block"),
+        Param("m_tiles", (1, 2), "16-query m tiles per warp (each K / V fragment from shared memory serves them all)"),
         Param("block_kv", (32, 64, 128), "keys per shared-memory tile"),
         Param("stages", (1, 2, 3), "K/V tiles in shared memory: 1 loads then computes, 2-3 prefetch (cp.async)"),
         Param("max_head_dim", (64, 128), "largest head_dim the variant serves (a multiple of 16)"),
@@ -135,28 +142,32 @@ class Mma(Family):
     layout = "packed"
 
     def defaults(self, dtype):
-        return {"warps": 4, "block_kv": 64, "stages": 2, "max_head_dim": 64}
+        return {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64}
 
     def shape_defaults(self, shape, dtype):
-        """The measured best by shape (sweeps of the whole space on an H200, 2026-11-27, docs/PERFORMANCE.md):
-        head_dim 64 at sequence 128 took warps 4, block_kv 64 within 3% of the best; long sequences gain from 8
-        warps (K and V tiles shared by 128 queries); head_dim 128 needs 32-key tiles (fewer S registers)."""
+        """The measured best by shape (sweeps of the whole space at five shapes on an H200, 2026-11-27,
+        docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles at head_dim 64
+        up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key tiles from 2048
+        (half the blocks: one wave where one m tile needs two); 64-key tiles at head_dim 128."""
         _batch, _heads, seq, head_dim = shape
         params = dict(self.defaults(dtype))
         if head_dim > 64:
-            params.update(max_head_dim=128, block_kv=32, warps=8)
-        elif seq > 256:
-            params.update(warps=8)
+            params.update(max_head_dim=128, block_kv=64)
+        elif seq >= 2048:
+            params.update(m_tiles=2, block_kv=64)
+        elif seq <= 64:
+            params.update(block_kv=64)
         return params
 
     def context(self, params, dtype, attrs):
         return {"layout": self.layout}
 
     def check(self, params, dtype):
-        # Accumulators per lane: S (block_kv / 8 tiles of 4) and O (max_head_dim / 8 tiles of 4).
-        floats = params["block_kv"] // 2 + params["max_head_dim"] // 2
-        if floats > 2 * MAX_STATE_FLOATS:
-            return f"{floats} accumulator floats per lane > {2 * MAX_STATE_FLOATS}"
+        # Registers per lane held across a key tile: S (block_kv / 2 floats), O (max_head_dim / 2) and Q's
+        # fragments (max_head_dim / 4), per m tile. 160 compiles without spills (at 216 registers or fewer).
+        state = params["m_tiles"] * (params["block_kv"] // 2 + 3 * params["max_head_dim"] // 4)
+        if state > MMA_MAX_STATE:
+            return f"{state} registers of S, O and Q a lane > {MMA_MAX_STATE}"
         smem = mma_smem_bytes(params)
         if smem > MAX_SMEM_BYTES:
             return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES}"
@@ -176,7 +187,7 @@ class Mma(Family):
         return [
             Launch(
                 "attention_mma",
-                (cdiv(seq, 16 * params["warps"]), heads, batch),
+                (cdiv(seq, 16 * params["m_tiles"] * params["warps"]), heads, batch),
                 (32 * params["warps"], 1, 1),
                 mma_smem_bytes(params),
                 (*tensors, "mask", "out", heads, seq, head_dim),

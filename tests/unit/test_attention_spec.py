@@ -7,7 +7,7 @@ import pytest
 
 from kernelmill.kernels.defaults import default_params, default_rank
 from kernelmill.kernels.ops import OPS
-from kernelmill.kernels.ops.attention import mma_smem_bytes
+from kernelmill.kernels.ops.attention import MMA_MAX_STATE, mma_smem_bytes
 from kernelmill.kernels.ops.base import MAX_SMEM_BYTES
 from kernelmill.kernels.render import render
 
@@ -48,11 +48,12 @@ def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape,
 @pytest.mark.parametrize(
     ("shape", "want"),
     [
-        ((8, 12, 128, 64), {"warps": 4, "block_kv": 64, "max_head_dim": 64}),
-        ((1, 16, 1024, 64), {"warps": 8, "block_kv": 64, "max_head_dim": 64}),
-        ((2, 3, 300, 48), {"warps": 8, "block_kv": 64, "max_head_dim": 64}),
-        ((4, 16, 512, 128), {"warps": 8, "block_kv": 32, "max_head_dim": 128}),
-        ((1, 1, 40, 80), {"warps": 8, "block_kv": 32, "max_head_dim": 128}),
+        ((8, 12, 128, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64}),
+        ((1, 16, 1024, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64}),
+        ((2, 8, 2048, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "max_head_dim": 64}),
+        ((2, 3, 40, 48), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 64}),
+        ((4, 16, 512, 128), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 128}),
+        ((1, 1, 4096, 80), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 128}),
     ],
 )
 def test_mma_shape_defaults(shape, want):
@@ -66,12 +67,16 @@ def test_mma_shape_defaults(shape, want):
 def test_mma_space_fits_shared_memory_and_rejects_what_does_not():
     fam = OPS["attention"].family("mma")
     space = list(fam.space("float16"))
-    assert len(space) == 3 * 3 * 3 * 2 - 1  # 8 warps, 128-key tiles, 3 stages at head_dim 128: 238 KB
+    # One m tile: all but 8 warps, 128-key tiles, 3 stages at head_dim 128 (238 KB). Two: head_dim 64 with
+    # 32- or 64-key tiles (the registers of S, O and Q a lane otherwise pass MMA_MAX_STATE).
+    assert len(space) == (3 * 3 * 3 * 2 - 1) + 3 * 2 * 3
     for params in space:
         assert mma_smem_bytes(params) <= MAX_SMEM_BYTES
-    biggest = {"warps": 8, "block_kv": 128, "stages": 3, "max_head_dim": 128}
+        assert params["m_tiles"] * (params["block_kv"] // 2 + 3 * params["max_head_dim"] // 4) <= MMA_MAX_STATE
+    biggest = {"warps": 8, "m_tiles": 1, "block_kv": 128, "stages": 3, "max_head_dim": 128}
     assert mma_smem_bytes(biggest) == (128 + 2 * 3 * 128) * (128 + 8) * 2
     assert "shared memory" in fam.check(biggest, "float16")
+    assert "registers" in fam.check({**biggest, "m_tiles": 2, "stages": 1, "block_kv": 32}, "float16")
 
 
 @pytest.mark.parametrize(
@@ -98,10 +103,12 @@ def test_mma_head_dim_must_be_a_multiple_of_16_within_the_variant(head_dim, max_
 @pytest.mark.parametrize(("op", "tensors"), [("attention", ("qkv",)), ("sdpa", ("q", "k", "v"))])
 def test_mma_launch_grid_and_arguments(op, tensors):
     fam = OPS[op].family("mma")
-    params = {"warps": 8, "block_kv": 32, "stages": 3, "max_head_dim": 128}
+    params = {"warps": 8, "m_tiles": 1, "block_kv": 32, "stages": 3, "max_head_dim": 128}
     (launch,) = fam.launches((3, 5, 300, 96), params, "float16")
     assert launch.entry == "attention_mma"
     assert launch.grid == (3, 5, 3)  # 128 queries a block: cdiv(300, 128)
+    (two,) = fam.launches((3, 5, 300, 64), {**params, "m_tiles": 2, "max_head_dim": 64}, "float16")
+    assert two.grid == (2, 5, 3)  # 256 queries a block
     assert launch.block == (256, 1, 1)
     assert launch.smem_bytes == mma_smem_bytes(params)
     assert launch.args == (*tensors, "mask", "out", 5, 300, 96)
