@@ -87,10 +87,28 @@ def parse_pairs(pairs: list[str] | None, what: str) -> dict[str, str]:
     return out
 
 
-def _variant(op: str, family: str, dtype: str, params: list[str] | None, attrs: list[str] | None):
+def _variant(
+    op: str,
+    family: str,
+    dtype: str,
+    params: list[str] | None,
+    attrs: list[str] | None,
+    shape: tuple[int, ...] | None = None,
+    sm_count: int | None = None,
+):
+    """A variant from --param / --attr pairs over the family's defaults: for a given shape the ones the runtime
+    and tuning jobs start from (kernels.defaults.default_params), else the family's plain defaults."""
+    from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_params
+    from kernelmill.kernels.ops import get_op
     from kernelmill.kernels.variant import Variant
 
-    return Variant.create(op, family, dtype, parse_pairs(params, "--param"), parse_pairs(attrs, "--attr"))
+    overrides = parse_pairs(params, "--param")
+    if shape is not None:
+        spec = get_op(op)
+        spec.check_dtype(dtype)
+        base = default_params(spec, spec.family(family), shape, dtype, sm_count or DEFAULT_SM_COUNT)
+        overrides = {**base, **overrides}
+    return Variant.create(op, family, dtype, overrides, parse_pairs(attrs, "--attr"))
 
 
 ParamOpt = Annotated[list[str] | None, typer.Option("--param", "-p", help="template knob NAME=VALUE (repeatable)")]
@@ -209,7 +227,8 @@ def bench(
     reps: Annotated[int, typer.Option(min=1, help="timed repetitions")] = 50,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Verify then time variants on this GPU, next to PyTorch and the roofline floor."""
+    """Verify then time variants on this GPU, next to PyTorch and the roofline floor. Each family runs at its
+    shape defaults (what the runtime runs untuned), --param on top."""
     from kernelmill.kernels.bench import L2Flusher, ceilings, time_torch
     from kernelmill.kernels.device import get_device
     from kernelmill.kernels.evaluate import evaluate
@@ -219,9 +238,12 @@ def bench(
     dims = spec.parse_shape(shape)
     if param and not family:
         raise SpecError("--param needs --family")
-    names = [family] if family else list(spec.families)
-    variants = [_variant(op, name, dtype, param, attr) for name in names]
+    names = [family] if family else [name for name, fam in spec.families.items() if dtype in fam.dtypes]
+    # Each family at the shape defaults (what runs untuned), with --param on top: checked before the GPU is
+    # looked for, then sized for its SM count.
+    variants = [_variant(op, name, dtype, param, attr, dims) for name in names]
     device = get_device()
+    variants = [_variant(op, name, dtype, param, attr, dims, device.info.sm_count) for name in names]
     compiler = Compiler()
     flusher = L2Flusher(device)
     ceil = ceilings(device, (dtype,) if spec.matrix_bound else ())

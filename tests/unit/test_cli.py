@@ -65,6 +65,30 @@ def test_bench_without_gpu_says_what_it_cannot_do(monkeypatch):
     assert "no GPU" in result.output and "compile" in result.output
 
 
+def test_bench_variants_start_from_the_shape_defaults():
+    from kernelmill.cli import _variant
+
+    # The mma attention at head_dim 128 needs its shape defaults (max_head_dim 128); --param goes on top.
+    variant = _variant("sdpa", "mma", "float16", None, None, (4, 16, 512, 128))
+    assert variant.params["max_head_dim"] == 128 and variant.check_shape((4, 16, 512, 128)) is None
+    variant = _variant("sdpa", "mma", "float16", ["stages=3"], None, (4, 16, 512, 128))
+    assert variant.params["stages"] == 3 and variant.params["max_head_dim"] == 128
+    # Without a shape (render, compile): the family's plain defaults.
+    assert _variant("sdpa", "mma", "float16", None, None).params["max_head_dim"] == 64
+
+
+def test_bench_checks_params_before_looking_for_a_gpu(monkeypatch):
+    from kernelmill.kernels import device
+
+    def no_gpu(ordinal=0):
+        raise device.GpuUnavailable("no CUDA device is visible")
+
+    monkeypatch.setattr(device, "get_device", no_gpu)
+    result = runner.invoke(app, ["bench", "sdpa", "-s", "2x3x64x64", "-f", "mma", "-p", "warps=3"])
+    assert result.exit_code == 2, result.output
+    assert "warps" in result.output and "Traceback" not in result.output
+
+
 def test_empty_listings_say_so_and_how_to_fill_them(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/empty.db")
     jobs = runner.invoke(app, ["jobs", "--state", "done"])
