@@ -145,8 +145,8 @@ class Mma(Family):
         return {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64}
 
     def shape_defaults(self, shape, dtype):
-        """The measured best by shape (sweeps of the whole space at five shapes on an H200, 2026-11-27,
-        docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles at head_dim 64
+        """The measured best by shape (benchmarks/attention_sweep.py: the whole space at five shapes on an H200,
+        2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles at head_dim 64
         up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key tiles from 2048
         (half the blocks: one wave where one m tile needs two); 64-key tiles at head_dim 128."""
         _batch, _heads, seq, head_dim = shape

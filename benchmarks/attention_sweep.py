@@ -1,0 +1,92 @@
+"""Every point of the attention / sdpa mma family at a few shapes, against the fused family and PyTorch, in one
+process on one GPU: where `Mma.shape_defaults` comes from (docs/PERFORMANCE.md, "Attention on tensor cores").
+
+Each point is verified (one fresh seed a shape, its float64 reference shared by the points) then timed (CUDA
+events, read flush, median of 30); PyTorch (`F.scaled_dot_product_attention` with the mask; for the attention op
+with its permutes) is timed in the same process. Prints, per op and shape, PyTorch, the fused family's defaults,
+the shape defaults and the five fastest points.
+
+    python3 benchmarks/attention_sweep.py [--dtype float16] [--ops sdpa,attention]
+        [--shapes 8x12x128x64,1x12x128x64,1x16x1024x64,4x16x512x128,2x8x2048x64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+SHAPES = "8x12x128x64,1x12x128x64,1x16x1024x64,4x16x512x128,2x8x2048x64"
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    from kernelmill.kernels.ops import get_op
+
+    return [get_op("sdpa").parse_shape(s) for s in text.split(",") if s]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--ops", default="sdpa,attention")
+    parser.add_argument("--shapes", default=SHAPES, help="comma-separated batch x heads x seq x head_dim")
+    args = parser.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+
+    from kernelmill.kernels.bench import L2Flusher, time_torch
+    from kernelmill.kernels.compile import Compiler
+    from kernelmill.kernels.defaults import default_params
+    from kernelmill.kernels.device import get_device
+    from kernelmill.kernels.evaluate import evaluate
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.variant import Variant
+    from kernelmill.kernels.verify import ReferenceCache, fresh_seeds
+
+    dtype = args.dtype
+    device = get_device()
+    compiler = Compiler()
+    flusher = L2Flusher(device)
+    cache = ReferenceCache()
+    for opname in args.ops.split(","):
+        spec = get_op(opname)
+        fam = spec.family("mma")
+        variants = [Variant.create(opname, "mma", dtype, p) for p in fam.space(dtype)]
+        fused = Variant.create(opname, "fused", dtype, spec.family("fused").defaults(dtype))
+        start = time.time()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda v: v.compile(compiler), [*variants, fused]))
+        print(f"{opname}: compiled {len(variants) + 1} variants in {time.time() - start:.0f} s", flush=True)
+        for shape in shapes:
+            inputs = spec.make_inputs(shape, dtype, seed=0)
+            torch_us = time_torch(device, spec, inputs, {}, flusher, reps=50).median_ms * 1e3
+            seeds = fresh_seeds(1)
+            rows = []
+            for v in [fused, *variants]:
+                if v.check_shape(shape):
+                    continue
+                ev = evaluate(v, shape, device, compiler, seeds=seeds, reps=30, flusher=flusher, cache=cache)
+                if not ev.ok:
+                    print(f"  FAILED {v.describe()} {shape}: {ev.status} {ev.reason}", flush=True)
+                    if ev.poisoned:  # the CUDA context is gone: nothing after this would run
+                        return 1
+                    continue
+                rows.append((ev.timing.median_ms * 1e3, v))
+            rows.sort(key=lambda r: r[0])
+            chosen = default_params(spec, fam, shape, dtype, device.info.sm_count)
+            fused_us = next((us for us, v in rows if v.family.name == "fused"), None)
+            default_us = next((us for us, v in rows if v.family.name == "mma" and v.params == chosen), None)
+            print(
+                f"{opname} {shape} {dtype}: torch {torch_us:.1f} us, fused {fused_us:.1f} us, "
+                f"mma shape defaults {default_us:.1f} us"
+                if fused_us is not None and default_us is not None
+                else f"{opname} {shape} {dtype}: torch {torch_us:.1f} us (fused or the shape defaults did not run)",
+                flush=True,
+            )
+            for us, v in rows[:5]:
+                print(f"    {us:8.1f} us  {torch_us / us:5.2f}x torch  {v.describe()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""benchmarks/attention_sweep.py without a GPU: its shapes parse, bad ones are refused, and it says it needs a GPU."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernelmill.kernels.ops.base import SpecError
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_sweep.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("bench_attention_sweep", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_shapes_parse_and_each_op_has_the_mma_family(sweep):
+    from kernelmill.kernels.ops import get_op
+
+    shapes = sweep.parse_shapes(sweep.SHAPES)
+    assert shapes[0] == (8, 12, 128, 64) and len(shapes) == 5
+    for op in ("sdpa", "attention"):
+        assert "mma" in get_op(op).families and "fused" in get_op(op).families
+
+
+def test_malformed_shape_is_refused(sweep):
+    with pytest.raises(SpecError):
+        sweep.parse_shapes("8x12x128")
+
+
+def test_without_a_gpu_it_stops_before_timing(sweep, monkeypatch):
+    from kernelmill.kernels import device
+
+    def no_gpu(ordinal=0):
+        raise device.GpuUnavailable("no CUDA device is visible")
+
+    monkeypatch.setattr(device, "get_device", no_gpu)
+    with pytest.raises(device.GpuUnavailable):
+        sweep.main(["--shapes", "1x2x64x64"])
