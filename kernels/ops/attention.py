@@ -146,9 +146,9 @@ class Mma(Family):
 
     def shape_defaults(self, shape, dtype):
         """The measured best by shape (benchmarks/attention_sweep.py: the whole space at five shapes on an H200,
-        2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles at head_dim 64
-        up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key tiles from 2048
-        (half the blocks: one wave where one m tile needs two); 64-key tiles at head_dim 128."""
+        2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles
+        at head_dim 64 up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key
+        tiles from 2048 (half the blocks: one wave where one m tile needs two); 64-key tiles at head_dim 128."""
         _batch, _heads, seq, head_dim = shape
         params = dict(self.defaults(dtype))
         if head_dim > 64:
@@ -164,7 +164,8 @@ class Mma(Family):
 
     def check(self, params, dtype):
         # Registers per lane held across a key tile: S (block_kv / 2 floats), O (max_head_dim / 2) and Q's
-        # fragments (max_head_dim / 4), per m tile. 160 compiles without spills (at 216 registers or fewer).
+        # fragments (max_head_dim / 4), per m tile. Up to 160 every point compiles without spills (nvcc 13.0,
+        # at most 255 registers a thread).
         state = params["m_tiles"] * (params["block_kv"] // 2 + 3 * params["max_head_dim"] // 4)
         if state > MMA_MAX_STATE:
             return f"{state} registers of S, O and Q a lane > {MMA_MAX_STATE}"
