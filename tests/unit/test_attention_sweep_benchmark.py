@@ -1,23 +1,14 @@
 """benchmarks/attention_sweep.py without a GPU: its shapes parse, bad ones are refused, and it says it needs a GPU."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from kernelmill.kernels.ops.base import SpecError
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_sweep.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("bench_attention_sweep", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("attention_sweep")
 
 
 def test_default_shapes_parse_and_each_op_has_the_mma_family(sweep):

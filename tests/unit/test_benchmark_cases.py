@@ -1,21 +1,13 @@
 """benchmarks/kernels.py: the issue's cases and how a row is judged against its target."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kernels")
 
 
 def test_every_case_is_a_valid_problem_with_a_target(bench):

@@ -1,22 +1,15 @@
 """benchmarks/forward.py without a GPU: its options and the table it prints."""
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "forward.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def forward():
-    spec = importlib.util.spec_from_file_location("bench_forward", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("forward")
 
 
 def _row(batch, runtime, eager, defaults=None):
