@@ -16,9 +16,13 @@ heads side by side again: the layout the output projection reads. No transposes 
 (batch, seq) key mask; its family renders the same template with ``layout = "bhsd"`` (the kernel's pointers
 and token strides differ, nothing else).
 
-One family, ``fused`` (flash-style, CUDA cores): a block owns ``warps * rows_per_warp`` queries of one
-(batch, head); it walks the keys in tiles of ``block_kv`` staged in shared memory (fp32), keeps a running
-max and sum per query (online softmax) and accumulates P @ V in registers. head_dim up to ``max_head_dim``.
+Two families, each for both layouts:
+
+* ``fused`` (flash-style, CUDA cores, any dtype): a block owns ``warps * rows_per_warp`` queries of one
+  (batch, head); it walks the keys in tiles of ``block_kv`` staged in shared memory (fp32), keeps a running
+  max and sum per query (online softmax) and accumulates P @ V in registers. head_dim up to ``max_head_dim``.
+* ``mma`` (flash-attention-2 style, tensor cores, 16-bit): the same walk with Q K^T and P V on
+  ``mma.m16n8k16``; head_dim a multiple of 16 up to ``max_head_dim``. The 16-bit default where it applies.
 """
 
 from __future__ import annotations
@@ -41,7 +45,30 @@ def smem_bytes(params, head_dim: int) -> int:
     return 4 * (bkv * ldk + bkv * head_dim + bq * head_dim + bq * bkv)
 
 
-class Fused(Family):
+class AttentionFamily(Family):
+    """What the attention families share: the layout their template renders, the grid, the launch."""
+
+    #: How q, k, v and out lie in memory (the template's ``layout``): "packed" (the attention op) or "bhsd".
+    layout = "packed"
+
+    def context(self, params, dtype, attrs):
+        return {"layout": self.layout}
+
+    def grid_check(self, shape) -> str | None:
+        batch, heads = shape[:2]
+        if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+            return f"batch and heads must be at most {MAX_GRID_YZ} (grid z and y)"
+        return None
+
+    def launch(self, entry: str, block_queries: int, warps: int, smem: int, shape) -> list[Launch]:
+        """One launch: a block per ``block_queries`` queries of each (batch, head)."""
+        batch, heads, seq, head_dim = shape
+        tensors = ("qkv",) if self.layout == "packed" else ("q", "k", "v")
+        grid = (cdiv(seq, block_queries), heads, batch)
+        return [Launch(entry, grid, (32 * warps, 1, 1), smem, (*tensors, "mask", "out", heads, seq, head_dim))]
+
+
+class Fused(AttentionFamily):
     name = "fused"
     template = "attention/fused.cu.j2"
     pdl = True
@@ -53,9 +80,6 @@ class Fused(Family):
         Param("max_head_dim", (32, 64, 128, 256), "largest head_dim the variant serves (accumulators per lane)"),
     )
 
-    #: How q, k, v and out lie in memory (the template's ``layout``): "packed" (the attention op) or "bhsd".
-    layout = "packed"
-
     def defaults(self, dtype):
         return {"warps": 4, "rows_per_warp": 4, "block_kv": 64, "max_head_dim": 128}
 
@@ -65,9 +89,6 @@ class Fused(Family):
         if shape[3] > params["max_head_dim"]:
             params["max_head_dim"] = 256
         return params
-
-    def context(self, params, dtype, attrs):
-        return {"layout": self.layout}
 
     def check(self, params, dtype):
         state = params["rows_per_warp"] * (params["max_head_dim"] + params["block_kv"]) // 32
@@ -82,25 +103,16 @@ class Fused(Family):
         batch, heads, seq, head_dim = shape
         if head_dim > params["max_head_dim"]:
             return f"head_dim {head_dim} > max_head_dim {params['max_head_dim']} of this variant"
-        if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
-            return f"batch and heads must be at most {MAX_GRID_YZ} (grid z and y)"
+        why = self.grid_check(shape)
+        if why:
+            return why
         if batch * seq * 3 * heads * head_dim >= 2**40:  # pragma: no cover - absurd sizes
             return "too many elements"
         return None
 
     def launches(self, shape, params, dtype):
-        batch, heads, seq, head_dim = shape
         bq = params["warps"] * params["rows_per_warp"]
-        tensors = ("qkv",) if self.layout == "packed" else ("q", "k", "v")
-        return [
-            Launch(
-                "attention_fused",
-                (cdiv(seq, bq), heads, batch),
-                (32 * params["warps"], 1, 1),
-                smem_bytes(params, head_dim),
-                (*tensors, "mask", "out", heads, seq, head_dim),
-            )
-        ]
+        return self.launch("attention_fused", bq, params["warps"], smem_bytes(params, shape[3]), shape)
 
 
 class FusedBhsd(Fused):
@@ -121,7 +133,7 @@ def mma_smem_bytes(params) -> int:
     return rows * (params["max_head_dim"] + 8) * 2
 
 
-class Mma(Family):
+class Mma(AttentionFamily):
     """Flash-attention-2 style on tensor cores (templates/attention/mma.cu.j2): a warp owns 16 or 32 queries,
     S = Q K^T and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments, K
     and V tiles come through a cp.async ring. head_dim is a multiple of 16 up to max_head_dim; at max_head_dim
@@ -139,7 +151,6 @@ class Mma(Family):
         Param("stages", (1, 2, 3), "K/V tiles in shared memory: 1 loads then computes, 2-3 prefetch (cp.async)"),
         Param("max_head_dim", (64, 128), "largest head_dim the variant serves (a multiple of 16)"),
     )
-    layout = "packed"
 
     def defaults(self, dtype):
         return {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64}
@@ -159,9 +170,6 @@ class Mma(Family):
             params.update(block_kv=64)
         return params
 
-    def context(self, params, dtype, attrs):
-        return {"layout": self.layout}
-
     def check(self, params, dtype):
         # Registers per lane held across a key tile: S (block_kv / 2 floats), O (max_head_dim / 2) and Q's
         # fragments (max_head_dim / 4), per m tile. Up to 160 every point compiles without spills (nvcc 13.0,
@@ -175,25 +183,14 @@ class Mma(Family):
         return None
 
     def check_shape(self, shape, params, dtype):
-        batch, heads, _seq, head_dim = shape
+        head_dim = shape[3]
         if head_dim % 16 or head_dim > params["max_head_dim"]:
             return f"head_dim {head_dim}: the mma family takes multiples of 16 up to {params['max_head_dim']}"
-        if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
-            return f"batch and heads must be at most {MAX_GRID_YZ} (grid z and y)"
-        return None
+        return self.grid_check(shape)
 
     def launches(self, shape, params, dtype):
-        batch, heads, seq, head_dim = shape
-        tensors = ("qkv",) if self.layout == "packed" else ("q", "k", "v")
-        return [
-            Launch(
-                "attention_mma",
-                (cdiv(seq, 16 * params["m_tiles"] * params["warps"]), heads, batch),
-                (32 * params["warps"], 1, 1),
-                mma_smem_bytes(params),
-                (*tensors, "mask", "out", heads, seq, head_dim),
-            )
-        ]
+        bq = 16 * params["m_tiles"] * params["warps"]
+        return self.launch("attention_mma", bq, params["warps"], mma_smem_bytes(params), shape)
 
 
 class MmaBhsd(Mma):
