@@ -233,16 +233,13 @@ def test_attention_keys_masked_with_minus_inf(device, compiler, op, family):
 @pytest.mark.parametrize(
     "shape", [(2, 12, 128, 64), (1, 16, 600, 64), (2, 3, 140, 128), (1, 2, 64, 256), (2, 2, 30, 40)]
 )
-def test_attention_defaults_verify(device, compiler, op, dtype, shape):
-    # What the runtime runs untuned: the family and shape defaults kernels/defaults.py picks.
-    from kernelmill.kernels.defaults import default_params, default_rank
+def test_attention_defaults_verify(device, compiler, tmp_path, op, dtype, shape):
+    # What the runtime runs untuned: the family and shape defaults its registry picks.
+    from kernelmill.runtime.registry import KernelRegistry
 
-    spec = OPS[op]
-    families = sorted(
-        (f for f in spec.families.values() if dtype in f.dtypes), key=lambda f: default_rank(f, shape, dtype)
-    )
-    fam = next(f for f in families if f.check_shape(shape, default_params(spec, f, shape, dtype), dtype) is None)
-    variant = Variant.create(op, fam.name, dtype, default_params(spec, fam, shape, dtype))
+    registry = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=compiler)
+    fam, params = registry.default_choice(OPS[op], shape, dtype, {})
+    variant = Variant.create(op, fam.name, dtype, params)
     ev = evaluate(variant, shape, device, compiler, seeds=2, timed=False)
     assert ev.ok, f"{variant.describe()} at {shape}: {ev.status}: {ev.reason}"
 

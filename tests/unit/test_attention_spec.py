@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from kernelmill.kernels.defaults import default_params, default_rank
 from kernelmill.kernels.ops import OPS
 from kernelmill.kernels.ops.attention import MMA_MAX_STATE, mma_smem_bytes
 from kernelmill.kernels.ops.base import MAX_SMEM_BYTES
 from kernelmill.kernels.render import render
+from kernelmill.runtime.registry import KernelRegistry
 
 
-def _default(op, shape, dtype):
-    spec = OPS[op]
-    families = sorted(
-        (f for f in spec.families.values() if dtype in f.dtypes), key=lambda f: default_rank(f, shape, dtype)
-    )
-    for fam in families:
-        params = default_params(spec, fam, shape, dtype)
-        if fam.check_shape(shape, params, dtype) is None:
-            return fam.name, params
-    raise AssertionError(f"no default for {op} {shape} {dtype}")
+def _default(op, shape, dtype, tmp_path):
+    """The family and params the runtime's registry picks without a tuned kernel."""
+    registry = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
+    fam, params = registry.default_choice(OPS[op], shape, dtype, {})
+    return fam.name, params
 
 
 @pytest.mark.parametrize("op", ["attention", "sdpa"])
@@ -38,8 +33,8 @@ def _default(op, shape, dtype):
         ((1, 2, 64, 256), "float16", "fused"),  # past the mma family's largest head_dim
     ],
 )
-def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape, dtype, family):
-    name, params = _default(op, shape, dtype)
+def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape, dtype, family, tmp_path):
+    name, params = _default(op, shape, dtype, tmp_path)
     assert name == family
     fam = OPS[op].family(name)
     assert fam.check(params, dtype) is None
