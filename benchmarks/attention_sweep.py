@@ -6,7 +6,11 @@ events, read flush, median of 30); PyTorch (`F.scaled_dot_product_attention` wit
 with its permutes) is timed in the same process. Prints, per op and shape, PyTorch, the fused family's defaults,
 the shape defaults and the five fastest points.
 
-    python3 benchmarks/attention_sweep.py [--dtype float16] [--ops sdpa,attention]
+The timed mask is `--mask`: "random" (make_inputs: every key gets a nonzero mask, the mma family's masked path),
+"zero" (no key masked, as in a batch without padding) or "padding" (zero but for the last quarter of each
+sequence, at -30000: a padding mask like BERT's). Verification always runs on random masks.
+
+    python3 benchmarks/attention_sweep.py [--dtype float16] [--ops sdpa,attention] [--mask random]
         [--shapes 8x12x128x64,1x12x128x64,1x16x1024x64,4x16x512x128,2x8x2048x64]
 """
 
@@ -17,6 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+PADDED = -30000.0  # the "padding" mask of padded keys
 SHAPES = "8x12x128x64,1x12x128x64,1x16x1024x64,4x16x512x128,2x8x2048x64"
 
 
@@ -26,21 +31,36 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return [get_op("sdpa").parse_shape(s) for s in text.split(",") if s]
 
 
+def timing_inputs(spec, shape, dtype: str, mask: str) -> dict:
+    """make_inputs (seed 0) with the mask of kind `mask` (see the module docstring)."""
+    import numpy as np
+
+    inputs = spec.make_inputs(shape, dtype, seed=0)
+    if mask != "random":
+        values = np.zeros(inputs["mask"].shape, np.float32)
+        if mask == "padding":
+            seq = shape[2]
+            values[:, seq - seq // 4 :] = PADDED
+        inputs["mask"] = values.astype(inputs["mask"].dtype)
+    return inputs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--ops", default="sdpa,attention")
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated batch x heads x seq x head_dim")
+    parser.add_argument("--mask", default="random", choices=("random", "zero", "padding"), help="the timed mask")
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes)
 
-    from kernelmill.kernels.bench import L2Flusher, time_torch
+    from kernelmill.kernels.bench import L2Flusher, time_it, time_torch
     from kernelmill.kernels.compile import Compiler
     from kernelmill.kernels.defaults import default_params
     from kernelmill.kernels.device import get_device
     from kernelmill.kernels.evaluate import evaluate
     from kernelmill.kernels.ops import get_op
-    from kernelmill.kernels.variant import Variant
+    from kernelmill.kernels.variant import BoundVariant, Variant
     from kernelmill.kernels.verify import ReferenceCache, fresh_seeds
 
     dtype = args.dtype
@@ -58,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             list(pool.map(lambda v: v.compile(compiler), [*variants, fused]))
         print(f"{opname}: compiled {len(variants) + 1} variants in {time.time() - start:.0f} s", flush=True)
         for shape in shapes:
-            inputs = spec.make_inputs(shape, dtype, seed=0)
+            inputs = timing_inputs(spec, shape, dtype, args.mask)
             torch_us = time_torch(device, spec, inputs, {}, flusher, reps=50).median_ms * 1e3
             seeds = fresh_seeds(1)
             rows = []
@@ -71,16 +91,21 @@ def main(argv: list[str] | None = None) -> int:
                     if ev.poisoned:  # the CUDA context is gone: nothing after this would run
                         return 1
                     continue
-                rows.append((ev.timing.median_ms * 1e3, v))
+                timing = ev.timing
+                if args.mask != "random":  # verified on random masks; timed on this one
+                    bound = BoundVariant(device, v, ev.compiled, shape)
+                    bound.set_inputs(inputs)
+                    timing = time_it(device, bound.run, 5, 30, flusher)
+                rows.append((timing.median_ms * 1e3, v))
             rows.sort(key=lambda r: r[0])
             chosen = default_params(spec, fam, shape, dtype, device.info.sm_count)
             fused_us = next((us for us, v in rows if v.family.name == "fused"), None)
             default_us = next((us for us, v in rows if v.family.name == "mma" and v.params == chosen), None)
             print(
-                f"{opname} {shape} {dtype}: torch {torch_us:.1f} us, fused {fused_us:.1f} us, "
+                f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us, fused {fused_us:.1f} us, "
                 f"mma shape defaults {default_us:.1f} us"
                 if fused_us is not None and default_us is not None
-                else f"{opname} {shape} {dtype}: torch {torch_us:.1f} us (fused or the shape defaults did not run)",
+                else f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us (fused or the shape defaults did not run)",
                 flush=True,
             )
             for us, v in rows[:5]:

@@ -128,9 +128,9 @@ MMA_MAX_STATE = 160
 
 def mma_smem_bytes(params) -> int:
     """Dynamic shared memory of the mma family: a Q tile and `stages` K and V tiles of 16-bit rows padded by 8
-    elements."""
+    elements, and `stages` tiles of the key mask in fp32."""
     rows = 16 * params["m_tiles"] * params["warps"] + 2 * params["stages"] * params["block_kv"]
-    return rows * (params["max_head_dim"] + 8) * 2
+    return rows * (params["max_head_dim"] + 8) * 2 + 4 * params["stages"] * params["block_kv"]
 
 
 class Mma(AttentionFamily):
@@ -150,20 +150,23 @@ class Mma(AttentionFamily):
         Param("block_kv", (32, 64, 128), "keys per shared-memory tile"),
         Param("stages", (1, 2, 3), "K/V tiles in shared memory: 1 loads then computes, 2-3 prefetch (cp.async)"),
         Param("max_head_dim", (64, 128), "largest head_dim the variant serves (a multiple of 16)"),
+        Param("q_regs", (True, False), "Q's fragments held in registers (else re-read from shared memory a tile)"),
     )
 
     def defaults(self, dtype):
-        return {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64}
+        return {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64, "q_regs": True}
 
     def shape_defaults(self, shape, dtype):
         """The measured best by shape (benchmarks/attention_sweep.py: the whole space at five shapes on an H200,
         2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles
         at head_dim 64 up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key
-        tiles from 2048 (half the blocks: one wave where one m tile needs two); 64-key tiles at head_dim 128."""
+        tiles from 2048 (half the blocks: one wave where one m tile needs two); at head_dim 128, two m tiles of
+        32-key tiles through 3 stages with Q re-read from shared memory (its registers go to the second m tile:
+        44 against 52 us for one m tile at 4 x 16 x 512 x 128)."""
         _batch, _heads, seq, head_dim = shape
         params = dict(self.defaults(dtype))
         if head_dim > 64:
-            params.update(max_head_dim=128, block_kv=64)
+            params.update(max_head_dim=128, m_tiles=2, block_kv=32, stages=3, q_regs=False)
         elif seq >= 2048:
             params.update(m_tiles=2, block_kv=64)
         elif seq <= 64:
@@ -171,10 +174,11 @@ class Mma(AttentionFamily):
         return params
 
     def check(self, params, dtype):
-        # Registers per lane held across a key tile: S (block_kv / 2 floats), O (max_head_dim / 2) and Q's
-        # fragments (max_head_dim / 4), per m tile. Up to 160 every point compiles without spills (nvcc 13.0,
-        # at most 255 registers a thread).
-        state = params["m_tiles"] * (params["block_kv"] // 2 + 3 * params["max_head_dim"] // 4)
+        # Registers per lane held across a key tile: S (block_kv / 2 floats), O (max_head_dim / 2) and, with
+        # q_regs, Q's fragments (max_head_dim / 4), per m tile. Up to 160 every point compiles without spills
+        # (nvcc 13.0, at most 255 registers a thread).
+        q = params["max_head_dim"] // 4 if params["q_regs"] else 0
+        state = params["m_tiles"] * (params["block_kv"] // 2 + params["max_head_dim"] // 2 + q)
         if state > MMA_MAX_STATE:
             return f"{state} registers of S, O and Q a lane > {MMA_MAX_STATE}"
         smem = mma_smem_bytes(params)
@@ -190,7 +194,9 @@ class Mma(AttentionFamily):
 
     def launches(self, shape, params, dtype):
         bq = 16 * params["m_tiles"] * params["warps"]
-        return self.launch("attention_mma", bq, params["warps"], mma_smem_bytes(params), shape)
+        # head_dim == max_head_dim has its own entry, with the loops over head_dim unrolled (the template).
+        entry = "attention_mma_full" if shape[3] == params["max_head_dim"] else "attention_mma"
+        return self.launch(entry, bq, params["warps"], mma_smem_bytes(params), shape)
 
 
 class MmaBhsd(Mma):

@@ -200,22 +200,49 @@ def test_linear_t_gemv_element_loads_match(device, compiler, dtype):
     assert _verify_where_it_runs(variant, [(2, 1000, 72), (1, 37, 4104)], device, compiler) == 2
 
 
+def _mask_kind(mask, kind: str):
+    """The (batch, seq) additive mask of one kind; the random one (make_inputs) masks every tile."""
+    import numpy as np
+
+    mask = mask.astype(np.float32)
+    if kind == "minus_inf":  # the first 150 keys of batch 0 (whole key tiles: the running max stays -inf)
+        mask[0, :150] = -np.inf
+        mask[1, -40:] = -np.inf
+    elif kind == "zero":  # no key masked: the mma family's tiles take the path without the mask
+        mask[:] = 0.0
+    elif kind == "padding":  # BERT's: 0, and the dtype's lowest value on batch 1's last keys
+        mask[:] = 0.0
+        mask[1, -70:] = np.finfo(np.float16).min
+    return mask.astype(np.float16)
+
+
+MMA_MASK_POINTS = [
+    {},  # the defaults: 128-key tiles
+    {"m_tiles": 2, "block_kv": 64, "stages": 3},
+    {"warps": 2, "block_kv": 32, "stages": 1},
+    {"m_tiles": 2, "block_kv": 64, "q_regs": False},  # Q re-read from shared memory
+    {"m_tiles": 2, "block_kv": 32, "q_regs": False, "max_head_dim": 128},
+]
+
+
 @pytest.mark.parametrize("op", ["attention", "sdpa"])
-@pytest.mark.parametrize("family", ["fused", "mma"])
-def test_attention_keys_masked_with_minus_inf(device, compiler, op, family):
-    # A padding mask of -inf: the first 150 keys of batch 0 (whole key tiles: the running max stays -inf
-    # there) and the last 40 of batch 1. Exponents of -inf - -inf would be NaN.
+@pytest.mark.parametrize(
+    ("family", "params"), [("fused", {})] + [("mma", p) for p in MMA_MASK_POINTS], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize("kind", ["minus_inf", "zero", "padding"])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_attention_masks(device, compiler, op, family, params, kind, head_dim):
+    # Exponents of -inf - -inf would be NaN; all-zero tiles skip the mask in the mma family (and its rescale of
+    # O where no max moved); head_dim 48 runs the mma family's generic entry, 64 its unrolled one. 300 keys: whole
+    # tiles and a partial one.
     import numpy as np
 
     spec = OPS[op]
-    shape = (2, 3, 200, 64)
-    variant = Variant.create(op, family, "float16", spec.family(family).defaults("float16"))
+    shape = (2, 3, 300, head_dim)
+    variant = Variant.create(op, family, "float16", {**spec.family(family).defaults("float16"), **params})
     for seed in (1, 2):
         inputs = spec.make_inputs(shape, "float16", seed)
-        mask = inputs["mask"].astype(np.float32)
-        mask[0, :150] = -np.inf
-        mask[1, -40:] = -np.inf
-        inputs["mask"] = mask.astype(np.float16)
+        inputs["mask"] = _mask_kind(inputs["mask"], kind)
         bound = BoundVariant(device, variant, variant.compile(compiler), shape)
         bound.poison()
         bound.set_inputs(inputs)
@@ -225,7 +252,7 @@ def test_attention_keys_masked_with_minus_inf(device, compiler, op, family):
         want = spec.reference(inputs, {})["out"]
         assert np.isfinite(want).all() and np.isfinite(got).all()
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err < 1e-2, f"{family} seed {seed}: relative error {err:.3g}"
+        assert err < 1e-2, f"{variant.describe()} {kind} seed {seed}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("op", ["attention", "sdpa"])

@@ -43,19 +43,18 @@ def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape,
 @pytest.mark.parametrize(
     ("shape", "want"),
     [
-        ((8, 12, 128, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64}),
-        ((1, 16, 1024, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64}),
-        ((2, 8, 2048, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "max_head_dim": 64}),
+        ((8, 12, 128, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64, "stages": 2}),
+        ((1, 16, 1024, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64, "stages": 2}),
+        ((2, 8, 2048, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "max_head_dim": 64, "q_regs": True}),
         ((2, 3, 40, 48), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 64}),
-        ((4, 16, 512, 128), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 128}),
-        ((1, 1, 4096, 80), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 128}),
+        ((4, 16, 512, 128), {"m_tiles": 2, "block_kv": 32, "max_head_dim": 128, "stages": 3, "q_regs": False}),
+        ((1, 1, 4096, 80), {"m_tiles": 2, "block_kv": 32, "max_head_dim": 128, "q_regs": False}),
     ],
 )
 def test_mma_shape_defaults(shape, want):
     fam = OPS["sdpa"].family("mma")
     params = fam.shape_defaults(shape, "float16")
     assert {k: params[k] for k in want} == want
-    assert params["stages"] == 2
     assert fam.check(params, "float16") is None and fam.check_shape(shape, params, "float16") is None
 
 
@@ -63,13 +62,18 @@ def test_mma_space_fits_shared_memory_and_rejects_what_does_not():
     fam = OPS["attention"].family("mma")
     space = list(fam.space("float16"))
     # One m tile: all but 8 warps, 128-key tiles, 3 stages at head_dim 128 (238 KB). Two: head_dim 64 with
-    # 32- or 64-key tiles (the registers of S, O and Q a lane otherwise pass MMA_MAX_STATE).
-    assert len(space) == (3 * 3 * 3 * 2 - 1) + 3 * 2 * 3
+    # 32- or 64-key tiles (the registers of S, O and Q a lane otherwise pass MMA_MAX_STATE); with Q re-read
+    # from shared memory (q_regs off), also head_dim 128 with 32-key tiles.
+    in_regs = [p for p in space if p["q_regs"]]
+    assert len(in_regs) == (3 * 3 * 3 * 2 - 1) + 3 * 2 * 3
+    assert len(space) - len(in_regs) == (3 * 3 * 3 * 2 - 1) + 3 * 3 * 3
+    assert {p["max_head_dim"] for p in space if p["m_tiles"] == 2 and not p["q_regs"]} == {64, 128}
     for params in space:
         assert mma_smem_bytes(params) <= MAX_SMEM_BYTES
-        assert params["m_tiles"] * (params["block_kv"] // 2 + 3 * params["max_head_dim"] // 4) <= MMA_MAX_STATE
-    biggest = {"warps": 8, "m_tiles": 1, "block_kv": 128, "stages": 3, "max_head_dim": 128}
-    assert mma_smem_bytes(biggest) == (128 + 2 * 3 * 128) * (128 + 8) * 2
+        q = params["max_head_dim"] // 4 if params["q_regs"] else 0
+        assert params["m_tiles"] * (params["block_kv"] // 2 + params["max_head_dim"] // 2 + q) <= MMA_MAX_STATE
+    biggest = {"warps": 8, "m_tiles": 1, "block_kv": 128, "stages": 3, "max_head_dim": 128, "q_regs": True}
+    assert mma_smem_bytes(biggest) == (128 + 2 * 3 * 128) * (128 + 8) * 2 + 4 * 3 * 128  # + the mask tiles
     assert "shared memory" in fam.check(biggest, "float16")
     assert "registers" in fam.check({**biggest, "m_tiles": 2, "stages": 1, "block_kv": 32}, "float16")
 
@@ -104,6 +108,7 @@ def test_mma_launch_grid_and_arguments(op, tensors):
     assert launch.grid == (3, 5, 3)  # 128 queries a block: cdiv(300, 128)
     (two,) = fam.launches((3, 5, 300, 64), {**params, "m_tiles": 2, "max_head_dim": 64}, "float16")
     assert two.grid == (2, 5, 3)  # 256 queries a block
+    assert two.entry == "attention_mma_full"  # head_dim == max_head_dim: the unrolled entry
     assert launch.block == (256, 1, 1)
     assert launch.smem_bytes == mma_smem_bytes(params)
     assert launch.args == (*tensors, "mask", "out", 5, 300, 96)

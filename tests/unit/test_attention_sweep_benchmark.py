@@ -34,3 +34,17 @@ def test_without_a_gpu_it_stops_before_timing(sweep, monkeypatch):
     monkeypatch.setattr(device, "get_device", no_gpu)
     with pytest.raises(device.GpuUnavailable):
         sweep.main(["--shapes", "1x2x64x64"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_timing_masks(sweep, dtype):
+    import numpy as np
+
+    from kernelmill.kernels.ops import get_op
+
+    spec, shape = get_op("sdpa"), (2, 3, 40, 16)
+    random = sweep.timing_inputs(spec, shape, dtype, "random")["mask"].astype(np.float32)
+    assert (random != 0).all()  # make_inputs: every key masked by something
+    assert (sweep.timing_inputs(spec, shape, dtype, "zero")["mask"].astype(np.float32) == 0).all()
+    padding = sweep.timing_inputs(spec, shape, dtype, "padding")["mask"].astype(np.float32)
+    assert (padding[:, :30] == 0).all() and (padding[:, 30:] < -20000).all()
