@@ -101,13 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             chosen = default_params(spec, fam, shape, dtype, device.info.sm_count)
             fused_us = next((us for us, v in rows if v.family.name == "fused"), None)
             default_us = next((us for us, v in rows if v.family.name == "mma" and v.params == chosen), None)
-            print(
-                f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us, fused {fused_us:.1f} us, "
-                f"mma shape defaults {default_us:.1f} us"
-                if fused_us is not None and default_us is not None
-                else f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us (fused or the shape defaults did not run)",
-                flush=True,
-            )
+            head = f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us"
+            if fused_us is None or default_us is None:
+                print(f"{head} (fused or the shape defaults did not run)", flush=True)
+            else:
+                print(f"{head}, fused {fused_us:.1f} us, mma shape defaults {default_us:.1f} us", flush=True)
             for us, v in rows[:5]:
                 print(f"    {us:8.1f} us  {torch_us / us:5.2f}x torch  {v.describe()}", flush=True)
     return 0
