@@ -161,12 +161,12 @@ class Mma(AttentionFamily):
         2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles
         at head_dim 64 up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key
         tiles from 2048 (half the blocks: one wave where one m tile needs two); at head_dim 128, two m tiles of
-        32-key tiles through 3 stages with Q re-read from shared memory (its registers go to the second m tile:
-        44 against 52 us for one m tile at 4 x 16 x 512 x 128)."""
+        32-key tiles with Q re-read from shared memory (its registers go to the second m tile: such points were
+        the five fastest at 4 x 16 x 512 x 128, 39.9-45.0 us)."""
         _batch, _heads, seq, head_dim = shape
         params = dict(self.defaults(dtype))
         if head_dim > 64:
-            params.update(max_head_dim=128, m_tiles=2, block_kv=32, stages=3, q_regs=False)
+            params.update(max_head_dim=128, m_tiles=2, block_kv=32, q_regs=False)
         elif seq >= 2048:
             params.update(m_tiles=2, block_kv=64)
         elif seq <= 64:
