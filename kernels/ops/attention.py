@@ -135,9 +135,10 @@ def mma_smem_bytes(params) -> int:
 
 class Mma(AttentionFamily):
     """Flash-attention-2 style on tensor cores (templates/attention/mma.cu.j2): a warp owns 16 or 32 queries,
-    S = Q K^T and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments, K
-    and V tiles come through a cp.async ring. head_dim is a multiple of 16 up to max_head_dim; at max_head_dim
-    itself the loops over it are unrolled at compile time."""
+    S = Q K^T and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments
+    (unmasked tiles take a shorter copy of it), K, V and the mask's tiles come through a cp.async ring, and Q's
+    fragments stay in registers or are re-read from shared memory each tile (q_regs). head_dim is a multiple of
+    16 up to max_head_dim; at max_head_dim itself a separate entry runs with the loops over it unrolled."""
 
     name = "mma"
     template = "attention/mma.cu.j2"
