@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,35 @@ class CompileError(RuntimeError):
     def __str__(self) -> str:
         first = super().__str__()
         return f"{first}\n{self.log}" if self.log else first
+
+
+_ELF64_LE = b"\x7fELF\x02\x01"
+_SHT_SYMTAB, _STT_FUNC, _STB_GLOBAL, _STO_CUDA_ENTRY = 2, 2, 1, 0x10
+
+
+def cubin_entries(cubin: bytes) -> frozenset[str] | None:
+    """The kernel entry functions a cubin holds (global functions marked as CUDA entries in its ELF symbol
+    table), or None where the bytes are not a 64-bit little-endian ELF (nothing to look up)."""
+    if not cubin.startswith(_ELF64_LE):
+        return None
+    try:
+        (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
+        # Section headers: name, type, flags, addr, offset, size, link, info, addralign, entsize.
+        sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        names: set[str] = set()
+        for _name, kind, _f, _a, offset, size, link, _i, _al, entsize in sections:
+            if kind != _SHT_SYMTAB or not entsize:
+                continue
+            strings = sections[link][4]
+            for k in range(size // entsize):
+                name, info, other, *_rest = struct.unpack_from("<IBBHQQ", cubin, offset + k * entsize)
+                if info & 0xF == _STT_FUNC and info >> 4 == _STB_GLOBAL and other & _STO_CUDA_ENTRY:
+                    start = strings + name
+                    names.add(cubin[start : cubin.index(b"\0", start)].decode())
+        return frozenset(names)
+    except (struct.error, ValueError, IndexError, UnicodeDecodeError):
+        return frozenset()  # an ELF whose tables do not parse holds no entry that could be launched
 
 
 @dataclass(frozen=True)

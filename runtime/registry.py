@@ -11,7 +11,9 @@ Resolution, once per problem (then kept in memory):
    download), the service's kernel when it serves another for the exact shape, and the cached one when the
    service cannot be reached or has nothing better than a nearest shape. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
-   are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments);
+   are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
+   A served or cached cubin that lacks an entry those launches name (built before its family's launches
+   changed) is not used;
 3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
    problem), compiled with nvcc on first use (the compile cache keeps the cubin).
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelmill.kernels.compile import CompileError, Compiler, normalize_arch
+from kernelmill.kernels.compile import CompileError, Compiler, cubin_entries, normalize_arch
 from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params, default_rank
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
@@ -148,6 +150,18 @@ class KernelEntry:
             "calls": self.calls,
             "note": self.note,
         }
+
+
+def _missing_entries(entry: KernelEntry) -> str | None:
+    """Why a served or cached cubin cannot run the launches this version builds for its family: the entries
+    it lacks (it was built before the family's launches changed), or None."""
+    held = cubin_entries(entry.cubin)
+    if held is None:  # not an ELF: nothing to look up here (loading it is what fails)
+        return None
+    missing = sorted({launch.entry for launch in entry.launches} - held)
+    if not missing:
+        return None
+    return f"its cubin has no {', '.join(missing)} (built before this version's launches of {entry.family})"
 
 
 def _close(tuned: Sequence[int], wanted: Sequence[int]) -> bool:
@@ -382,7 +396,7 @@ class KernelRegistry:
         if reason:
             notes.append(f"local cache entry unusable: {reason}")
             return None
-        return self._build(
+        entry = self._build(
             spec,
             shape,
             dtype,
@@ -399,6 +413,11 @@ class KernelRegistry:
             median_ms=meta.get("median_ms"),
             note="from the local cache",
         )
+        reason = _missing_entries(entry)
+        if reason:
+            notes.append(f"local cache entry unusable: {reason}")
+            return None
+        return entry
 
     def _store_local(self, entry: KernelEntry, served_attrs) -> None:
         meta_path, cubin_path = self._local_paths(entry.op, entry.shape, entry.dtype, entry.attrs)
@@ -521,6 +540,10 @@ class KernelRegistry:
             speedup=served.get("speedup"),
             median_ms=served.get("median_ms"),
         )
+        missing = _missing_entries(entry)
+        if missing:
+            notes.append(f"served kernel #{served['id']} not used: {missing}")
+            return None
         if exact:
             served_entries = [launch["entry"] for launch in served.get("launches", [])]
             if served_entries and served_entries != [launch.entry for launch in entry.launches]:
