@@ -45,26 +45,49 @@ _ELF64_LE = b"\x7fELF\x02\x01"
 _SHT_SYMTAB, _STT_FUNC, _STB_GLOBAL, _STO_CUDA_ENTRY = 2, 2, 1, 0x10
 
 
+@dataclass(frozen=True)
+class ElfSection:
+    """One section header of a cubin (a 64-bit little-endian ELF), its name resolved."""
+
+    name: str
+    kind: int  # sh_type
+    offset: int
+    size: int
+    link: int
+    entsize: int
+
+
+def _cstr(data: bytes, at: int) -> str:
+    return data[at : data.index(b"\0", at)].decode()
+
+
+def elf_sections(cubin: bytes) -> list[ElfSection]:
+    """The section headers of a cubin. A malformed one raises struct.error, ValueError, IndexError or
+    UnicodeDecodeError."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    # name, type, flags, addr, offset, size, link, info, addralign, entsize
+    raw = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = raw[shstrndx][4]
+    return [ElfSection(_cstr(cubin, names_at + r[0]), r[1], r[4], r[5], r[6], r[9]) for r in raw]
+
+
 def cubin_entries(cubin: bytes) -> frozenset[str] | None:
     """The kernel entry functions a cubin holds (global functions marked as CUDA entries in its ELF symbol
     table), or None where the bytes are not a 64-bit little-endian ELF (nothing to look up)."""
     if not cubin.startswith(_ELF64_LE):
         return None
     try:
-        (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-        shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
-        # Section headers: name, type, flags, addr, offset, size, link, info, addralign, entsize.
-        sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        sections = elf_sections(cubin)
         names: set[str] = set()
-        for _name, kind, _f, _a, offset, size, link, _i, _al, entsize in sections:
-            if kind != _SHT_SYMTAB or not entsize:
+        for symtab in sections:
+            if symtab.kind != _SHT_SYMTAB or not symtab.entsize:
                 continue
-            strings = sections[link][4]
-            for k in range(size // entsize):
-                name, info, other, *_rest = struct.unpack_from("<IBBHQQ", cubin, offset + k * entsize)
+            strings = sections[symtab.link].offset
+            for k in range(symtab.size // symtab.entsize):
+                name, info, other = struct.unpack_from("<IBB", cubin, symtab.offset + k * symtab.entsize)
                 if info & 0xF == _STT_FUNC and info >> 4 == _STB_GLOBAL and other & _STO_CUDA_ENTRY:
-                    start = strings + name
-                    names.add(cubin[start : cubin.index(b"\0", start)].decode())
+                    names.add(_cstr(cubin, strings + name))
         return frozenset(names)
     except (struct.error, ValueError, IndexError, UnicodeDecodeError):
         return frozenset()  # an ELF whose tables do not parse holds no entry that could be launched

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelmill.kernels.compile import elf_sections
 from kernelmill.kernels.ops.base import TensorMapArg
 
 log = logging.getLogger(__name__)
@@ -131,17 +132,12 @@ def kernel_param_layouts(cubin: bytes) -> dict[str, ParamLayout]:
     offset a natural struct layout does not predict (0x30 for the first one): the buffer must follow ptxas.
     """
     try:
-        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-        headers = [struct.unpack_from("<I20xQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-        names_at = headers[shstrndx][1]
         layouts: dict[str, ParamLayout] = {}
-        for name_offset, offset, size in headers:
-            name = cubin[names_at + name_offset : cubin.index(b"\0", names_at + name_offset)].decode()
-            if not name.startswith(".nv.info."):
+        for section in elf_sections(cubin):
+            if not section.name.startswith(".nv.info."):
                 continue
             params: dict[int, tuple[int, int]] = {}
-            total, pos, end = 0, offset, offset + size
+            total, pos, end = 0, section.offset, section.offset + section.size
             while pos + 4 <= end:
                 fmt, attr, value = struct.unpack_from("<BBH", cubin, pos)
                 pos += 4
@@ -153,7 +149,7 @@ def kernel_param_layouts(cubin: bytes) -> dict[str, ParamLayout]:
                 elif attr == _EIATTR_CBANK_PARAM_SIZE:
                     total = value
             if params:
-                layouts[name.removeprefix(".nv.info.")] = ([params[i] for i in sorted(params)], total)
+                layouts[section.name.removeprefix(".nv.info.")] = ([params[i] for i in sorted(params)], total)
         return layouts
     except (struct.error, ValueError, IndexError, UnicodeDecodeError) as exc:
         log.warning("could not read the parameter layout of a cubin: %s", exc)
