@@ -159,7 +159,8 @@ class Mma(AttentionFamily):
 
     def shape_defaults(self, shape, dtype):
         """The measured best by shape (benchmarks/attention_sweep.py: the whole space at five shapes on an H200,
-        2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores"): 4 warps of one m tile and 128-key tiles
+        2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores" and "Attention: fewer instructions a key
+        tile"): 4 warps of one m tile and 128-key tiles
         at head_dim 64 up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key
         tiles from 2048 (half the blocks: one wave where one m tile needs two); at head_dim 128, two m tiles of
         32-key tiles with Q re-read from shared memory (its registers go to the second m tile: such points were

@@ -232,9 +232,9 @@ MMA_MASK_POINTS = [
 @pytest.mark.parametrize("kind", ["minus_inf", "zero", "padding"])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_attention_masks(device, compiler, op, family, params, kind, head_dim):
-    # Exponents of -inf - -inf would be NaN; all-zero tiles skip the mask in the mma family (and its rescale of
-    # O where no max moved); head_dim 48 runs the mma family's generic entry, 64 its unrolled one. 300 keys: whole
-    # tiles and a partial one.
+    # Exponents of -inf - -inf would be NaN; all-zero tiles take the mma family's softmax without the mask;
+    # head_dim 48 runs its generic entry, 64 its unrolled one where max_head_dim is 64. 300 keys: whole tiles and
+    # a partial one.
     import numpy as np
 
     spec = OPS[op]
