@@ -299,7 +299,9 @@ def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT
         return fam.shape_defaults(shape, dtype)
     if isinstance(fam, RowDotGemv):
         return fam.shape_defaults(shape, dtype, sm_count)
-    if isinstance(fam, (Fused, Mma)):
+    if isinstance(fam, Mma):
+        return fam.shape_defaults(shape, dtype, sm_count)
+    if isinstance(fam, Fused):
         return fam.shape_defaults(shape, dtype)
     if isinstance(fam, WgmmaFamily) and len(shape) == 3:
         return _wgmma_params(fam, shape, dtype, sm_count)

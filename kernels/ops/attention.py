@@ -127,17 +127,24 @@ MMA_MAX_STATE = 160
 
 
 def mma_smem_bytes(params) -> int:
-    """Dynamic shared memory of the mma family: a Q tile and `stages` K and V tiles of 16-bit rows padded by 8
-    elements, and `stages` tiles of the key mask in fp32."""
-    rows = 16 * params["m_tiles"] * params["warps"] + 2 * params["stages"] * params["block_kv"]
-    return rows * (params["max_head_dim"] + 8) * 2 + 4 * params["stages"] * params["block_kv"]
+    """Dynamic shared memory of the mma family: a Q tile and `stages` K and V tiles (kv_groups * block_kv keys)
+    of 16-bit rows padded by 8 elements, and `stages` tiles of the key mask in fp32; with key groups, at least
+    room after Q for groups 1.. to hand their fp32 state (m, l and O a lane) to group 0."""
+    bq, maxd = 16 * params["m_tiles"] * params["warps"], params["max_head_dim"]
+    tile = params["kv_groups"] * params["block_kv"]
+    ring = (bq + 2 * params["stages"] * tile) * (maxd + 8) * 2 + 4 * params["stages"] * tile
+    state = params["m_tiles"] * (4 + maxd // 2) * 32 * 4  # bytes of a warp's state
+    merge = bq * (maxd + 8) * 2 + (params["kv_groups"] - 1) * params["warps"] * state
+    return max(ring, merge)
 
 
 class Mma(AttentionFamily):
     """Flash-attention-2 style on tensor cores (templates/attention/mma.cu.j2): a warp owns 16 or 32 queries,
     S = Q K^T and O += P V are mma.m16n8k16 with fp32 accumulators, the online softmax runs on S's fragments
     (unmasked tiles take a shorter copy of it), K, V and the mask's tiles come through a cp.async ring, and Q's
-    fragments stay in registers or are re-read from shared memory each tile (q_regs). head_dim is a multiple of
+    fragments stay in registers or are re-read from shared memory each tile (q_regs). With kv_groups > 1 that
+    many groups of warps split each key tile, every group owning the block's queries, and merge their softmax
+    states at the end: more warps an SM where the queries alone give few. head_dim is a multiple of
     16 up to max_head_dim; at max_head_dim itself a separate entry runs with the loops over it unrolled."""
 
     name = "mma"
@@ -146,33 +153,60 @@ class Mma(AttentionFamily):
     pdl = True
     description = "tensor cores: mma.m16n8k16 for Q K^T and P V, online softmax on the fragments, K/V in shared"
     params = (
-        Param("warps", (2, 4, 8), "warps per block"),
+        Param("warps", (2, 4, 8), "query warps per block (times kv_groups warps in all)"),
         Param("m_tiles", (1, 2), "16-query m tiles per warp (each K / V fragment from shared memory serves them all)"),
         Param("block_kv", (32, 64, 128), "keys per shared-memory tile"),
         Param("stages", (1, 2, 3), "K/V tiles in shared memory: 1 loads then computes, 2-3 prefetch (cp.async)"),
         Param("max_head_dim", (64, 128), "largest head_dim the variant serves (a multiple of 16)"),
         Param("q_regs", (True, False), "Q's fragments held in registers (else re-read from shared memory a tile)"),
+        Param("kv_groups", (1, 2, 4), "groups of warps that split each key tile between them, merged at the end"),
     )
 
     def defaults(self, dtype):
-        return {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64, "q_regs": True}
+        return {
+            "warps": 4,
+            "m_tiles": 1,
+            "block_kv": 128,
+            "stages": 2,
+            "max_head_dim": 64,
+            "q_regs": True,
+            "kv_groups": 1,
+        }
 
-    def shape_defaults(self, shape, dtype):
-        """The measured best by shape (benchmarks/attention_sweep.py: the whole space at five shapes on an H200,
-        2026-11-27, docs/PERFORMANCE.md "Attention on tensor cores" and "Attention: fewer instructions a key
-        tile"): 4 warps of one m tile and 128-key tiles
-        at head_dim 64 up to sequence 1024 (64-key tiles where the sequence fits one); two m tiles of 64-key
-        tiles from 2048 (half the blocks: one wave where one m tile needs two); at head_dim 128, two m tiles of
-        32-key tiles with Q re-read from shared memory (its registers go to the second m tile: such points were
-        the five fastest at 4 x 16 x 512 x 128, 39.9-45.0 us)."""
-        _batch, _heads, seq, head_dim = shape
+    def shape_defaults(self, shape, dtype, sm_count: int = 132):
+        """The measured best by shape (benchmarks/attention_sweep.py over the whole space on an H200, 2026-11-27,
+        docs/PERFORMANCE.md "Attention on tensor cores", "Attention: fewer instructions a key tile" and
+        "Attention: key groups"), by how many blocks of 64 queries the shape makes against the SMs, and how long
+        a block's walk over the keys is:
+
+        * many blocks (3 a SM or more): two m tiles a warp, half the blocks (64-key tiles at head_dim 64; at
+          head_dim 128 32-key tiles with Q re-read from shared memory, its registers going to the second m
+          tile);
+        * head_dim 128 otherwise: one m tile, 128-key tiles, Q in registers (1 x 16 x 512 x 128: 18.5 us
+          against 26.9 for two m tiles);
+        * head_dim 64, a wave or more of blocks and 512+ keys: two key groups of 4 warps of two m tiles
+          (1 x 16 x 1024 x 64: 25.6 us against 27.6);
+        * under a wave, 256-511 keys: two key groups of 2 warps, 128-key tiles (1 x 12 x 256 x 64: 7.5 against
+          8.7 us); up to 128 keys and under a quarter wave: two key groups of 2 warps, 64 keys each (BERT at
+          batch 1, 1 x 12 x 128 x 64: 6.2 against 7.1 us);
+        * else 4 warps of one m tile, 128-key tiles (64-key tiles where the sequence fits one)."""
+        batch, heads, seq, head_dim = shape
         params = dict(self.defaults(dtype))
+        blocks = batch * heads * cdiv(seq, 64)  # blocks of the default 64 queries
         if head_dim > 64:
-            params.update(max_head_dim=128, m_tiles=2, block_kv=32, q_regs=False)
-        elif seq >= 2048:
+            params["max_head_dim"] = 128
+            if blocks >= 3 * sm_count:
+                params.update(m_tiles=2, block_kv=32, q_regs=False)
+        elif blocks >= 3 * sm_count:
             params.update(m_tiles=2, block_kv=64)
         elif seq <= 64:
             params.update(block_kv=64)
+        elif blocks >= sm_count and seq >= 512:
+            params.update(m_tiles=2, block_kv=64, kv_groups=2)
+        elif blocks < sm_count and 256 <= seq < 512:
+            params.update(warps=2, kv_groups=2)
+        elif 4 * blocks < sm_count and seq <= 128:
+            params.update(warps=2, block_kv=64, kv_groups=2)
         return params
 
     def check(self, params, dtype):
@@ -183,6 +217,9 @@ class Mma(AttentionFamily):
         state = params["m_tiles"] * (params["block_kv"] // 2 + params["max_head_dim"] // 2 + q)
         if state > MMA_MAX_STATE:
             return f"{state} registers of S, O and Q a lane > {MMA_MAX_STATE}"
+        if params["warps"] * params["kv_groups"] > 8:
+            # 256 threads leave each up to 255 registers; at 512 ptxas holds them to 128 and spills.
+            return f"{params['warps']} warps x {params['kv_groups']} key groups > 8 warps a block"
         smem = mma_smem_bytes(params)
         if smem > MAX_SMEM_BYTES:
             return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES}"
@@ -198,7 +235,7 @@ class Mma(AttentionFamily):
         bq = 16 * params["m_tiles"] * params["warps"]
         # head_dim == max_head_dim has its own entry, with the loops over head_dim unrolled (the template).
         entry = "attention_mma_full" if shape[3] == params["max_head_dim"] else "attention_mma"
-        return self.launch(entry, bq, params["warps"], mma_smem_bytes(params), shape)
+        return self.launch(entry, bq, params["warps"] * params["kv_groups"], mma_smem_bytes(params), shape)
 
 
 class MmaBhsd(Mma):

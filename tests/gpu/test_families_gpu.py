@@ -222,6 +222,12 @@ MMA_MASK_POINTS = [
     {"warps": 2, "block_kv": 32, "stages": 1},
     {"m_tiles": 2, "block_kv": 64, "q_regs": False},  # Q re-read from shared memory
     {"m_tiles": 2, "block_kv": 32, "q_regs": False, "max_head_dim": 128},
+    # Two key groups: at 300 keys the last 128-key tile leaves group 1 no key at all, so its merge takes an
+    # empty state (m = -inf, l = 0).
+    {"kv_groups": 2, "block_kv": 64},
+    {"kv_groups": 2, "warps": 2, "block_kv": 32, "stages": 1},
+    {"kv_groups": 2, "m_tiles": 2, "block_kv": 32, "q_regs": False, "max_head_dim": 128},
+    {"kv_groups": 4, "warps": 2, "block_kv": 32, "q_regs": False},
 ]
 
 

@@ -43,12 +43,21 @@ def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape,
 @pytest.mark.parametrize(
     ("shape", "want"),
     [
-        ((8, 12, 128, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64, "stages": 2}),
-        ((1, 16, 1024, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "max_head_dim": 64, "stages": 2}),
-        ((2, 8, 2048, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "max_head_dim": 64, "q_regs": True}),
+        # BERT at batch 8: 192 blocks of 64 queries, a short walk: the plain defaults.
+        ((8, 12, 128, 64), {"warps": 4, "m_tiles": 1, "block_kv": 128, "stages": 2, "kv_groups": 1}),
+        # BERT at batch 1: 24 blocks; two key groups of 2 warps, 64 keys each.
+        ((1, 12, 128, 64), {"warps": 2, "m_tiles": 1, "block_kv": 64, "kv_groups": 2}),
+        ((1, 12, 256, 64), {"warps": 2, "m_tiles": 1, "block_kv": 128, "kv_groups": 2}),
+        # 256 blocks, a long walk: two key groups of 4 warps of two m tiles.
+        ((1, 16, 1024, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "kv_groups": 2}),
+        # 3 blocks an SM or more: two m tiles, one group.
+        ((2, 8, 2048, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "q_regs": True, "kv_groups": 1}),
+        ((4, 16, 1024, 64), {"warps": 4, "m_tiles": 2, "block_kv": 64, "kv_groups": 1}),
         ((2, 3, 40, 48), {"warps": 4, "m_tiles": 1, "block_kv": 64, "max_head_dim": 64}),
         ((4, 16, 512, 128), {"m_tiles": 2, "block_kv": 32, "max_head_dim": 128, "stages": 2, "q_regs": False}),
-        ((1, 1, 4096, 80), {"m_tiles": 2, "block_kv": 32, "max_head_dim": 128, "q_regs": False}),
+        # head_dim 128 with fewer blocks: one m tile, 128-key tiles, Q in registers.
+        ((1, 16, 512, 128), {"m_tiles": 1, "block_kv": 128, "max_head_dim": 128, "q_regs": True}),
+        ((1, 1, 4096, 80), {"m_tiles": 1, "block_kv": 128, "max_head_dim": 128, "q_regs": True}),
     ],
 )
 def test_mma_shape_defaults(shape, want):
@@ -64,18 +73,38 @@ def test_mma_space_fits_shared_memory_and_rejects_what_does_not():
     # One m tile: all but 8 warps, 128-key tiles, 3 stages at head_dim 128 (238 KB). Two: head_dim 64 with
     # 32- or 64-key tiles (the registers of S, O and Q a lane otherwise pass MMA_MAX_STATE); with Q re-read
     # from shared memory (q_regs off), also head_dim 128 with 32-key tiles.
-    in_regs = [p for p in space if p["q_regs"]]
+    one = [p for p in space if p["kv_groups"] == 1]
+    in_regs = [p for p in one if p["q_regs"]]
     assert len(in_regs) == (3 * 3 * 3 * 2 - 1) + 3 * 2 * 3
-    assert len(space) - len(in_regs) == (3 * 3 * 3 * 2 - 1) + 3 * 3 * 3
+    assert len(one) - len(in_regs) == (3 * 3 * 3 * 2 - 1) + 3 * 3 * 3
     assert {p["max_head_dim"] for p in space if p["m_tiles"] == 2 and not p["q_regs"]} == {64, 128}
+    # Key groups: at most 8 warps a block in all (2 groups of 2 or 4 warps, 4 groups of 2), and the ring of
+    # kv_groups * block_kv keys fits.
+    grouped = [p for p in space if p["kv_groups"] > 1]
+    assert {(p["kv_groups"], p["warps"]) for p in grouped} == {(2, 2), (2, 4), (4, 2)}
+    assert len(grouped) == len(space) - len(one) > 100
     for params in space:
         assert mma_smem_bytes(params) <= MAX_SMEM_BYTES
         q = params["max_head_dim"] // 4 if params["q_regs"] else 0
         assert params["m_tiles"] * (params["block_kv"] // 2 + params["max_head_dim"] // 2 + q) <= MMA_MAX_STATE
-    biggest = {"warps": 8, "m_tiles": 1, "block_kv": 128, "stages": 3, "max_head_dim": 128, "q_regs": True}
+    biggest = {
+        "warps": 8,
+        "m_tiles": 1,
+        "block_kv": 128,
+        "stages": 3,
+        "max_head_dim": 128,
+        "q_regs": True,
+        "kv_groups": 1,
+    }
     assert mma_smem_bytes(biggest) == (128 + 2 * 3 * 128) * (128 + 8) * 2 + 4 * 3 * 128  # + the mask tiles
     assert "shared memory" in fam.check(biggest, "float16")
     assert "registers" in fam.check({**biggest, "m_tiles": 2, "stages": 1, "block_kv": 32}, "float16")
+    assert "8 warps" in fam.check({**biggest, "block_kv": 32, "stages": 1, "kv_groups": 2}, "float16")
+    # Groups 1.. hand group 0 their state through the ring: room for it where the ring is smaller.
+    small = {"warps": 2, "m_tiles": 2, "block_kv": 32, "stages": 1, "max_head_dim": 128, "q_regs": False}
+    state = 2 * (4 + 64) * 32 * 4  # m, l and O of 2 m tiles, 32 lanes, fp32
+    assert mma_smem_bytes({**small, "kv_groups": 4}) == 64 * 136 * 2 + 3 * 2 * state
+    assert mma_smem_bytes({**small, "kv_groups": 1}) == (64 + 2 * 32) * 136 * 2 + 4 * 32
 
 
 @pytest.mark.parametrize(
@@ -102,7 +131,7 @@ def test_mma_head_dim_must_be_a_multiple_of_16_within_the_variant(head_dim, max_
 @pytest.mark.parametrize(("op", "tensors"), [("attention", ("qkv",)), ("sdpa", ("q", "k", "v"))])
 def test_mma_launch_grid_and_arguments(op, tensors):
     fam = OPS[op].family("mma")
-    params = {"warps": 8, "m_tiles": 1, "block_kv": 32, "stages": 3, "max_head_dim": 128}
+    params = {"warps": 8, "m_tiles": 1, "block_kv": 32, "stages": 3, "max_head_dim": 128, "kv_groups": 1}
     (launch,) = fam.launches((3, 5, 300, 96), params, "float16")
     assert launch.entry == "attention_mma"
     assert launch.grid == (3, 5, 3)  # 128 queries a block: cdiv(300, 128)
@@ -112,6 +141,9 @@ def test_mma_launch_grid_and_arguments(op, tensors):
     assert launch.block == (256, 1, 1)
     assert launch.smem_bytes == mma_smem_bytes(params)
     assert launch.args == (*tensors, "mask", "out", 5, 300, 96)
+    # Key groups: the same queries a block (the same grid), kv_groups times the warps.
+    (grouped,) = fam.launches((3, 5, 300, 96), {**params, "warps": 2, "kv_groups": 4}, "float16")
+    assert grouped.grid == (10, 5, 3) and grouped.block == (256, 1, 1)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
