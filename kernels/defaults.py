@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kernelmill.kernels.ops.attention import Fused, Mma
+from kernelmill.kernels.ops.attention import Fused, Mma, Wgmma
 from kernelmill.kernels.ops.base import Family, itemsize
 from kernelmill.kernels.ops.gemv import GemvFamily
 from kernelmill.kernels.ops.gemv_t import RowDotGemv
@@ -31,7 +31,7 @@ def default_rank(fam: Family, shape, dtype: str) -> int:
     TF32), with gemv / small_batch first for skinny M. Otherwise declaration order."""
     skinny = len(shape) >= 3 and shape[0] <= GEMV_MAX_M  # matmul / linear M, fused_mlp batch
     order = ["gemv", "small_batch", "wgmma", "tensorcore"] if skinny else ["wgmma", "tensorcore"]
-    order.append("mma")  # attention / sdpa (16-bit only; head_dim a multiple of 16 up to 128)
+    order.append("mma")  # attention / sdpa (16-bit only; head_dim a multiple of 16 up to 128), after wgmma (64 / 128)
     if itemsize(dtype) != 2:
         order = ["gemv", "small_batch"] if skinny else []
     if fam.name in order:
@@ -299,7 +299,7 @@ def default_params(spec, fam: Family, shape, dtype: str, sm_count: int = DEFAULT
         return fam.shape_defaults(shape, dtype)
     if isinstance(fam, RowDotGemv):
         return fam.shape_defaults(shape, dtype, sm_count)
-    if isinstance(fam, Mma):
+    if isinstance(fam, (Mma, Wgmma)):
         return fam.shape_defaults(shape, dtype, sm_count)
     if isinstance(fam, Fused):
         return fam.shape_defaults(shape, dtype)

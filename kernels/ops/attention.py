@@ -16,13 +16,16 @@ heads side by side again: the layout the output projection reads. No transposes 
 (batch, seq) key mask; its family renders the same template with ``layout = "bhsd"`` (the kernel's pointers
 and token strides differ, nothing else).
 
-Two families, each for both layouts:
+Three families, each for both layouts:
 
 * ``fused`` (flash-style, CUDA cores, any dtype): a block owns ``warps * rows_per_warp`` queries of one
   (batch, head); it walks the keys in tiles of ``block_kv`` staged in shared memory (fp32), keeps a running
   max and sum per query (online softmax) and accumulates P @ V in registers. head_dim up to ``max_head_dim``.
 * ``mma`` (flash-attention-2 style, tensor cores, 16-bit): the same walk with Q K^T and P V on
-  ``mma.m16n8k16``; head_dim a multiple of 16 up to ``max_head_dim``. The 16-bit default where it applies.
+  ``mma.m16n8k16``; head_dim a multiple of 16 up to ``max_head_dim``.
+* ``wgmma`` (Hopper, sm_90a, 16-bit, head_dim 64 or 128): a warpgroup's 64 queries against each key tile in one
+  wgmma chain from shared memory, P V with P from registers. The 16-bit default where it applies (on sm_90),
+  then mma.
 """
 
 from __future__ import annotations
@@ -244,6 +247,70 @@ class MmaBhsd(Mma):
     layout = "bhsd"
 
 
+def wgmma_smem_bytes(params) -> int:
+    """Dynamic shared memory of the wgmma family: 1024 bytes to align the base, Q (64 queries a warpgroup) and
+    `stages` K and V tiles of head_dim 16-bit columns, and `stages` tiles of the key mask in fp32."""
+    d, bkv, stages = params["max_head_dim"], params["block_kv"], params["stages"]
+    return 1024 + 64 * params["warpgroups"] * d * 2 + stages * (2 * bkv * d * 2 + 4 * bkv)
+
+
+class Wgmma(AttentionFamily):
+    """Hopper's warpgroup MMA (templates/attention/wgmma.cu.j2, sm_90a): a warpgroup owns 64 queries; S = Q K^T
+    is one wgmma m64n{block_kv} chain from shared memory, the online softmax runs on its accumulators (the mma
+    family's code), and O += P V takes P from registers. K and V come through a cp.async ring in wgmma's
+    128-byte swizzled layout. head_dim 64 or 128 exactly (max_head_dim)."""
+
+    name = "wgmma"
+    template = "attention/wgmma.cu.j2"
+    dtypes = ("float16", "bfloat16")
+    arch_suffix = "a"
+    pdl = True
+    description = "Hopper wgmma: S = Q K^T from shared memory, P V with P in registers (sm_90a; head_dim 64 / 128)"
+    params = (
+        Param("warpgroups", (1, 2), "warpgroups per block, 64 queries each"),
+        Param("block_kv", (64, 128), "keys per shared-memory tile (the wgmma N of Q K^T)"),
+        Param("stages", (2, 3), "K/V tiles in the cp.async ring"),
+        Param("max_head_dim", (64, 128), "the head_dim the variant serves"),
+    )
+
+    def defaults(self, dtype):
+        return {"warpgroups": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64}
+
+    def shape_defaults(self, shape, dtype, sm_count: int = 132):
+        """The measured best by shape (benchmarks/attention_sweep.py over the family's space on an H200,
+        2026-11-27, docs/PERFORMANCE.md "Attention on wgmma"): one warpgroup a block, 128-key tiles, two slots;
+        at head_dim 128 with 3 blocks a SM or more, 64-key tiles (4 x 16 x 512 x 128: 35.1 us against 36.5)."""
+        batch, heads, seq, head_dim = shape
+        params = {**self.defaults(dtype), "max_head_dim": 128 if head_dim > 64 else 64}
+        if head_dim > 64 and batch * heads * cdiv(seq, 64) >= 3 * sm_count:
+            params["block_kv"] = 64
+        return params
+
+    def check(self, params, dtype):
+        state = params["block_kv"] // 2 + params["max_head_dim"] // 2
+        if state > MMA_MAX_STATE:
+            return f"{state} registers of S and O a lane > {MMA_MAX_STATE}"
+        smem = wgmma_smem_bytes(params)
+        if smem > MAX_SMEM_BYTES:
+            return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES}"
+        return None
+
+    def check_shape(self, shape, params, dtype):
+        if shape[3] != params["max_head_dim"]:
+            return f"head_dim {shape[3]}: the wgmma family takes head_dim == max_head_dim ({params['max_head_dim']})"
+        return self.grid_check(shape)
+
+    def launches(self, shape, params, dtype):
+        wg = params["warpgroups"]
+        return self.launch("attention_wgmma", 64 * wg, 4 * wg, wgmma_smem_bytes(params), shape)
+
+
+class WgmmaBhsd(Wgmma):
+    """The wgmma family on separate (batch, heads, seq, head_dim) q, k, v and out (the sdpa op)."""
+
+    layout = "bhsd"
+
+
 def attention64(qkv: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The float64 reference: qkv (batch, seq, 3, heads, head_dim) and mask (batch, seq) give
     (batch, seq, heads, head_dim)."""
@@ -264,7 +331,7 @@ class Attention(OpSpec):
     inputs = ("qkv", "mask")
     outputs = ("out",)
     # 16-bit defaults take mma where head_dim allows (kernels/defaults.py), fused otherwise.
-    families = {"fused": Fused(), "mma": Mma()}
+    families = {"fused": Fused(), "mma": Mma(), "wgmma": Wgmma()}
 
     def tensor_shapes(self, shape):
         batch, heads, seq, head_dim = shape
@@ -317,7 +384,7 @@ class Sdpa(Attention):
 
     name = "sdpa"
     inputs = ("q", "k", "v", "mask")
-    families = {"fused": FusedBhsd(), "mma": MmaBhsd()}
+    families = {"fused": FusedBhsd(), "mma": MmaBhsd(), "wgmma": WgmmaBhsd()}
 
     def tensor_shapes(self, shape):
         batch, heads, seq, head_dim = shape

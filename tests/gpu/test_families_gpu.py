@@ -261,6 +261,46 @@ def test_attention_masks(device, compiler, op, family, params, kind, head_dim):
         assert err < 1e-2, f"{variant.describe()} {kind} seed {seed}: relative error {err:.3g}"
 
 
+WGMMA_POINTS = [
+    {},  # the defaults: 2 warpgroups, 128-key tiles
+    {"warpgroups": 1, "block_kv": 64, "stages": 3},
+    {"warpgroups": 2, "block_kv": 64, "stages": 2},
+]
+
+
+@pytest.mark.parametrize("op", ["attention", "sdpa"])
+@pytest.mark.parametrize("params", WGMMA_POINTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["random", "minus_inf", "zero", "padding"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_attention_wgmma(device, compiler, op, params, kind, head_dim, dtype):
+    # The wgmma family (sm_90a) against float64, output poisoned: 300 keys and queries give whole key tiles, a
+    # partial one and a partial query block; the mask kinds as in test_attention_masks.
+    import numpy as np
+
+    if device.info.arch != "sm_90":
+        pytest.skip(f"the wgmma family needs a Hopper GPU (sm_90a); this is {device.info.name} ({device.info.arch})")
+    spec = OPS[op]
+    shape = (2, 3, 300, head_dim)
+    fam = spec.family("wgmma")
+    variant = Variant.create(op, "wgmma", dtype, {**fam.defaults(dtype), "max_head_dim": head_dim, **params})
+    assert variant.check_shape(shape) is None
+    for seed in (1, 2):
+        inputs = spec.make_inputs(shape, dtype, seed)
+        if kind != "random":
+            inputs["mask"] = _mask_kind(inputs["mask"], kind)
+        bound = BoundVariant(device, variant, variant.compile(compiler), shape)
+        bound.poison()
+        bound.set_inputs(inputs)
+        bound.run()
+        device.synchronize()
+        got = bound.outputs()["out"].astype(np.float64)
+        want = spec.reference(inputs, {})["out"]
+        assert np.isfinite(want).all() and np.isfinite(got).all()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < 1e-2, f"{variant.describe()} {kind} seed {seed}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("op", ["attention", "sdpa"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from kernelmill.kernels.render import render
 from kernelmill.runtime.registry import KernelRegistry
 
 
-def _default(op, shape, dtype, tmp_path):
+def _default(op, shape, dtype, tmp_path, arch="sm_90"):
     """The family and params the runtime's registry picks without a tuned kernel."""
-    registry = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False)
+    registry = KernelRegistry(arch=arch, cache_dir=tmp_path, use_service=False)
     fam, params = registry.default_choice(OPS[op], shape, dtype, {})
     return fam.name, params
 
@@ -23,10 +23,11 @@ def _default(op, shape, dtype, tmp_path):
 @pytest.mark.parametrize(
     ("shape", "dtype", "family"),
     [
-        ((8, 12, 128, 64), "float16", "mma"),
-        ((1, 16, 1024, 64), "bfloat16", "mma"),
-        ((4, 16, 512, 128), "float16", "mma"),
-        ((2, 3, 17, 16), "float16", "mma"),
+        ((8, 12, 128, 64), "float16", "wgmma"),  # head_dim 64 or 128 on sm_90
+        ((1, 16, 1024, 64), "bfloat16", "wgmma"),
+        ((4, 16, 512, 128), "float16", "wgmma"),
+        ((2, 3, 17, 16), "float16", "mma"),  # other multiples of 16
+        ((2, 3, 17, 96), "float16", "mma"),
         ((8, 12, 128, 64), "float32", "fused"),  # tensor cores take 16-bit inputs
         ((2, 3, 17, 100), "float16", "fused"),  # head_dim not a multiple of 16
         ((2, 3, 17, 8), "float16", "fused"),
@@ -38,6 +39,37 @@ def test_sixteen_bit_defaults_take_tensor_cores_where_head_dim_allows(op, shape,
     assert name == family
     fam = OPS[op].family(name)
     assert fam.check(params, dtype) is None
+
+
+def test_wgmma_only_on_sm_90(tmp_path):
+    # sm_90a instructions: on other GPUs the mma family serves head_dim 64 and 128.
+    assert _default("sdpa", (8, 12, 128, 64), "float16", tmp_path, arch="sm_80")[0] == "mma"
+
+
+def test_wgmma_shape_defaults_launch_and_limits():
+    fam = OPS["sdpa"].family("wgmma")
+    assert fam.shape_defaults((8, 12, 128, 64), "float16") == {
+        "warpgroups": 1,
+        "block_kv": 128,
+        "stages": 2,
+        "max_head_dim": 64,
+    }
+    # head_dim 128 with 3 blocks an SM or more: 64-key tiles; fewer: 128.
+    assert fam.shape_defaults((4, 16, 512, 128), "float16")["block_kv"] == 64
+    assert fam.shape_defaults((1, 16, 512, 128), "float16")["block_kv"] == 128
+    params = {"warpgroups": 2, "block_kv": 64, "stages": 3, "max_head_dim": 128}
+    assert fam.check(params, "float16") is None
+    assert "head_dim == max_head_dim" in fam.check_shape((1, 2, 100, 64), params, "float16")
+    assert fam.check_shape((1, 2, 100, 128), params, "float16") is None
+    (launch,) = fam.launches((3, 5, 300, 128), params, "float16")
+    assert launch.entry == "attention_wgmma" and launch.grid == (3, 5, 3) and launch.block == (256, 1, 1)
+    # The alignment slack, Q (128 queries), 3 slots of K and V (64 x 128), 3 mask tiles.
+    assert launch.smem_bytes == 1024 + 128 * 128 * 2 + 3 * (2 * 64 * 128 * 2 + 4 * 64)
+    # Every point fits: the largest (2 warpgroups, 128-key tiles, 3 slots at head_dim 128) by 512 bytes.
+    assert len(list(fam.space("float16"))) == 16
+    src = render(OPS["attention"].family("wgmma"), params, "bfloat16", {})
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src  # S = Q K^T, 64-key tiles
+    assert "m64n128k16.f32.bf16.bf16" in src and "fence.proxy.async.shared::cta" in src  # P V, head_dim 128
 
 
 @pytest.mark.parametrize(
