@@ -1,11 +1,11 @@
 """Every point of the attention / sdpa tensor-core families (mma, and wgmma on Hopper) at a few shapes, against
-the fused family and PyTorch, in one process on one GPU: where `Mma.shape_defaults` comes from (docs/PERFORMANCE.md,
-"Attention on tensor cores").
+the fused family and PyTorch, in one process on one GPU: where their shape defaults come from (docs/PERFORMANCE.md,
+"Attention on tensor cores" and on).
 
 Each point is verified (one fresh seed a shape, its float64 reference shared by the points) then timed (CUDA
 events, read flush, median of 30); PyTorch (`F.scaled_dot_product_attention` with the mask; for the attention op
-with its permutes) is timed in the same process. Prints, per op and shape, PyTorch, the fused family's defaults,
-the mma shape defaults, the five fastest points and the fastest point of each family.
+with its permutes) is timed in the same process. Prints, per op and shape, PyTorch, each family's shape defaults
+(the fused family's only), the five fastest points and the fastest point of each family.
 
 The timed mask is `--mask`: "random" (make_inputs: every key gets a nonzero mask, the mma family's masked path),
 "zero" (no key masked, as in a batch without padding) or "padding" (zero but for the last quarter of each
@@ -72,13 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     cache = ReferenceCache()
     for opname in args.ops.split(","):
         spec = get_op(opname)
-        fam = spec.family("mma")
         variants = [
             Variant.create(opname, name, dtype, p)
             for name in args.families.split(",")
             for p in spec.family(name).space(dtype)
         ]
-        fused = Variant.create(opname, "fused", dtype, spec.family("fused").defaults(dtype))
+        fused = Variant.create(opname, "fused", dtype, spec.family("fused").defaults(dtype))  # its defaults
         start = time.time()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda v: v.compile(compiler), [*variants, fused]))
@@ -104,14 +103,12 @@ def main(argv: list[str] | None = None) -> int:
                     timing = time_it(device, bound.run, 5, 30, flusher)
                 rows.append((timing.median_ms * 1e3, v))
             rows.sort(key=lambda r: r[0])
-            chosen = default_params(spec, fam, shape, dtype, device.info.sm_count)
-            fused_us = next((us for us, v in rows if v.family.name == "fused"), None)
-            default_us = next((us for us, v in rows if v.family.name == "mma" and v.params == chosen), None)
             head = f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us"
-            if fused_us is None or default_us is None:
-                print(f"{head} (fused or the shape defaults did not run)", flush=True)
-            else:
-                print(f"{head}, fused {fused_us:.1f} us, mma shape defaults {default_us:.1f} us", flush=True)
+            for name in ("fused", *args.families.split(",")):  # each family's shape defaults, where they ran
+                chosen = default_params(spec, spec.family(name), shape, dtype, device.info.sm_count)
+                us = next((us for us, v in rows if v.family.name == name and v.params == chosen), None)
+                head += f", {name} defaults " + ("-" if us is None else f"{us:.1f} us")
+            print(head, flush=True)
             best = {}
             for us, v in rows:
                 best.setdefault(v.family.name, (us, v))

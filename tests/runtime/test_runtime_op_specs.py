@@ -56,9 +56,11 @@ def test_registered_with_one_or_more_families_and_a_reference_matching_torch(op)
 def test_launch_args_name_tensors_and_renders(op):
     spec = OPS[op]
     for fam in spec.families.values():
-        # TMA (wgmma) needs 16-byte row strides: K and N multiples of 8.
-        # The mma attention takes head_dim in multiples of 16.
-        shape = {"wgmma": (5, 16, 24), "mma": (2, 3, 7, 16)}.get(fam.name, SHAPES[op])
+        # TMA (wgmma) needs 16-byte row strides: K and N multiples of 8. The mma attention takes head_dim in
+        # multiples of 16, the wgmma attention 64 (its defaults) or 128.
+        attention = len(SHAPES[op]) == 4
+        wgmma = (2, 3, 7, 64) if attention else (5, 16, 24)
+        shape = {"wgmma": wgmma, "mma": (2, 3, 7, 16)}.get(fam.name, SHAPES[op])
         for dtype in fam.dtypes:
             params = fam.defaults(dtype)
             assert fam.check(params, dtype) is None
