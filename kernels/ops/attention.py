@@ -279,11 +279,15 @@ class Wgmma(AttentionFamily):
     def shape_defaults(self, shape, dtype, sm_count: int = 132):
         """The measured best by shape (benchmarks/attention_sweep.py over the family's space on an H200,
         2026-11-27, docs/PERFORMANCE.md "Attention on wgmma"): one warpgroup a block, 128-key tiles, two slots;
-        at head_dim 128 with 3 blocks a SM or more, 64-key tiles (4 x 16 x 512 x 128: 35.1 us against 36.5)."""
+        at head_dim 128 with 3 blocks a SM or more, 64-key tiles (4 x 16 x 512 x 128: 35.1-35.4 us against
+        35.9-36.5); from 2048 keys at head_dim 64, two warpgroups of 64-key tiles (2 x 8 x 2048 x 64: 59.8-60.0 us
+        against 63.4-63.7)."""
         batch, heads, seq, head_dim = shape
         params = {**self.defaults(dtype), "max_head_dim": 128 if head_dim > 64 else 64}
         if head_dim > 64 and batch * heads * cdiv(seq, 64) >= 3 * sm_count:
             params["block_kv"] = 64
+        elif head_dim <= 64 and seq >= 2048:
+            params.update(warpgroups=2, block_kv=64)
         return params
 
     def check(self, params, dtype):

@@ -57,6 +57,13 @@ def test_wgmma_shape_defaults_launch_and_limits():
     # head_dim 128 with 3 blocks an SM or more: 64-key tiles; fewer: 128.
     assert fam.shape_defaults((4, 16, 512, 128), "float16")["block_kv"] == 64
     assert fam.shape_defaults((1, 16, 512, 128), "float16")["block_kv"] == 128
+    # From 2048 keys at head_dim 64: two warpgroups of 64-key tiles.
+    assert fam.shape_defaults((2, 8, 2048, 64), "float16") == {
+        "warpgroups": 2,
+        "block_kv": 64,
+        "stages": 2,
+        "max_head_dim": 64,
+    }
     params = {"warpgroups": 2, "block_kv": 64, "stages": 3, "max_head_dim": 128}
     assert fam.check(params, "float16") is None
     assert "head_dim == max_head_dim" in fam.check_shape((1, 2, 100, 64), params, "float16")
