@@ -179,8 +179,8 @@ class Mma(AttentionFamily):
     def shape_defaults(self, shape, dtype, sm_count: int = 132):
         """The measured best by shape (benchmarks/attention_sweep.py over the whole space on an H200, 2026-11-27,
         docs/PERFORMANCE.md "Attention on tensor cores", "Attention: fewer instructions a key tile" and
-        "Attention: key groups"), by how many blocks of 64 queries the shape makes against the SMs, and how long
-        a block's walk over the keys is:
+        "Attention: key groups and wgmma"), by how many blocks of 64 queries the shape makes against the SMs,
+        and how long a block's walk over the keys is:
 
         * many blocks (3 a SM or more): two m tiles a warp, half the blocks (64-key tiles at head_dim 64; at
           head_dim 128 32-key tiles with Q re-read from shared memory, its registers going to the second m
@@ -278,10 +278,10 @@ class Wgmma(AttentionFamily):
 
     def shape_defaults(self, shape, dtype, sm_count: int = 132):
         """The measured best by shape (benchmarks/attention_sweep.py over the family's space on an H200,
-        2026-11-27, docs/PERFORMANCE.md "Attention on wgmma"): one warpgroup a block, 128-key tiles, two slots;
-        at head_dim 128 with 3 blocks a SM or more, 64-key tiles (4 x 16 x 512 x 128: 35.1-35.4 us against
-        35.9-36.5); from 2048 keys at head_dim 64, two warpgroups of 64-key tiles (2 x 8 x 2048 x 64: 59.8-60.0 us
-        against 63.4-63.7)."""
+        2026-11-27, docs/PERFORMANCE.md "Attention: key groups and wgmma"): one warpgroup a block, 128-key
+        tiles, two slots; at head_dim 128 with 3 blocks a SM or more, 64-key tiles (4 x 16 x 512 x 128:
+        35.1-35.4 us; one warpgroup of 128-key tiles was not among the five fastest, 38.2 us and up); from 2048
+        keys at head_dim 64, two warpgroups of 64-key tiles (2 x 8 x 2048 x 64: 59.8-60.0 us against 63.4-63.7)."""
         batch, heads, seq, head_dim = shape
         params = {**self.defaults(dtype), "max_head_dim": 128 if head_dim > 64 else 64}
         if head_dim > 64 and batch * heads * cdiv(seq, 64) >= 3 * sm_count:
