@@ -216,6 +216,28 @@ def _mask_kind(mask, kind: str):
     return mask.astype(np.float16)
 
 
+def _check_attention(device, compiler, variant, shape, kind: str) -> None:
+    """variant at shape against the float64 reference on two fresh seeds, its output poisoned first, with the
+    mask of `kind` ("random": make_inputs' own; else _mask_kind's): finite, and within 1e-2 relative norm."""
+    import numpy as np
+
+    spec = variant.op
+    for seed in (1, 2):
+        inputs = spec.make_inputs(shape, variant.dtype, seed)
+        if kind != "random":
+            inputs["mask"] = _mask_kind(inputs["mask"], kind)
+        bound = BoundVariant(device, variant, variant.compile(compiler), shape)
+        bound.poison()
+        bound.set_inputs(inputs)
+        bound.run()
+        device.synchronize()
+        got = bound.outputs()["out"].astype(np.float64)
+        want = spec.reference(inputs, {})["out"]
+        assert np.isfinite(want).all() and np.isfinite(got).all()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < 1e-2, f"{variant.describe()} {kind} seed {seed}: relative error {err:.3g}"
+
+
 MMA_MASK_POINTS = [
     {},  # the defaults: 128-key tiles
     {"m_tiles": 2, "block_kv": 64, "stages": 3},
@@ -241,28 +263,13 @@ def test_attention_masks(device, compiler, op, family, params, kind, head_dim):
     # Exponents of -inf - -inf would be NaN; all-zero tiles take the mma family's softmax without the mask;
     # head_dim 48 runs its generic entry, 64 its unrolled one where max_head_dim is 64. 300 keys: whole tiles and
     # a partial one.
-    import numpy as np
-
     spec = OPS[op]
-    shape = (2, 3, 300, head_dim)
     variant = Variant.create(op, family, "float16", {**spec.family(family).defaults("float16"), **params})
-    for seed in (1, 2):
-        inputs = spec.make_inputs(shape, "float16", seed)
-        inputs["mask"] = _mask_kind(inputs["mask"], kind)
-        bound = BoundVariant(device, variant, variant.compile(compiler), shape)
-        bound.poison()
-        bound.set_inputs(inputs)
-        bound.run()
-        device.synchronize()
-        got = bound.outputs()["out"].astype(np.float64)
-        want = spec.reference(inputs, {})["out"]
-        assert np.isfinite(want).all() and np.isfinite(got).all()
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err < 1e-2, f"{variant.describe()} {kind} seed {seed}: relative error {err:.3g}"
+    _check_attention(device, compiler, variant, (2, 3, 300, head_dim), kind)
 
 
 WGMMA_POINTS = [
-    {},  # the defaults: 2 warpgroups, 128-key tiles
+    {},  # the defaults: 1 warpgroup, 128-key tiles
     {"warpgroups": 1, "block_kv": 64, "stages": 3},
     {"warpgroups": 2, "block_kv": 64, "stages": 2},
 ]
@@ -276,8 +283,6 @@ WGMMA_POINTS = [
 def test_attention_wgmma(device, compiler, op, params, kind, head_dim, dtype):
     # The wgmma family (sm_90a) against float64, output poisoned: 300 keys and queries give whole key tiles, a
     # partial one and a partial query block; the mask kinds as in test_attention_masks.
-    import numpy as np
-
     if device.info.arch != "sm_90":
         pytest.skip(f"the wgmma family needs a Hopper GPU (sm_90a); this is {device.info.name} ({device.info.arch})")
     spec = OPS[op]
@@ -285,20 +290,7 @@ def test_attention_wgmma(device, compiler, op, params, kind, head_dim, dtype):
     fam = spec.family("wgmma")
     variant = Variant.create(op, "wgmma", dtype, {**fam.defaults(dtype), "max_head_dim": head_dim, **params})
     assert variant.check_shape(shape) is None
-    for seed in (1, 2):
-        inputs = spec.make_inputs(shape, dtype, seed)
-        if kind != "random":
-            inputs["mask"] = _mask_kind(inputs["mask"], kind)
-        bound = BoundVariant(device, variant, variant.compile(compiler), shape)
-        bound.poison()
-        bound.set_inputs(inputs)
-        bound.run()
-        device.synchronize()
-        got = bound.outputs()["out"].astype(np.float64)
-        want = spec.reference(inputs, {})["out"]
-        assert np.isfinite(want).all() and np.isfinite(got).all()
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err < 1e-2, f"{variant.describe()} {kind} seed {seed}: relative error {err:.3g}"
+    _check_attention(device, compiler, variant, shape, kind)
 
 
 @pytest.mark.parametrize("op", ["attention", "sdpa"])
