@@ -249,9 +249,9 @@ class MmaBhsd(Mma):
 
 def wgmma_smem_bytes(params) -> int:
     """Dynamic shared memory of the wgmma family: 1024 bytes to align the base, Q (64 queries a warpgroup) and
-    `stages` K and V tiles of head_dim 16-bit columns, and `stages` tiles of the key mask in fp32."""
+    `stages` K and V tiles of head_dim 16-bit columns, and max(stages, 2) tiles of the key mask in fp32."""
     d, bkv, stages = params["max_head_dim"], params["block_kv"], params["stages"]
-    return 1024 + 64 * params["warpgroups"] * d * 2 + stages * (2 * bkv * d * 2 + 4 * bkv)
+    return 1024 + 64 * params["warpgroups"] * d * 2 + stages * 2 * bkv * d * 2 + max(stages, 2) * 4 * bkv
 
 
 class Wgmma(AttentionFamily):
@@ -269,7 +269,11 @@ class Wgmma(AttentionFamily):
     params = (
         Param("warpgroups", (1, 2), "warpgroups per block, 64 queries each"),
         Param("block_kv", (64, 128), "keys per shared-memory tile (the wgmma N of Q K^T)"),
-        Param("stages", (2, 3), "K/V tiles in the cp.async ring"),
+        Param(
+            "stages",
+            (1, 2, 3),
+            "K/V tiles in shared memory: 2-3 a cp.async ring; 1 one K and one V slot, loads staggered by half a tile",
+        ),
         Param("max_head_dim", (64, 128), "the head_dim the variant serves"),
     )
 

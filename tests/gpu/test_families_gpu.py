@@ -272,6 +272,9 @@ WGMMA_POINTS = [
     {},  # the defaults: 1 warpgroup, 128-key tiles
     {"warpgroups": 1, "block_kv": 64, "stages": 3},
     {"warpgroups": 2, "block_kv": 64, "stages": 2},
+    # One K and one V slot, loads staggered: 300 keys end on a partial 64-key tile.
+    {"warpgroups": 1, "block_kv": 64, "stages": 1},
+    {"warpgroups": 2, "block_kv": 128, "stages": 1},
 ]
 
 

@@ -72,8 +72,14 @@ def test_wgmma_shape_defaults_launch_and_limits():
     assert launch.entry == "attention_wgmma" and launch.grid == (3, 5, 3) and launch.block == (256, 1, 1)
     # The alignment slack, Q (128 queries), 3 slots of K and V (64 x 128), 3 mask tiles.
     assert launch.smem_bytes == 1024 + 128 * 128 * 2 + 3 * (2 * 64 * 128 * 2 + 4 * 64)
+    # One slot: one K and one V tile, still two mask tiles (the next one is staged during this one).
+    one = {"warpgroups": 1, "block_kv": 64, "stages": 1, "max_head_dim": 128}
+    assert (
+        fam.launches((3, 5, 300, 128), one, "float16")[0].smem_bytes
+        == 1024 + 64 * 128 * 2 + 2 * 64 * 128 * 2 + 2 * 4 * 64
+    )
     # Every point fits: the largest (2 warpgroups, 128-key tiles, 3 slots at head_dim 128) by 512 bytes.
-    assert len(list(fam.space("float16"))) == 16
+    assert len(list(fam.space("float16"))) == 24
     src = render(OPS["attention"].family("wgmma"), params, "bfloat16", {})
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src  # S = Q K^T, 64-key tiles
     assert "m64n128k16.f32.bf16.bf16" in src and "fence.proxy.async.shared::cta" in src  # P V, head_dim 128
