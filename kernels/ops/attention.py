@@ -275,10 +275,11 @@ class Wgmma(AttentionFamily):
             "K/V tiles in shared memory: 2-3 a cp.async ring; 1 one K and one V slot, loads staggered by half a tile",
         ),
         Param("max_head_dim", (64, 128), "the head_dim the variant serves"),
+        Param("overlap", (False, True), "a tile's softmax runs while the last tile's P V does (two slots)"),
     )
 
     def defaults(self, dtype):
-        return {"warpgroups": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64}
+        return {"warpgroups": 1, "block_kv": 128, "stages": 2, "max_head_dim": 64, "overlap": False}
 
     def shape_defaults(self, shape, dtype, sm_count: int = 132):
         """The measured best by shape (benchmarks/attention_sweep.py over the family's space on an H200,
@@ -295,9 +296,16 @@ class Wgmma(AttentionFamily):
         return params
 
     def check(self, params, dtype):
-        state = params["block_kv"] // 2 + params["max_head_dim"] // 2
+        # With the overlap a lane also holds the last tile's P (16-bit pairs) while S and O are live.
+        state = (
+            params["block_kv"] // 2
+            + params["max_head_dim"] // 2
+            + (params["block_kv"] // 4 if params["overlap"] else 0)
+        )
         if state > MMA_MAX_STATE:
-            return f"{state} registers of S and O a lane > {MMA_MAX_STATE}"
+            return f"{state} registers of S, P and O a lane > {MMA_MAX_STATE}"
+        if params["overlap"] and params["stages"] != 2:
+            return "the overlap runs K and V each through two slots (stages 2)"
         smem = wgmma_smem_bytes(params)
         if smem > MAX_SMEM_BYTES:
             return f"{smem} bytes of shared memory > {MAX_SMEM_BYTES}"

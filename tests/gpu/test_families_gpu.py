@@ -275,6 +275,9 @@ WGMMA_POINTS = [
     # One K and one V slot, loads staggered: 300 keys end on a partial 64-key tile.
     {"warpgroups": 1, "block_kv": 64, "stages": 1},
     {"warpgroups": 2, "block_kv": 128, "stages": 1},
+    # A tile's softmax while the last tile's P V runs: the first and last tiles take the loop's ends.
+    {"warpgroups": 1, "block_kv": 64, "stages": 2, "overlap": True},
+    {"warpgroups": 2, "block_kv": 128, "stages": 2, "overlap": True},
 ]
 
 

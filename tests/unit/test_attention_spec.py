@@ -53,6 +53,7 @@ def test_wgmma_shape_defaults_launch_and_limits():
         "block_kv": 128,
         "stages": 2,
         "max_head_dim": 64,
+        "overlap": False,
     }
     # head_dim 128 with 3 blocks an SM or more: 64-key tiles; fewer: 128.
     assert fam.shape_defaults((4, 16, 512, 128), "float16")["block_kv"] == 64
@@ -63,8 +64,9 @@ def test_wgmma_shape_defaults_launch_and_limits():
         "block_kv": 64,
         "stages": 2,
         "max_head_dim": 64,
+        "overlap": False,
     }
-    params = {"warpgroups": 2, "block_kv": 64, "stages": 3, "max_head_dim": 128}
+    params = {"warpgroups": 2, "block_kv": 64, "stages": 3, "max_head_dim": 128, "overlap": False}
     assert fam.check(params, "float16") is None
     assert "head_dim == max_head_dim" in fam.check_shape((1, 2, 100, 64), params, "float16")
     assert fam.check_shape((1, 2, 100, 128), params, "float16") is None
@@ -73,13 +75,16 @@ def test_wgmma_shape_defaults_launch_and_limits():
     # The alignment slack, Q (128 queries), 3 slots of K and V (64 x 128), 3 mask tiles.
     assert launch.smem_bytes == 1024 + 128 * 128 * 2 + 3 * (2 * 64 * 128 * 2 + 4 * 64)
     # One slot: one K and one V tile, still two mask tiles (the next one is staged during this one).
-    one = {"warpgroups": 1, "block_kv": 64, "stages": 1, "max_head_dim": 128}
+    one = {**params, "warpgroups": 1, "stages": 1}
     assert (
         fam.launches((3, 5, 300, 128), one, "float16")[0].smem_bytes
         == 1024 + 64 * 128 * 2 + 2 * 64 * 128 * 2 + 2 * 4 * 64
     )
     # Every point fits: the largest (2 warpgroups, 128-key tiles, 3 slots at head_dim 128) by 512 bytes.
-    assert len(list(fam.space("float16"))) == 24
+    # The overlap holds the last tile's P as well, and takes two slots.
+    assert "stages 2" in fam.check({**params, "overlap": True}, "float16")
+    assert fam.check({**params, "stages": 2, "overlap": True}, "float16") is None
+    assert len(list(fam.space("float16"))) == 24 + 8
     src = render(OPS["attention"].family("wgmma"), params, "bfloat16", {})
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in src  # S = Q K^T, 64-key tiles
     assert "m64n128k16.f32.bf16.bf16" in src and "fence.proxy.async.shared::cta" in src  # P V, head_dim 128
