@@ -283,16 +283,14 @@ class Wgmma(AttentionFamily):
 
     def shape_defaults(self, shape, dtype, sm_count: int = 132):
         """The measured best by shape (benchmarks/attention_sweep.py over the family's space on an H200,
-        2026-11-27, docs/PERFORMANCE.md "Attention: key groups and wgmma"): one warpgroup a block, 128-key
-        tiles, two slots; at head_dim 128 with 3 blocks a SM or more, 64-key tiles (4 x 16 x 512 x 128:
-        35.1-35.4 us; one warpgroup of 128-key tiles was not among the five fastest, 38.2 us and up); from 2048
-        keys at head_dim 64, two warpgroups of 64-key tiles (2 x 8 x 2048 x 64: 59.8-60.0 us against 63.4-63.7)."""
+        2026-11-27, docs/PERFORMANCE.md "Attention: a third of the wgmma kernel's instructions"): one warpgroup a
+        block, 128-key tiles, two slots; where a shape makes 3 blocks of 64 queries an SM or more, one K and one
+        V slot (stages 1: four blocks an SM fit), with 64-key tiles at head_dim 128 (4 x 16 x 512 x 128: 28.6 us
+        against 34.1 and up for 128-key tiles; 4 x 16 x 1024 x 64: 52.3 us against 55.2 for two slots)."""
         batch, heads, seq, head_dim = shape
         params = {**self.defaults(dtype), "max_head_dim": 128 if head_dim > 64 else 64}
-        if head_dim > 64 and batch * heads * cdiv(seq, 64) >= 3 * sm_count:
-            params["block_kv"] = 64
-        elif head_dim <= 64 and seq >= 2048:
-            params.update(warpgroups=2, block_kv=64)
+        if batch * heads * cdiv(seq, 64) >= 3 * sm_count:
+            params.update(stages=1, block_kv=64 if head_dim > 64 else 128)
         return params
 
     def check(self, params, dtype):

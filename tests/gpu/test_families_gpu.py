@@ -302,7 +302,17 @@ def test_attention_wgmma(device, compiler, op, params, kind, head_dim, dtype):
 @pytest.mark.parametrize("op", ["attention", "sdpa"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize(
-    "shape", [(2, 12, 128, 64), (1, 16, 600, 64), (2, 3, 140, 128), (1, 2, 64, 256), (2, 2, 30, 40)]
+    "shape",
+    # The last two make 3 blocks of 64 queries an SM or more: the wgmma defaults' one-slot ring, partial tiles.
+    [
+        (2, 12, 128, 64),
+        (1, 16, 600, 64),
+        (2, 3, 140, 128),
+        (1, 2, 64, 256),
+        (2, 2, 30, 40),
+        (4, 16, 700, 64),
+        (8, 16, 300, 128),
+    ],
 )
 def test_attention_defaults_verify(device, compiler, tmp_path, op, dtype, shape):
     # What the runtime runs untuned: the family and shape defaults its registry picks.

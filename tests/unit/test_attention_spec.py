@@ -55,17 +55,24 @@ def test_wgmma_shape_defaults_launch_and_limits():
         "max_head_dim": 64,
         "overlap": False,
     }
-    # head_dim 128 with 3 blocks an SM or more: 64-key tiles; fewer: 128.
-    assert fam.shape_defaults((4, 16, 512, 128), "float16")["block_kv"] == 64
-    assert fam.shape_defaults((1, 16, 512, 128), "float16")["block_kv"] == 128
-    # From 2048 keys at head_dim 64: two warpgroups of 64-key tiles.
-    assert fam.shape_defaults((2, 8, 2048, 64), "float16") == {
-        "warpgroups": 2,
+    # 3 blocks of 64 queries an SM or more: one slot, 64-key tiles at head_dim 128; fewer: the defaults.
+    assert fam.shape_defaults((4, 16, 512, 128), "float16") == {
+        "warpgroups": 1,
         "block_kv": 64,
-        "stages": 2,
+        "stages": 1,
+        "max_head_dim": 128,
+        "overlap": False,
+    }
+    assert fam.shape_defaults((1, 16, 512, 128), "float16")["stages"] == 2
+    assert fam.shape_defaults((2, 8, 2048, 64), "float16") == {
+        "warpgroups": 1,
+        "block_kv": 128,
+        "stages": 1,
         "max_head_dim": 64,
         "overlap": False,
     }
+    # The count goes by the GPU's SMs: 512 blocks are 3 an SM on 132 SMs, not on 200.
+    assert fam.shape_defaults((2, 8, 2048, 64), "float16", sm_count=200)["stages"] == 2
     params = {"warpgroups": 2, "block_kv": 64, "stages": 3, "max_head_dim": 128, "overlap": False}
     assert fam.check(params, "float16") is None
     assert "head_dim == max_head_dim" in fam.check_shape((1, 2, 100, 64), params, "float16")
