@@ -12,8 +12,10 @@ Resolution, once per problem (then kept in memory):
    service cannot be reached or has nothing better than a nearest shape. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
-   A served or cached cubin that lacks an entry those launches name (built before its family's launches
-   changed) is not used;
+   A served or cached kernel whose code differs from what this version's template makes of its family and
+   params (tuned with another version) is compiled again from them, so template improvements reach tuned
+   kernels without a re-tune; where that code is not known, a cubin that lacks an entry those launches name
+   (built before its family's launches changed) is not used;
 3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
    problem), compiled with nvcc on first use (the compile cache keeps the cubin).
 
@@ -97,6 +99,10 @@ class KernelEntry:
     speedup: float | None = None
     median_ms: float | None = None
     note: str = ""
+    #: Digest of the code its cubin was built from (``code_digest``), where known.
+    code: str | None = None
+    #: Its cubin was compiled here from this version's template, not the one it was tuned with.
+    rebuilt: bool = False
     #: Picked over the shape default by timing the forward on this GPU (``Model.tune_kernels``).
     chosen: bool = False
     #: Its kernels wait for the previous grid (Family.pdl): a graph may launch them early.
@@ -150,6 +156,13 @@ class KernelEntry:
             "calls": self.calls,
             "note": self.note,
         }
+
+
+def code_digest(source: str) -> str:
+    """A variant's code, as a digest: its rendered source without the first line, the knobs comment
+    (``render``), which names a parameter the kernel predates without changing its code."""
+    first, _, body = source.partition("\n")
+    return hashlib.sha256((body if first.startswith("// kernelmill variant:") else source).encode()).hexdigest()
 
 
 def _missing_entries(entry: KernelEntry) -> str | None:
@@ -309,8 +322,9 @@ class KernelRegistry:
         else:
             speed = f", {entry.speedup:.2f}x over PyTorch" if entry.speedup else ""
             near = f" tuned at {format_shape(entry.served_shape)}" if entry.source == NEAREST else ""
+            rebuilt = ", rebuilt from this version's template" if entry.rebuilt else ""
             log.info(
-                "runtime: %s: %s kernel #%s%s (%s %s%s)",
+                "runtime: %s: %s kernel #%s%s (%s %s%s)%s",
                 what,
                 entry.source,
                 entry.kernel_id,
@@ -318,6 +332,7 @@ class KernelRegistry:
                 entry.family,
                 knobs,
                 speed,
+                rebuilt,
             )
 
     def _family_ok(self, fam: Family, dtype: str) -> str | None:
@@ -412,12 +427,42 @@ class KernelRegistry:
             speedup=meta.get("speedup"),
             median_ms=meta.get("median_ms"),
             note="from the local cache",
+            code=meta.get("code"),
+            rebuilt=bool(meta.get("rebuilt")),
         )
+        if self._with_current_code(entry):
+            self._store_local(entry, meta.get("attrs"))
+            return entry
         reason = _missing_entries(entry)
         if reason:
             notes.append(f"local cache entry unusable: {reason}")
             return None
         return entry
+
+    def _with_current_code(self, entry: KernelEntry) -> bool:
+        """Compiles ``entry`` again from this version's template where the code its cubin was built from
+        (``entry.code``) is known and differs; whether it did. A failed compile keeps the cubin it had."""
+        if entry.code is None:
+            return False
+        fam = get_op(entry.op).family(entry.family)
+        source = render(fam, fam.resolve(entry.params, entry.dtype), entry.dtype, entry.attrs)
+        code = code_digest(source)
+        if code == entry.code:
+            return False
+        try:
+            compiled = self.compiler.compile(source, self.target_arch + fam.arch_suffix)
+        except CompileError as exc:
+            log.warning(
+                "runtime: %s %s: kept its tuned cubin, this version's code did not compile: %s",
+                entry.op,
+                format_shape(entry.shape),
+                exc,
+            )
+            return False
+        entry.cubin, entry.cubin_key, entry.code, entry.rebuilt = compiled.cubin, compiled.key, code, True
+        why = "rebuilt from this version's template (tuned with another)"
+        entry.note = f"{entry.note}; {why}" if entry.note else why
+        return True
 
     def _store_local(self, entry: KernelEntry, served_attrs) -> None:
         meta_path, cubin_path = self._local_paths(entry.op, entry.shape, entry.dtype, entry.attrs)
@@ -432,6 +477,8 @@ class KernelRegistry:
             "speedup": entry.speedup,
             "median_ms": entry.median_ms,
             "server": self.server,
+            "code": entry.code,
+            "rebuilt": entry.rebuilt,
         }
         try:
             _write_atomically(cubin_path, entry.cubin)
@@ -539,14 +586,16 @@ class KernelRegistry:
             kernel_id=served["id"],
             speedup=served.get("speedup"),
             median_ms=served.get("median_ms"),
+            code=code_digest(served["source"]) if served.get("source") else None,
         )
-        missing = _missing_entries(entry)
-        if missing:
-            notes.append(f"served kernel #{served['id']} not used: {missing}")
-            return None
-        if exact:
+        # Rebuilt, it is this version's code and launches: nothing of the served cubin's is left to check.
+        if not self._with_current_code(entry):
+            missing = _missing_entries(entry)
+            if missing:
+                notes.append(f"served kernel #{served['id']} not used: {missing}")
+                return None
             served_entries = [launch["entry"] for launch in served.get("launches", [])]
-            if served_entries and served_entries != [launch.entry for launch in entry.launches]:
+            if exact and served_entries and served_entries != [launch.entry for launch in entry.launches]:
                 notes.append(f"served kernel #{served['id']} launches differ from this version's family")
                 return None
         if self.use_local_cache:

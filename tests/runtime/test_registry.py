@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -13,7 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kernelmill import runtime
+from kernelmill.kernels.compile import CompileError
+from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.matmul import TensorCoreCore
+from kernelmill.kernels.render import render
 from kernelmill.runtime.registry import DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
@@ -163,6 +167,67 @@ def test_the_service_revalidates_the_local_cache(tmp_path):
     assert registry(None, []).get(*problem).kernel_id == 8
     nearest = _fused_kernel(id=9, shape=[8, 64, 128, 64])
     assert registry(nearest, []).get(*problem).kernel_id == 8
+
+
+class _Recompile:
+    """A compiler that records what it is asked to build (or fails, given an error)."""
+
+    def __init__(self, error: Exception | None = None):
+        self.calls: list[tuple[str, str]] = []
+        self.error = error
+
+    def compile(self, source, arch):
+        self.calls.append((source, arch))
+        if self.error is not None:
+            raise self.error
+        return SimpleNamespace(cubin=b"rebuilt-cubin", key="rebuilt-key")
+
+
+def _this_versions_source(kernel: dict) -> str:
+    spec = get_op(kernel["op"])
+    fam = spec.family(kernel["family"])
+    return render(
+        fam, fam.resolve(kernel["params"], kernel["dtype"]), kernel["dtype"], spec.resolve_attrs(kernel["attrs"])
+    )
+
+
+def test_a_kernel_tuned_with_another_template_is_rebuilt_from_this_one(tmp_path, caplog):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    current = _this_versions_source(_fused_kernel())
+    knobs, _, body = current.partition("\n")
+
+    # Served code that is this version's: its cubin, no compile (_NoCompile would raise).
+    same = _fused_kernel(exact=True, source=current)
+    reg = KernelRegistry(client=_mock_service(same, []), arch="sm_90", cache_dir=tmp_path / "a", compiler=_NoCompile())
+    entry = reg.get(*problem)
+    assert entry.cubin == b"served-cubin" and not entry.rebuilt and entry.code is not None
+    # Only the knobs comment differs (a parameter the kernel predates): the same code, not rebuilt.
+    renamed = _fused_kernel(exact=True, source=knobs.replace("unroll=", "unroll =") + "\n" + body)
+    reg = KernelRegistry(
+        client=_mock_service(renamed, []), arch="sm_90", cache_dir=tmp_path / "b", compiler=_NoCompile()
+    )
+    assert reg.get(*problem).cubin == b"served-cubin"
+
+    # Tuned with an older template: compiled from this version's, for this GPU, and the cache keeps that.
+    old = _fused_kernel(exact=True, source=knobs + "\n// an older template\n")
+    compiler = _Recompile()
+    reg = KernelRegistry(client=_mock_service(old, []), arch="sm_90", cache_dir=tmp_path / "c", compiler=compiler)
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.registry"):
+        entry = reg.get(*problem)
+    assert compiler.calls == [(current, "sm_90")]
+    assert entry.source == TUNED and entry.kernel_id == 7 and entry.speedup == 1.7
+    assert entry.cubin == b"rebuilt-cubin" and entry.rebuilt and "rebuilt from this version's template" in entry.note
+    assert "tuned kernel #7" in caplog.text and "rebuilt from this version's template" in caplog.text
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path / "c", use_service=False, compiler=_NoCompile())
+    cached = offline.get(*problem)
+    assert cached.cubin == b"rebuilt-cubin" and cached.rebuilt  # no compile: the cache holds this version's code
+
+    # A compile that fails keeps the tuned cubin (logged).
+    failing = _Recompile(CompileError("nvcc: not found"))
+    reg = KernelRegistry(client=_mock_service(old, []), arch="sm_90", cache_dir=tmp_path / "d", compiler=failing)
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        kept = reg.get(*problem)
+    assert kept.cubin == b"served-cubin" and not kept.rebuilt and "did not compile" in caplog.text
 
 
 def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
