@@ -47,7 +47,7 @@ from kernelmill.kernels.compile import CompileError, Compiler, cubin_entries, no
 from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params, default_rank
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
-from kernelmill.kernels.render import render
+from kernelmill.kernels.render import RenderError, render
 from kernelmill.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -445,15 +445,15 @@ class KernelRegistry:
         if entry.code is None:
             return False
         fam = get_op(entry.op).family(entry.family)
-        source = render(fam, fam.resolve(entry.params, entry.dtype), entry.dtype, entry.attrs)
-        code = code_digest(source)
-        if code == entry.code:
-            return False
         try:
+            source = render(fam, fam.resolve(entry.params, entry.dtype), entry.dtype, entry.attrs)
+            code = code_digest(source)
+            if code == entry.code:
+                return False
             compiled = self.compiler.compile(source, self.target_arch + fam.arch_suffix)
-        except CompileError as exc:
+        except (RenderError, CompileError) as exc:
             log.warning(
-                "runtime: %s %s: kept its tuned cubin, this version's code did not compile: %s",
+                "runtime: %s %s: kept its tuned cubin, this version's code did not render or compile: %s",
                 entry.op,
                 format_shape(entry.shape),
                 exc,
