@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         "shape defaults only)",
     )
 
+    max_graphs: int = Field(
+        16,
+        ge=1,
+        description="CUDA graphs a runtime Model keeps, one per input shape, each holding its forward's buffers; "
+        "capturing one more releases the least recently replayed (KERNELMILL_MAX_GRAPHS)",
+    )
+
     plugins: str = Field(
         "",
         description="comma-separated Python modules that register extra ops (operator-enabled; each module calls "

@@ -270,6 +270,11 @@ class CapturedForward:
         self._static = [0 if s is None else s[0] for s in slots]
         self._bound = list(self._static)  # the addresses the instantiated graph's nodes use now
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the graph holds: every buffer its forward allocated."""
+        return sum(b.nbytes for b in self._kept)
+
     def _bind(self, addresses: list[int]) -> None:
         """Points the nodes that touch a movable slot at ``addresses`` (one per slot) where they changed."""
         changed = {i for i, (a, b) in enumerate(zip(addresses, self._bound, strict=True)) if a != b}
@@ -337,6 +342,7 @@ class CapturedForward:
         if self._graph is not None:
             driver.cuGraphDestroy(self._graph)
             self._graph = None
+        self._kept = []  # its buffers go back to the pool (a replay in flight finishes first: stream order)
 
     def __del__(self) -> None:  # pragma: no cover - GPU
         with contextlib.suppress(Exception):  # interpreter shutdown

@@ -21,6 +21,7 @@ import json
 import logging
 import statistics
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,11 @@ def _knobs(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
 
+def _input_shapes(key: tuple) -> str:
+    """A graph key's input shapes, for log lines."""
+    return ", ".join("-" if k is None else format_shape(k[0]) for k in key[:-1])
+
+
 def _host_output(graph: Any, prepared: tuple) -> np.ndarray:
     """The graph's output for ``prepared`` in float64 on the host."""
     return np.asarray(graph.replay(prepared, copy_output=False).numpy(), dtype=np.float64)
@@ -278,6 +284,7 @@ class Model:
         warmup: int = 1,
         pdl: bool | None = None,
         tune_kernels: bool | None = None,
+        max_graphs: int | None = None,
     ) -> None:
         device = "cuda" if str(device).startswith("cuda") else str(device)
         if device not in ("cpu", "cuda"):
@@ -317,7 +324,10 @@ class Model:
         #: (``_tune_kernels``; the choice is recorded per GPU model and reused); default KERNELMILL_KERNEL_TUNE (on).
         self.tune_kernels = get_settings().kernel_tune if tune_kernels is None else bool(tune_kernels)
         self.warmup = max(1, int(warmup))
-        self._graphs: dict[tuple, Any] = {}
+        #: CUDA graphs kept, one per input signature (each holds its forward's buffers); capturing one more
+        #: releases the least recently replayed. Default KERNELMILL_MAX_GRAPHS.
+        self.max_graphs = max(1, int(get_settings().max_graphs if max_graphs is None else max_graphs))
+        self._graphs: OrderedDict[tuple, Any] = OrderedDict()  # least recently used first
         self._calls: dict[tuple, int] = {}
         self.problems: list[tuple] = []
         self.last_run = "none"  # "graph", "plain" or "cpu": how the last forward ran
@@ -339,6 +349,7 @@ class Model:
         key = (*(None if t is None else (t.shape, t.dtype) for t in prepared), self.pdl)
         graph = self._graphs.get(key)
         if graph is not None and graph is not _NO_GRAPH:
+            self._graphs.move_to_end(key)
             try:
                 out = graph.replay(prepared)
             except GraphUnavailable as exc:
@@ -364,7 +375,7 @@ class Model:
     def _capture(self, key: tuple, prepared: tuple) -> Any:
         from kernelmill.runtime.graph import CapturedForward
 
-        shapes = ", ".join("-" if k is None else format_shape(k[0]) for k in key[:-1])
+        shapes = _input_shapes(key)
         graph, failures = None, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
@@ -391,14 +402,33 @@ class Model:
             graph, edges = self._tune_edges(graph, prepared)
             tuning += f"{edges} (chosen in {time.perf_counter() - start:.2f} s)" if edges else ""
         log.info(
-            "runtime: captured a CUDA graph of %d nodes (%d programmatic edges) for inputs %s%s",
+            "runtime: captured a CUDA graph of %d nodes (%d programmatic edges, %.1f MiB of buffers) for inputs %s%s",
             graph.nodes,
             graph.programmatic_edges,
+            graph.nbytes / 2**20,
             shapes,
             tuning,
         )
         self._graphs[key] = graph
+        self._release_old_graphs()
         return graph
+
+    def _release_old_graphs(self) -> None:
+        """Closes the least recently replayed graphs beyond ``max_graphs`` (their buffers go back to the pool);
+        their inputs are captured again, after a plain forward, when they come back."""
+        kept = [k for k, g in self._graphs.items() if g is not _NO_GRAPH]
+        for key in kept[: max(0, len(kept) - self.max_graphs)]:
+            graph = self._graphs.pop(key)
+            self._calls.pop(key, None)
+            shapes = _input_shapes(key)
+            log.info(
+                "runtime: released the CUDA graph for inputs %s (%.1f MiB; the least recently used of more than "
+                "max_graphs=%d)",
+                shapes,
+                graph.nbytes / 2**20,
+                self.max_graphs,
+            )
+            graph.close()
 
     def _constants(self) -> frozenset[int]:
         """Addresses of the module's parameters on the GPU: no kernel of a forward writes them, so kernels
@@ -758,11 +788,13 @@ def load_model(
     graphs: bool = True,
     pdl: bool | None = None,
     tune_kernels: bool | None = None,
+    max_graphs: int | None = None,
 ) -> Model:
     """Loads a model for ``device`` ("cuda" or "cpu"); dtype defaults to float16 on cuda, float32 on cpu
     (the CPU always computes in float32). ``act``: an MLP file's activation (default relu). ``pdl``: graphs
     launch PDL kernels early (default KERNELMILL_PDL, on); ``tune_kernels``: graphs choose among the defaults'
-    runners-up by replay time, once per shape and GPU model (default KERNELMILL_KERNEL_TUNE, on)."""
+    runners-up by replay time, once per shape and GPU model (default KERNELMILL_KERNEL_TUNE, on);
+    ``max_graphs``: CUDA graphs kept, one per input shape (default KERNELMILL_MAX_GRAPHS, 16)."""
     return Model(
         load_module(path, act),
         device,
@@ -772,4 +804,5 @@ def load_model(
         graphs=graphs,
         pdl=pdl,
         tune_kernels=tune_kernels,
+        max_graphs=max_graphs,
     )

@@ -105,6 +105,28 @@ def test_bert_graph_replay_equals_plain_launches(bert, registry):
         assert graph.rebinding.movable[0] and graph.rebinding.movable[-1], graph.rebinding.movable
 
 
+def test_bert_graphs_beyond_max_graphs_are_released_and_captured_again(bert, registry):
+    pytest.importorskip("cuda.bindings")
+    path, _ = bert
+    plain = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, graphs=False)
+    graphed = runtime.load_model(
+        path, device="cuda", dtype="float16", registry=registry, tune_kernels=False, max_graphs=1
+    )
+    rng = np.random.default_rng(3)
+    runs, released = [], []
+    for shape in [(2, 40), (2, 40), (1, 64), (1, 64), (2, 40), (2, 40), (2, 40)]:
+        ids = rng.integers(0, 307, size=shape)
+        before = next(iter(graphed._graphs.values()), None)
+        got = graphed.forward(ids)
+        np.testing.assert_array_equal(got.numpy(), plain.forward(ids).numpy())
+        runs.append(graphed.last_run)
+        if before is not None and before not in graphed._graphs.values():
+            released.append(before)
+    assert runs == ["plain", "graph", "plain", "graph", "plain", "graph", "graph"]
+    assert len(released) == 2 and len(graphed._graphs) == 1
+    assert all(g.nbytes == 0 and g._exec is None for g in released)  # closed, its buffers back in the pool
+
+
 def _save_mlp(path, layers: int, seed: int, d: int = 256, hidden: int = 704) -> None:
     """A torch MLP stack (Linear -> GELU -> Linear per layer, random weights) saved as a state_dict."""
     torch.manual_seed(seed)

@@ -410,3 +410,70 @@ def test_tune_kernels_reuses_a_choice_made_on_the_same_gpu_model(fake, monkeypat
     assert registry.remembered_choice(dataclasses.replace(down, params={**down.params, "stages": 3})) is None
     backend.device.info.name = "NVIDIA Fake H1"
     assert registry.remembered_choice(down) is None
+
+
+def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replayed(fake, monkeypatch, caplog):
+    from kernelmill.runtime import graph as graph_module
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    captured, closed = [], []
+
+    class FakeGraph:
+        nodes, programmatic_edges, pdl_entries, nbytes = 2, 0, [], 3 * 2**20
+
+        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
+            self.rows = prepared[0].shape[0]
+            captured.append(self.rows)
+
+        def replay(self, prepared, copy_output=True):
+            assert prepared[0].shape[0] == self.rows
+            return Tensor.from_numpy(np.full((self.rows, 8), self.rows, np.float32), "cuda", "float16")
+
+        def close(self):
+            closed.append(self.rows)
+
+    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False, max_graphs=2)
+
+    def forward(rows):
+        return model.forward(np.ones((rows, 8), np.float32))
+
+    for rows in (1, 2):
+        forward(rows)  # plain (warm-up)
+        assert forward(rows).numpy()[0, 0] == rows and model.last_run == "graph"
+    assert captured == [1, 2] and not closed
+    assert forward(1).numpy()[0, 0] == 1  # replayed: 2 is now the least recently used
+    forward(3)
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.models"):
+        forward(3)
+    assert captured == [1, 2, 3] and closed == [2] and len(model._graphs) == 2
+    assert "3.0 MiB of buffers" in caplog.text
+    assert "released the CUDA graph for inputs 2x8 (3.0 MiB; the least recently used of more than max_graphs=2)" in (
+        caplog.text
+    )
+    # Back again: a plain forward first (its kernels are still resolved), then a new capture.
+    forward(2)
+    assert model.last_run == "plain" and captured == [1, 2, 3]
+    assert forward(2).numpy()[0, 0] == 2 and model.last_run == "graph" and closed == [2, 1]
+    model.reset_graphs()
+    assert sorted(closed) == [1, 2, 2, 3]
+
+
+def test_max_graphs_comes_from_the_settings(fake, monkeypatch):
+    from kernelmill.runtime.nn import MLP
+    from kernelmill.settings import reset_settings
+
+    _backend, registry = fake
+    monkeypatch.setenv("KERNELMILL_MAX_GRAPHS", "3")
+    reset_settings()
+    try:
+        assert runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry).max_graphs == 3
+        assert runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, max_graphs=1).max_graphs == 1
+        monkeypatch.setenv("KERNELMILL_MAX_GRAPHS", "0")
+        reset_settings()
+        with pytest.raises(ValueError, match="max_graphs"):
+            runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry)
+    finally:
+        monkeypatch.delenv("KERNELMILL_MAX_GRAPHS")
+        reset_settings()
