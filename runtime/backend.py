@@ -2,15 +2,17 @@
 
 Every kernel launch and every device-side copy of the runtime goes to ``Backend.stream``, so a forward
 pass is one ordered sequence that a CUDA graph can capture. Allocations come from the Device's memory
-pool (no cudaMalloc per op once the pool is warm); while a graph is being captured, every allocation is
-also kept by the graph (``keep_allocations``), and every launch, copy and fill is logged (``logging_work``)
-so that the graph can later point its kernels at other input and output buffers.
+pool (no cudaMalloc per op once the pool is warm); while a graph is being captured they come from the
+graph's own arena (``capture_arena``), which hands a buffer freed during the capture to later allocations
+of the same capture and holds all of it for the graph. Every launch, copy, fill and arena allocation is
+logged (``logging_work``) so that the graph can later point its kernels at other input and output buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +40,68 @@ class MemRecord:
     src: int | None = None
 
 
+@dataclass
+class AllocRecord:
+    """An arena allocation made while a graph was captured: from here on these bytes are this buffer's."""
+
+    ptr: int
+    nbytes: int
+
+
+class CaptureArena:
+    """The device memory of one captured graph.
+
+    A buffer the capture allocated and then dropped (its last tensor gone) is handed to a later allocation of
+    the same capture, never to anything outside it: the graph's kernels run in capture order, and a kernel
+    launched early (PDL) touches no buffer before the one before it is done (``km_pdl_start``), so the new
+    owner's first access comes after the old owner's last. The arena keeps every block until ``close``; a
+    buffer still in use then (the graph's output) keeps its own block alive."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._blocks: list[Buffer] = []  # the pool's allocations
+        self._free: list[Buffer] = []  # those no buffer handed out uses now
+        self._handed: weakref.WeakSet[Buffer] = weakref.WeakSet()
+        self._closed = False
+
+    def alloc(self, nbytes: int) -> Buffer:
+        fits = [b for b in self._free if b.nbytes >= nbytes]
+        if fits:
+            block = min(fits, key=lambda b: b.nbytes)
+            self._free.remove(block)
+        else:
+            block = self.device.alloc(nbytes)
+            self._blocks.append(block)
+        buf = Buffer(block.allocation, nbytes)
+        weakref.finalize(buf, self._release, block).atexit = False
+        self._handed.add(buf)
+        return buf
+
+    def _release(self, block: Buffer) -> None:
+        if not self._closed:
+            self._free.append(block)
+
+    def owns(self, buf: Buffer) -> bool:
+        """Whether ``buf`` is a whole buffer this arena handed out."""
+        return buf in self._handed
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held (every block, in use or free)."""
+        return 0 if self._closed else sum(b.nbytes for b in self._blocks)
+
+    def close(self) -> None:
+        """Drops the blocks: those no buffer uses go back to the pool."""
+        self._closed = True
+        self._blocks, self._free = [], []
+
+
 class Backend:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.cuda = device.cuda
         self.stream = device.cuda.Stream()
-        self._kept: list[Buffer] | None = None
+        self._arena: CaptureArena | None = None
         self._programmatic = None  # graph.make_programmatic while a PDL graph is being captured
         self._edges: list[int] = [0]
         self._plain: frozenset[int] = frozenset()  # ids of kernel entries whose launches keep plain edges
@@ -56,20 +114,24 @@ class Backend:
     def arch(self) -> str:
         return self.device.info.arch
 
-    def alloc(self, nbytes: int) -> Buffer:
-        buf = self.device.alloc(nbytes)
-        if self._kept is not None:
-            self._kept.append(buf)
+    def alloc(self, nbytes: int, persistent: bool = False) -> Buffer:
+        """Device memory: from the pool, or inside a capture from its arena. ``persistent``: from the pool even
+        then (a kernel's workspace, which outlives the graph and must never be another buffer's)."""
+        if self._arena is None or persistent:
+            return self.device.alloc(nbytes)
+        buf = self._arena.alloc(nbytes)
+        if self._work is not None:
+            self._work.append(AllocRecord(buf.ptr, nbytes))
         return buf
 
     @contextlib.contextmanager
-    def keep_allocations(self):
-        """Collects every buffer allocated inside the block (the graph being captured owns them)."""
-        previous, self._kept = self._kept, []
+    def capture_arena(self):
+        """Inside the block allocations come from a new CaptureArena (yielded), which the graph keeps."""
+        previous, self._arena = self._arena, CaptureArena(self.device)
         try:
-            yield self._kept
+            yield self._arena
         finally:
-            self._kept = previous
+            self._arena = previous
 
     @contextlib.contextmanager
     def capturing(self, programmatic, plain: frozenset[int] = frozenset(), constants: frozenset[int] = frozenset()):

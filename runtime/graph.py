@@ -3,8 +3,10 @@
 pycuda owns the context and the stream; ``cuda.bindings.driver`` (the ``cuda-bindings`` package of the
 gpu extra) captures what the runtime enqueues on that stream: cuStreamBeginCapture (relaxed mode, so
 the pooled allocator may still allocate), the forward's launches, cuStreamEndCapture, cuGraphInstantiate;
-each replay is one cuGraphLaunch. Every buffer allocated during the capture is owned by the graph, so
-memory the graph writes is never handed to anyone else.
+each replay is one cuGraphLaunch. Every buffer allocated during the capture comes from the graph's own
+arena (``Backend.capture_arena``), so memory the graph writes is never handed to anyone else; inside the
+capture a buffer the forward has dropped is handed to its later allocations, which is safe in capture order
+(see PDL below: no kernel touches a buffer before the one before it is done).
 
 Programmatic dependent launch (PDL, sm_90): with ``pdl=True`` the edge from a kernel node to the next
 kernel of a PDL family (``Family.pdl``: its kernels call ``griddepcontrol.wait`` before touching any
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernelmill.kernels.device import Buffer
-from kernelmill.runtime.backend import LaunchRecord, MemRecord
+from kernelmill.runtime.backend import AllocRecord, LaunchRecord, MemRecord
 from kernelmill.runtime.tensor import ALIGNMENT, Tensor
 
 log = logging.getLogger(__name__)
@@ -124,9 +126,13 @@ class Rebinding:
     nodes: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]
 
 
-def plan_rebinding(work: Sequence[LaunchRecord | MemRecord], slots: Sequence[tuple[int, int] | None]) -> Rebinding:
+def plan_rebinding(
+    work: Sequence[LaunchRecord | MemRecord | AllocRecord], slots: Sequence[tuple[int, int] | None]
+) -> Rebinding:
     """``slots``: (address, bytes) of each static input and then of the output, None where it may not move.
-    A slot stays put where it overlaps another, where a logged copy or fill reads or writes it (that node's
+    A slot's bytes are its own from the last logged allocation that overlaps them (from the start where there
+    is none); before that they belonged to other buffers of the capture, whose work is left as it is. A slot
+    stays put where it overlaps another, where a logged copy or fill reads or writes it (that node's
     addresses are not rewritten), or where a launch that points into it has no known node."""
     movable = [s is not None and s[1] > 0 for s in slots]
 
@@ -134,26 +140,39 @@ def plan_rebinding(work: Sequence[LaunchRecord | MemRecord], slots: Sequence[tup
         base, size = slot
         return start < base + size and base < start + nbytes
 
-    def slot_of(ptr):
-        return next((i for i, s in enumerate(slots) if s is not None and s[0] <= ptr < s[0] + s[1]), None)
+    owned_from = [0] * len(slots)
+    for index, rec in enumerate(work):
+        if isinstance(rec, AllocRecord):
+            for i, s in enumerate(slots):
+                if s is not None and overlaps(s, rec.ptr, rec.nbytes):
+                    owned_from[i] = index
+
+    def slot_of(ptr, index):
+        return next(
+            (i for i, s in enumerate(slots) if s is not None and s[0] <= ptr < s[0] + s[1] and index >= owned_from[i]),
+            None,
+        )
 
     for i, si in enumerate(slots):
         for j, sj in enumerate(slots[:i]):
             if si is not None and sj is not None and overlaps(si, *sj):
                 movable[i] = movable[j] = False
     refs_of = []
-    for rec in work:
+    for index, rec in enumerate(work):
+        if isinstance(rec, AllocRecord):
+            refs_of.append(())
+            continue
         if isinstance(rec, MemRecord):
             touched = [(rec.dst, rec.nbytes)] + ([(rec.src, rec.nbytes)] if rec.src is not None else [])
             for i, s in enumerate(slots):
-                if s is not None and any(overlaps(s, start, n) for start, n in touched):
+                if s is not None and index >= owned_from[i] and any(overlaps(s, start, n) for start, n in touched):
                     movable[i] = False
             refs_of.append(())
             continue
         refs = tuple(
             (k, slot, a.ptr - slots[slot][0])
             for k, a in enumerate(rec.args)
-            if isinstance(a, Buffer) and (slot := slot_of(a.ptr)) is not None
+            if isinstance(a, Buffer) and (slot := slot_of(a.ptr, index)) is not None
         )
         if rec.node is None:
             for _k, slot, _off in refs:
@@ -233,7 +252,7 @@ class CapturedForward:
         stream = driver.CUstream(backend.stream_handle)
         self._stream = stream
         with (
-            backend.keep_allocations() as kept,
+            backend.capture_arena() as arena,
             backend.capturing(make_programmatic if pdl else None, plain, constants) as (edges, pdl_entries),
             backend.logging_work(captured_kernel_node) as work,
         ):
@@ -247,7 +266,7 @@ class CapturedForward:
                     driver.cuGraphDestroy(graph[1])
                 raise
             self._graph = _check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
-        self._kept = kept
+        self._arena = arena
         self.programmatic_edges = edges[0]
         #: The kernel entries whose launches got a programmatic edge; ``plain``: ids of those kept plain;
         #: ``constants``: the addresses the capture vouched for (re-captures reuse them).
@@ -263,8 +282,7 @@ class CapturedForward:
         self._work = list(work)
         slots = [None if t is None else (t.ptr, t.nbytes) for t in self.inputs]
         # The output may move only where it is a whole buffer that the forward allocated (not a view).
-        whole = output.device == "cuda" and any(b is output.buffer for b in kept)
-        whole = whole and output.nbytes == output.buffer.nbytes
+        whole = output.device == "cuda" and arena.owns(output.buffer) and output.nbytes == output.buffer.nbytes
         slots.append((output.ptr, output.nbytes) if whole else None)
         self.rebinding = plan_rebinding(work, slots)
         self._static = [0 if s is None else s[0] for s in slots]
@@ -272,8 +290,8 @@ class CapturedForward:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the graph holds: every buffer its forward allocated."""
-        return sum(b.nbytes for b in self._kept)
+        """Device bytes the graph holds: its arena (the forward's buffers, reused once dropped)."""
+        return self._arena.nbytes
 
     def _bind(self, addresses: list[int]) -> None:
         """Points the nodes that touch a movable slot at ``addresses`` (one per slot) where they changed."""
@@ -342,7 +360,8 @@ class CapturedForward:
         if self._graph is not None:
             driver.cuGraphDestroy(self._graph)
             self._graph = None
-        self._kept = []  # its buffers go back to the pool (a replay in flight finishes first: stream order)
+        if getattr(self, "_arena", None) is not None:
+            self._arena.close()  # back to the pool: a replay in flight finishes first (stream order)
 
     def __del__(self) -> None:  # pragma: no cover - GPU
         with contextlib.suppress(Exception):  # interpreter shutdown

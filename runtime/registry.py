@@ -120,7 +120,7 @@ class KernelEntry:
         if self._bound is not None:
             return
         module = backend.device.load(self.cubin, self.cubin_key)
-        self._ws = {name: backend.alloc(nbytes) for name, nbytes in self.workspace.items()}
+        self._ws = {name: backend.alloc(nbytes, persistent=True) for name, nbytes in self.workspace.items()}
         for name in self.counters:  # zeroed once; the kernels leave their arrival counts zero
             backend.fill(self._ws[name].ptr, 0, self._ws[name].nbytes)
         self._bound = [(module.kernel(launch.entry), launch) for launch in self.launches]

@@ -15,6 +15,7 @@ import pytest
 from kernelmill import runtime
 from kernelmill.kernels.ops import OPS as OPS_BY_NAME
 from kernelmill.runtime import Tensor, from_torch, ops, to_torch
+from kernelmill.runtime.backend import AllocRecord
 from kernelmill.runtime.registry import TUNED, KernelRegistry
 
 pytestmark = pytest.mark.gpu
@@ -103,6 +104,9 @@ def test_bert_graph_replay_equals_plain_launches(bert, registry):
     # The replays read the token ids where they are and write a fresh output: no copies around them.
     for graph in graphed._graphs.values():
         assert graph.rebinding.movable[0] and graph.rebinding.movable[-1], graph.rebinding.movable
+        # The second layer's buffers take the first's: the graph holds well under what its forward allocated.
+        allocated = sum(r.nbytes for r in graph._work if isinstance(r, AllocRecord))
+        assert 0 < graph.nbytes < 0.75 * allocated, (graph.nbytes, allocated)
 
 
 def test_bert_graphs_beyond_max_graphs_are_released_and_captured_again(bert, registry):

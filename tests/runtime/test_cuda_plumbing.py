@@ -4,7 +4,6 @@ with a log line when the driver cannot be reached."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from types import SimpleNamespace
@@ -38,7 +37,6 @@ class FakeBackend:
         self.launches = []
         self.memory = {}
         self._next = 1 << 20
-        self._kept = None
         self.device = SimpleNamespace(
             info=SimpleNamespace(arch="sm_90", sm_count=132, name="NVIDIA Fake H0"),
             load=lambda cubin, key: SimpleNamespace(kernel=lambda entry: FakeKernel(self.launches, entry)),
@@ -58,18 +56,10 @@ class FakeBackend:
     def after_launch(self, kernel, args):
         pass
 
-    def alloc(self, nbytes):
+    def alloc(self, nbytes, persistent=False):
         buf = Buffer(self._next, nbytes)
         self._next += (max(nbytes, 1) + 255) // 256 * 256
-        if self._kept is not None:
-            self._kept.append(buf)
         return buf
-
-    @contextlib.contextmanager
-    def keep_allocations(self):
-        self._kept = []
-        yield self._kept
-        self._kept = None
 
     def upload(self, ptr, host):
         self.memory[ptr] = bytes(host.reshape(-1).view(np.uint8))
