@@ -200,6 +200,25 @@ class Backend:
                 self._work.append(MemRecord(dst, nbytes, src))
             self.cuda.memcpy_dtod_async(dst, src, nbytes, self.stream)
 
+    def copy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
+        """``height`` rows of ``width`` bytes, ``src_pitch`` bytes apart at ``src``, ``dst_pitch`` apart at
+        ``dst``: one strided copy (a copy per row where the driver refuses the pitches)."""
+        if not (width and height):
+            return
+        if self._work is not None:
+            span = max(dst_pitch, src_pitch) * (height - 1) + width
+            self._work.append(MemRecord(dst, span, src))
+        copy = self.cuda.Memcpy2D()
+        copy.set_src_device(src)
+        copy.set_dst_device(dst)
+        copy.src_pitch, copy.dst_pitch, copy.width_in_bytes, copy.height = src_pitch, dst_pitch, width, height
+        try:
+            copy(self.stream)
+        except self.cuda.Error as exc:
+            log.debug("cuMemcpy2DAsync refused pitches %d / %d (%s): a copy per row", src_pitch, dst_pitch, exc)
+            for row in range(height):
+                self.cuda.memcpy_dtod_async(dst + row * dst_pitch, src + row * src_pitch, width, self.stream)
+
     def fill(self, ptr: int, byte: int, nbytes: int) -> None:
         if nbytes:
             if self._work is not None:

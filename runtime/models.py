@@ -22,6 +22,7 @@ import logging
 import statistics
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,10 @@ from kernelmill.runtime.nn import (
     Linear,
     Module,
     MultiHeadAttention,
+    Restore,
     Sequential,
     TransformerEncoderLayer,
+    bucket_for,
 )
 from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor, numpy_dtype
 from kernelmill.settings import get_settings
@@ -106,6 +109,30 @@ class BertModel(Module):
         types_t = None if types is None else ops.device_ids(types, dtype)
         mask_t = None if mask is None else Tensor.from_numpy(mask, "cuda", dtype)
         return ids_t, types_t, mask_t
+
+    pads_inputs = True
+
+    def prepare_padded(
+        self, buckets: Sequence[int], input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None
+    ) -> tuple[tuple, Restore | None]:
+        """``prepare`` with the sequence padded up to the smallest of ``buckets`` that holds it (at most the
+        position embeddings): padded tokens are masked out as keys, so no real token's output changes, and the
+        output is cut back to the real tokens."""
+        ids = _host(input_ids)
+        ids = ids[None] if ids.ndim == 1 else ids
+        seq = ids.shape[-1] if ids.ndim == 2 else 0
+        size = bucket_for(seq, buckets)
+        if ids.ndim != 2 or size == seq or size > self.embeddings.pos.shape[0]:
+            return self.prepare(input_ids, attention_mask, token_type_ids), None
+        pad = ((0, 0), (0, size - seq))
+        mask = np.ones(ids.shape)
+        if attention_mask is not None:
+            mask = _shaped_like("attention_mask", attention_mask, ids.shape)
+        types = None
+        if token_type_ids is not None:
+            types = np.pad(_shaped_like("token_type_ids", token_type_ids, ids.shape), pad)
+        prepared = self.prepare(np.pad(ids, pad), np.pad(mask, pad), types)
+        return prepared, lambda out: ops.narrow(out, seq)
 
     def forward_prepared(self, ids: Tensor, type_ids: Tensor | None, mask: Tensor | None) -> Tensor:
         x = self.embeddings(ids, type_ids)
@@ -256,6 +283,18 @@ def _knobs(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
 
+def _buckets(buckets: Sequence[int] | None) -> tuple[int, ...] | None:
+    if buckets is None:
+        return None
+    try:
+        sizes = sorted({int(b) for b in buckets})
+    except (TypeError, ValueError):
+        raise ValueError(f"buckets must be positive integers, got {buckets!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"buckets must be positive integers, got {buckets!r}")
+    return tuple(sizes)
+
+
 def _input_shapes(key: tuple) -> str:
     """A graph key's input shapes, for log lines."""
     return ", ".join("-" if k is None else format_shape(k[0]) for k in key[:-1])
@@ -285,6 +324,7 @@ class Model:
         pdl: bool | None = None,
         tune_kernels: bool | None = None,
         max_graphs: int | None = None,
+        buckets: Sequence[int] | None = None,
     ) -> None:
         device = "cuda" if str(device).startswith("cuda") else str(device)
         if device not in ("cpu", "cuda"):
@@ -310,6 +350,14 @@ class Model:
             if registry is None:
                 registry = KernelRegistry(server, backend=self.backend)
         self.registry = registry
+        #: Sizes the module's variable dimension is padded up to (BERT: the sequence; row-wise modules: the
+        #: rows), so inputs of many sizes share a few shapes, kernels and graphs; None: exact shapes.
+        self.buckets = _buckets(buckets)
+        if self.buckets and not module.pads_inputs:
+            raise ValueError(
+                f"buckets: {type(module).__name__} has no dimension to pad (BERT pads its sequence; Linear, MLP, "
+                "LayerNorm and Sequentials of them their rows)"
+            )
         self.module = module.to(device, dtype)
         self.graphs_enabled = graphs and device == "cuda"
         #: Graphs launch PDL kernels early (runtime/graph.py); default KERNELMILL_PDL. A graph is captured per
@@ -338,8 +386,19 @@ class Model:
     def __call__(self, *inputs: Any, **kwargs: Any) -> Tensor:
         return self.forward(*inputs, **kwargs)
 
+    def prepare(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, Restore | None]:
+        """The module's tensors for these inputs (padded up to a bucket where ``buckets`` is set), and what
+        takes the padding off the output (None where nothing was padded)."""
+        if self.buckets:
+            return self.module.prepare_padded(self.buckets, *inputs, **kwargs)
+        return self.module.prepare(*inputs, **kwargs), None
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Tensor:
-        prepared = self.module.prepare(*inputs, **kwargs)
+        prepared, restore = self.prepare(*inputs, **kwargs)
+        out = self._forward(prepared)
+        return out if restore is None else restore(out)
+
+    def _forward(self, prepared: tuple) -> Tensor:
         if self.device == "cpu":
             with ops.recording() as seen:
                 out = self.module.forward_prepared(*prepared)
@@ -789,12 +848,14 @@ def load_model(
     pdl: bool | None = None,
     tune_kernels: bool | None = None,
     max_graphs: int | None = None,
+    buckets: Sequence[int] | None = None,
 ) -> Model:
     """Loads a model for ``device`` ("cuda" or "cpu"); dtype defaults to float16 on cuda, float32 on cpu
     (the CPU always computes in float32). ``act``: an MLP file's activation (default relu). ``pdl``: graphs
     launch PDL kernels early (default KERNELMILL_PDL, on); ``tune_kernels``: graphs choose among the defaults'
     runners-up by replay time, once per shape and GPU model (default KERNELMILL_KERNEL_TUNE, on);
-    ``max_graphs``: CUDA graphs kept, one per input shape (default KERNELMILL_MAX_GRAPHS, 16)."""
+    ``max_graphs``: CUDA graphs kept, one per input shape (default KERNELMILL_MAX_GRAPHS, 16); ``buckets``:
+    sizes BERT's sequence (an MLP's rows) is padded up to, so inputs of many sizes share a few graphs."""
     return Model(
         load_module(path, act),
         device,
@@ -805,4 +866,5 @@ def load_model(
         pdl=pdl,
         tune_kernels=tune_kernels,
         max_graphs=max_graphs,
+        buckets=buckets,
     )

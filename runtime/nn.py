@@ -9,7 +9,7 @@ take torch's (out_features, in_features) arrays and transpose once.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,21 @@ def _param(a: Any) -> Tensor:
     return Tensor.from_numpy(a.astype(np.float32) if a.dtype.kind == "f" else a)
 
 
+def bucket_for(size: int, buckets: Sequence[int]) -> int:
+    """The smallest of the sorted ``buckets`` that holds ``size``; ``size`` itself past the largest."""
+    return next((b for b in buckets if b >= size), size)
+
+
+#: What ``Module.prepare_padded`` returns besides the tensors: takes the padding off forward's output.
+Restore = Callable[[Tensor], Tensor]
+
+
 class Module:
     """A tree of layers; tensors and modules held in attributes (or lists of modules) are its parts."""
+
+    #: Each output row (every dim but the last) depends on the same input row only, so padding the rows
+    #: with zeros changes no output row (Linear, MLP, LayerNorm, activations and Sequentials of them).
+    rowwise = False
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -87,6 +100,29 @@ class Module:
         """forward on prepare()'s tensors: device work only (no host syncs), so it can be captured."""
         return self.forward(*tensors)
 
+    @property
+    def pads_inputs(self) -> bool:
+        """Whether ``prepare_padded`` pads (``Model(..., buckets=)``): row-wise modules pad their rows."""
+        return self.rowwise
+
+    def prepare_padded(self, buckets: Sequence[int], *inputs: Any, **kwargs: Any) -> tuple[tuple, Restore | None]:
+        """``prepare``, with the input's rows (every dim but the last, flattened) padded with zeros up to the
+        smallest of ``buckets`` that holds them, so that inputs of many sizes share a few shapes (and CUDA
+        graphs). Returns the tensors and what takes the padding off the output (None where nothing was padded:
+        the rows fill their bucket, exceed the largest, or the module is not row-wise)."""
+        prepared = self.prepare(*inputs, **kwargs)
+        if not self.rowwise or len(prepared) != 1 or prepared[0].ndim < 2:
+            return prepared, None
+        x = prepared[0]
+        lead, features = x.shape[:-1], x.shape[-1]
+        rows = math.prod(lead)
+        size = bucket_for(rows, buckets)
+        if size == rows:
+            return prepared, None
+        padded = Tensor.zeros((size, features), x.dtype, x.device)
+        padded.rows(0, rows).copy_(x.reshape(rows, features))
+        return (padded,), lambda out: out.rows(0, rows).reshape(*lead, out.shape[-1])
+
 
 def _as_input(x: Any, device: str, dtype: str) -> Tensor:
     from kernelmill.runtime.tensor import as_tensor
@@ -98,6 +134,8 @@ def _as_input(x: Any, device: str, dtype: str) -> Tensor:
 
 class Linear(Module):
     """y = act(x @ weight + bias); weight (in_features, out_features)."""
+
+    rowwise = True
 
     def __init__(self, weight: Any, bias: Any = None, act: str = "none") -> None:
         self.weight = _param(weight)
@@ -131,6 +169,8 @@ class Linear(Module):
 class MLP(Module):
     """y = act(x @ w1 + b1) @ w2 + b2 as one fused_mlp kernel."""
 
+    rowwise = True
+
     def __init__(self, up: Linear, down: Linear, act: str = "gelu_erf") -> None:
         if up.bias is None or down.bias is None:
             raise ValueError("MLP needs biases on both projections (fused_mlp adds them)")
@@ -146,6 +186,8 @@ class MLP(Module):
 
 
 class LayerNorm(Module):
+    rowwise = True
+
     def __init__(self, gamma: Any, beta: Any, eps: float = 1e-12) -> None:
         self.gamma, self.beta, self.eps = _param(gamma), _param(beta), float(eps)
 
@@ -155,6 +197,8 @@ class LayerNorm(Module):
 
 
 class Activation(Module):
+    rowwise = True
+
     def __init__(self, act: str) -> None:
         self.act = ops.canonical_act(act)
 
@@ -171,6 +215,10 @@ class Sequential(Module):
 
     def __getitem__(self, i: int) -> Module:
         return self.layers[i]
+
+    @property
+    def rowwise(self) -> bool:
+        return all(layer.rowwise for layer in self.layers)
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.layers:

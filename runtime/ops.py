@@ -460,6 +460,24 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     return out
 
 
+def narrow(x: Tensor, length: int) -> Tensor:
+    """``x[:, :length]`` of a (batch, seq, ...) tensor, contiguous: a view where batch is 1, else a copy (one
+    strided copy on the GPU)."""
+    batch, seq, *rest = x.shape
+    if not 0 <= length <= seq:
+        raise ValueError(f"narrow: length {length} out of 0..{seq}")
+    if length == seq:
+        return x
+    if batch == 1:
+        return x.reshape(seq, *rest).rows(0, length).reshape(1, length, *rest)
+    if x.device == "cpu":
+        return Tensor((batch, length, *rest), x.dtype, "cpu", array=np.ascontiguousarray(x.array[:, :length]))
+    out = Tensor.empty((batch, length, *rest), x.dtype, "cuda")
+    row = math.prod(rest) * x.itemsize
+    _backend().copy_2d(out.ptr, length * row, x.ptr, seq * row, length * row, batch)
+    return out
+
+
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, seq, head_dim) q, k, v (PyTorch's layout) with an
     additive key mask (batch, seq) or None -> (batch, heads, seq, head_dim). On the GPU one fused kernel (the
@@ -492,6 +510,7 @@ __all__ = [
     "layernorm",
     "linear",
     "matmul",
+    "narrow",
     "recording",
     "relu",
     "scaled_dot_product_attention",

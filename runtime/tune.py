@@ -27,12 +27,13 @@ class TuneError(ValueError):
 
 def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...], str, dict]]:
     """The (op, shape, dtype, attrs) problems one forward of ``model`` on these inputs meets. The inputs go
-    through the module's ``prepare`` as in ``Model.forward``: NumPy arrays, torch tensors and lists all do."""
+    through the module's ``prepare`` as in ``Model.forward`` (padded to its buckets): NumPy arrays, torch tensors
+    and lists all do."""
     from kernelmill.runtime.models import Model
 
     module = model.module if isinstance(model, Model) else model
     registry = model.registry if isinstance(model, Model) else None
-    prepared = module.prepare(*inputs, **kwargs)
+    prepared = model.prepare(*inputs, **kwargs)[0] if isinstance(model, Model) else module.prepare(*inputs, **kwargs)
     with ops.recording() as seen:
         if registry is not None:
             with ops.using_registry(registry):

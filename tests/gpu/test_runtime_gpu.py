@@ -345,6 +345,41 @@ def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):
     assert model.last_run == "graph"
 
 
+def test_buckets_share_graphs_between_sizes_and_leave_real_tokens_and_rows_as_they_were(bert, registry, tmp_path):
+    pytest.importorskip("cuda.bindings")
+    path, ref_model = bert
+    model = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, buckets=[32, 64])
+    rng = np.random.default_rng(6)
+    for seq in (20, 20, 37, 37, 50, 50, 9):
+        ids = rng.integers(0, 307, size=(3, seq))
+        mask = np.ones((3, seq), dtype=np.int64)
+        mask[1, seq // 2 :] = 0
+        with torch.no_grad():
+            ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+        out = model.forward(ids, attention_mask=mask)
+        assert out.shape == (3, seq, 128)
+        keep = mask.astype(bool)
+        assert rel_err(out.numpy().astype(np.float32)[keep], ref.numpy()[keep]) < 1e-2, seq
+    # 20 and 9 -> 32, 37 and 50 -> 64: two graphs, the second size of each bucket replayed one.
+    assert model.last_run == "graph" and sorted(k[0][0][:2] for k in model._graphs) == [(3, 32), (3, 64)]
+    one = model.forward(ids[:1])  # batch 1: a view of the padded output
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids[:1])).last_hidden_state.numpy()
+    assert one.shape == (1, 9, 128) and rel_err(one.numpy().astype(np.float32), ref) < 1e-2
+
+    _save_mlp(tmp_path / "mlp.pt", layers=2, seed=7)
+    mlp = runtime.load_model(tmp_path / "mlp.pt", device="cuda", dtype="float32", act="gelu", registry=registry)
+    padded = runtime.load_model(
+        tmp_path / "mlp.pt", device="cuda", dtype="float32", act="gelu", registry=registry, buckets=[8, 16]
+    )
+    for rows in (3, 3, 5, 5, 11):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        want = mlp.forward(x).numpy()
+        got = padded.forward(x)
+        assert got.shape == (rows, 256) and rel_err(got.numpy(), want) < 1e-5, rows
+    assert [k[0][0] for k in padded._graphs] == [(8, 256)]  # 3 and 5 rows: one graph; 11 ran plain (once)
+
+
 # -- zero-copy exchange ----------------------------------------------------------------------------------
 
 

@@ -208,3 +208,57 @@ def test_a_cuda_model_without_a_gpu_says_the_cpu_runs_it(bert_dir, monkeypatch):
     monkeypatch.setattr(backend, "get_backend", no_gpu)
     with pytest.raises(GpuUnavailable, match="no CUDA device is visible; device='cpu' runs the model on NumPy"):
         runtime.load_model(bert_dir[0], device="cuda")
+
+
+def test_buckets_pad_the_sequence_and_leave_every_real_token_as_it_was(bert_dir):
+    path, ref_model = bert_dir
+    exact = runtime.load_model(path, device="cpu")
+    bucketed = runtime.load_model(path, device="cpu", buckets=[32, 16, 48])
+    assert bucketed.buckets == (16, 32, 48)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 211, size=(3, 21))
+    mask = np.ones((3, 21), dtype=np.int64)
+    mask[2, 15:] = 0
+    types = rng.integers(0, 2, size=(3, 21))
+    for args in ((ids,), (ids, mask), (ids, mask, types), (ids[:1],)):  # batch 1: the output is a view
+        want = exact.forward(*args).numpy()
+        got = bucketed.forward(*args)
+        assert got.shape == want.shape and got.numpy().flags.c_contiguous
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+    assert rel_err(bucketed.forward(ids, mask).numpy(), ref.numpy()) < 1e-4
+    assert {p[1] for p in bucketed.problems if p[0] == "attention"} == {(3, 4, 32, 24), (1, 4, 32, 24)}
+    # Past the largest bucket, or a bucket past the position embeddings (64): the exact sequence.
+    for model, seq in ((bucketed, 50), (runtime.load_model(path, device="cpu", buckets=[100]), 21)):
+        ids = rng.integers(0, 211, size=(2, seq))
+        np.testing.assert_allclose(model.forward(ids).numpy(), exact.forward(ids).numpy(), rtol=1e-6)
+        assert (2, 4, seq, 24) in {p[1] for p in model.problems if p[0] == "attention"}
+
+
+def test_buckets_pad_an_mlps_rows(tmp_path):
+    stack = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
+    torch.save(stack.state_dict(), tmp_path / "mlp.pt")
+    model = runtime.load_model(tmp_path / "mlp.pt", device="cpu", act="gelu", buckets=(4, 8))
+    for shape in ((3, 16), (2, 3, 16), (8, 16), (9, 16)):
+        x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+        out = model.forward(x)
+        with torch.no_grad():
+            ref = stack(torch.from_numpy(x)).numpy()
+        assert out.shape == ref.shape
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
+    assert sorted({p[1][0] for p in model.problems}) == [4, 8, 9]  # 3 -> 4, 6 -> 8, 8, 9 (past the largest)
+    problems = runtime.tune.model_problems(model, np.ones((5, 16), np.float32))
+    assert {p[1][0] for p in problems} == {8}  # tuning asks for the shapes that run
+
+
+def test_buckets_need_a_module_that_pads_and_positive_sizes(bert_dir):
+    from kernelmill.runtime.nn import MultiHeadAttention
+
+    path, _ = bert_dir
+    attn = MultiHeadAttention.from_torch(*(np.ones((8, 8)), np.ones(8)) * 4, heads=2)
+    with pytest.raises(ValueError, match="MultiHeadAttention has no dimension to pad"):
+        runtime.Model(attn, device="cpu", buckets=[8])
+    for bad in ([0, 8], [], ["x"], 8):
+        with pytest.raises(ValueError, match="buckets must be positive integers"):
+            runtime.load_model(path, device="cpu", buckets=bad)

@@ -44,6 +44,7 @@ class FakeBackend:
         self.arch = "sm_90"
         self.stream = None
         self.stream_handle = 1
+        self.copies_2d = []
         self.pdl = []  # before_launch's flag for each launch, in order
         self.constants = frozenset()  # what a capture would vouch for (Backend.capturing's constants)
 
@@ -73,6 +74,9 @@ class FakeBackend:
 
     def fill(self, ptr, byte, nbytes):
         self.memory[ptr] = bytes([byte]) * nbytes
+
+    def copy_2d(self, dst, dst_pitch, src, src_pitch, width, height):
+        self.copies_2d.append((dst, dst_pitch, src, src_pitch, width, height))
 
     def synchronize(self):
         pass
@@ -467,3 +471,25 @@ def test_max_graphs_comes_from_the_settings(fake, monkeypatch):
     finally:
         monkeypatch.delenv("KERNELMILL_MAX_GRAPHS")
         reset_settings()
+
+
+def test_buckets_on_the_gpu_path_pad_before_the_kernels_and_cut_after(fake):
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config.update({"intermediate_size": 64, "max_position_embeddings": 16})
+    bert = runtime.Model(runtime.BertModel.random(config), device="cuda", registry=registry, buckets=[8, 16])
+    out = bert.forward(np.arange(10).reshape(2, 5))
+    assert out.shape == (2, 5, 32)
+    attention = [launch for launch in backend.launches if launch[0].startswith("attention")]
+    assert attention and {p[1] for p in bert.problems if p[0] == "attention"} == {(2, 2, 8, 16)}
+    row = 32 * 2  # bytes of one token's hidden state in float16
+    ((dst, dst_pitch, _src, src_pitch, width, height),) = backend.copies_2d
+    assert (dst, dst_pitch, src_pitch, width, height) == (out.ptr, 5 * row, 8 * row, 5 * row, 2)
+    one = bert.forward(np.arange(5).reshape(1, 5))  # batch 1: a view of the padded output, no copy
+    assert one.shape == (1, 5, 32) and len(backend.copies_2d) == 1
+
+    mlp = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, buckets=[4])
+    out = mlp.forward(np.ones((3, 8), np.float32))
+    assert out.shape == (3, 8) and ("fused_mlp", (4, 8, 16, 8)) in {p[:2] for p in mlp.problems}
