@@ -117,12 +117,13 @@ class BertModel(Module):
     ) -> tuple[tuple, Restore | None]:
         """``prepare`` with the sequence padded up to the smallest of ``buckets`` that holds it (at most the
         position embeddings): padded tokens are masked out as keys, so no real token's output changes, and the
-        output is cut back to the real tokens."""
+        output is cut back to the real tokens. A sequence that fills its bucket gets a mask too (all ones), so
+        it replays the bucket's graph."""
         ids = _host(input_ids)
         ids = ids[None] if ids.ndim == 1 else ids
         seq = ids.shape[-1] if ids.ndim == 2 else 0
         size = bucket_for(seq, buckets)
-        if ids.ndim != 2 or size == seq or size > self.embeddings.pos.shape[0]:
+        if ids.ndim != 2 or size not in buckets or size > self.embeddings.pos.shape[0]:
             return self.prepare(input_ids, attention_mask, token_type_ids), None
         pad = ((0, 0), (0, size - seq))
         mask = np.ones(ids.shape)
@@ -132,7 +133,7 @@ class BertModel(Module):
         if token_type_ids is not None:
             types = np.pad(_shaped_like("token_type_ids", token_type_ids, ids.shape), pad)
         prepared = self.prepare(np.pad(ids, pad), np.pad(mask, pad), types)
-        return prepared, lambda out: ops.narrow(out, seq)
+        return prepared, None if size == seq else lambda out: ops.narrow(out, seq)
 
     def forward_prepared(self, ids: Tensor, type_ids: Tensor | None, mask: Tensor | None) -> Tensor:
         x = self.embeddings(ids, type_ids)

@@ -117,10 +117,13 @@ class Module:
         lead, features = x.shape[:-1], x.shape[-1]
         rows = math.prod(lead)
         size = bucket_for(rows, buckets)
-        if size == rows:
+        if size == rows and x.ndim == 2:
             return prepared, None
-        padded = Tensor.zeros((size, features), x.dtype, x.device)
-        padded.rows(0, rows).copy_(x.reshape(rows, features))
+        if size == rows:  # as (rows, features), the shape a padded input of this bucket has
+            padded = x.reshape(rows, features)
+        else:
+            padded = Tensor.zeros((size, features), x.dtype, x.device)
+            padded.rows(0, rows).copy_(x.reshape(rows, features))
         return (padded,), lambda out: out.rows(0, rows).reshape(*lead, out.shape[-1])
 
 

@@ -229,6 +229,15 @@ def test_buckets_pad_the_sequence_and_leave_every_real_token_as_it_was(bert_dir)
         ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
     assert rel_err(bucketed.forward(ids, mask).numpy(), ref.numpy()) < 1e-4
     assert {p[1] for p in bucketed.problems if p[0] == "attention"} == {(3, 4, 32, 24), (1, 4, 32, 24)}
+    # A sequence that fills its bucket gets a mask as well: the same tensors (and graph) as a padded one.
+    full, restore = bucketed.prepare(np.tile(ids[:, :16], 2))
+    padded, _ = bucketed.prepare(ids[:, :30])
+
+    def shapes(tensors):
+        return [None if t is None else t.shape for t in tensors]
+
+    assert restore is None and shapes(full) == shapes(padded) == [(3, 32), None, (3, 32)]
+    assert full[2] is not None and not full[2].numpy().any()  # nothing masked
     # Past the largest bucket, or a bucket past the position embeddings (64): the exact sequence.
     for model, seq in ((bucketed, 50), (runtime.load_model(path, device="cpu", buckets=[100]), 21)):
         ids = rng.integers(0, 211, size=(2, seq))
@@ -240,14 +249,15 @@ def test_buckets_pad_an_mlps_rows(tmp_path):
     stack = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
     torch.save(stack.state_dict(), tmp_path / "mlp.pt")
     model = runtime.load_model(tmp_path / "mlp.pt", device="cpu", act="gelu", buckets=(4, 8))
-    for shape in ((3, 16), (2, 3, 16), (8, 16), (9, 16)):
+    for shape in ((3, 16), (2, 3, 16), (8, 16), (9, 16), (2, 2, 16)):
         x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
         out = model.forward(x)
         with torch.no_grad():
             ref = stack(torch.from_numpy(x)).numpy()
         assert out.shape == ref.shape
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
-    assert sorted({p[1][0] for p in model.problems}) == [4, 8, 9]  # 3 -> 4, 6 -> 8, 8, 9 (past the largest)
+    assert sorted({p[1][0] for p in model.problems}) == [4, 8, 9]  # 3 -> 4, 6 -> 8, 8, 9 (past the largest), 4
+    assert model.prepare(np.ones((2, 2, 16)))[0][0].shape == model.prepare(np.ones((3, 16)))[0][0].shape == (4, 16)
     problems = runtime.tune.model_problems(model, np.ones((5, 16), np.float32))
     assert {p[1][0] for p in problems} == {8}  # tuning asks for the shapes that run
 
