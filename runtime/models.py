@@ -377,6 +377,7 @@ class Model:
         #: releases the least recently replayed. Default KERNELMILL_MAX_GRAPHS.
         self.max_graphs = max(1, int(get_settings().max_graphs if max_graphs is None else max_graphs))
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()  # least recently used first
+        self._released = 0  # graphs closed to keep max_graphs
         self._calls: dict[tuple, int] = {}
         self.problems: list[tuple] = []
         self.last_run = "none"  # "graph", "plain" or "cpu": how the last forward ran
@@ -480,15 +481,22 @@ class Model:
         for key in kept[: max(0, len(kept) - self.max_graphs)]:
             graph = self._graphs.pop(key)
             self._calls.pop(key, None)
-            shapes = _input_shapes(key)
+            self._released += 1
             log.info(
                 "runtime: released the CUDA graph for inputs %s (%.1f MiB; the least recently used of more than "
                 "max_graphs=%d)",
-                shapes,
+                _input_shapes(key),
                 graph.nbytes / 2**20,
                 self.max_graphs,
             )
             graph.close()
+            if self._released == self.max_graphs and not self.buckets:
+                log.warning(
+                    "runtime: %d CUDA graphs released to keep max_graphs=%d: inputs of many sizes pay a capture "
+                    "each (seconds) and replay it seldom; Model(..., buckets=[...]) pads them to a few sizes",
+                    self._released,
+                    self.max_graphs,
+                )
 
     def _constants(self) -> frozenset[int]:
         """Addresses of the module's parameters on the GPU: no kernel of a forward writes them, so kernels

@@ -447,9 +447,13 @@ def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replay
         caplog.text
     )
     # Back again: a plain forward first (its kernels are still resolved), then a new capture.
+    assert "pads them to a few sizes" not in caplog.text
     forward(2)
     assert model.last_run == "plain" and captured == [1, 2, 3]
-    assert forward(2).numpy()[0, 0] == 2 and model.last_run == "graph" and closed == [2, 1]
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.models"):
+        assert forward(2).numpy()[0, 0] == 2 and model.last_run == "graph" and closed == [2, 1]
+    # As many graphs released as it keeps: the log suggests buckets, once.
+    assert caplog.text.count("2 CUDA graphs released to keep max_graphs=2") == 1 and "buckets=[...]" in caplog.text
     model.reset_graphs()
     assert sorted(closed) == [1, 2, 2, 3]
 
