@@ -460,7 +460,7 @@ class Model:
             tuning += f"; {picked} (chosen in {time.perf_counter() - start:.2f} s)" if picked else ""
         if self.tune_pdl and graph.pdl_entries:
             start = time.perf_counter()
-            graph, edges = self._tune_edges(graph, prepared)
+            graph, edges = self._tune_edges(graph, prepared, problems)
             tuning += f"{edges} (chosen in {time.perf_counter() - start:.2f} s)" if edges else ""
         log.info(
             "runtime: captured a CUDA graph of %d nodes (%d programmatic edges, %.1f MiB of buffers) for inputs %s%s",
@@ -503,16 +503,38 @@ class Model:
         that read weights before their PDL wait (Family.pdl_early_reads) may launch early on them."""
         return frozenset(t.ptr for _, t in self.module.named_tensors() if t.device == "cuda")
 
-    def _tune_edges(self, graph: Any, prepared: tuple) -> tuple[Any, str]:
+    def _tune_edges(self, graph: Any, prepared: tuple, problems: list) -> tuple[Any, str]:
         """PDL per kernel: for each kernel entry whose launches got programmatic edges, capture the forward
         again with that entry's edges plain and keep the graph if it replays faster (taking turns with the
         graph kept so far). Early launch helps where a kernel sets up while the one before finishes, and
-        can hurt where the early blocks change how the kernel before them runs (measured: docs/PERFORMANCE.md)."""
+        can hurt where the early blocks change how the kernel before them runs (measured: docs/PERFORMANCE.md).
+        The outcome is recorded per GPU model and forward (``registry.remember_edges``); a later capture of
+        the same forward on the same GPU model takes it without timing."""
         from kernelmill.runtime.graph import CapturedForward
 
+        entries = list(graph.pdl_entries)
+        remembered = self.registry.remembered_edges(entries, problems)
+        if remembered is not None:
+            names = ", ".join(f"{entries[i].op} {format_shape(entries[i].shape)}" for i in sorted(remembered))
+            if not remembered:
+                return graph, "; PDL for every kernel that has it (remembered)"
+            try:
+                trial = CapturedForward(
+                    self.backend,
+                    self.module.forward_prepared,
+                    prepared,
+                    pdl=True,
+                    plain=graph.plain | {id(entries[i]) for i in remembered},
+                    constants=graph.constants,
+                )
+            except Exception as exc:  # noqa: BLE001 - time the choice again
+                log.info("runtime: capture with the remembered plain edges failed (%s)", exc)
+            else:
+                graph.close()
+                return trial, f"; plain edges into {names} (remembered)"
         first_ms = kept_ms = None
-        plain_names = []
-        for entry in graph.pdl_entries:
+        plain_names, plain, complete = [], set(), True
+        for index, entry in enumerate(entries):
             try:
                 trial = CapturedForward(
                     self.backend,
@@ -530,17 +552,21 @@ class Model:
             except GraphUnavailable as exc:  # a replay the driver refused: keep the graph as it is
                 log.info("runtime: timing the graph with plain edges into %s failed (%s)", entry.op, exc)
                 trial.close()
+                complete = False
                 break
             first_ms = first_ms or times["kept"]
             if times["trial"] < times["kept"] * (1 - _EDGE_MIN_GAIN):
                 graph.close()
                 graph, kept_ms = trial, times["trial"]
                 plain_names.append(f"{entry.op} {format_shape(entry.shape)}")
+                plain.add(index)
             else:
                 trial.close()
                 kept_ms = times["kept"]
         if first_ms is None:
             return graph, ""
+        if complete:
+            self.registry.remember_edges(entries, problems, plain)
         which = f"plain edges into {', '.join(plain_names)}" if plain_names else "PDL for every kernel that has it"
         return graph, f"; a replay {kept_ms:.3f} ms ({first_ms:.3f} with PDL everywhere): {which}"
 

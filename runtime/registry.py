@@ -689,14 +689,54 @@ class KernelRegistry:
 
     # choices made at capture on this GPU (Model.tune_kernels) ------------------------------
 
-    def _choice_path(self, entry: KernelEntry) -> Path | None:
-        """``<cache_dir>/chosen/<GPU name>/<op>/<shape>-<dtype>-<arch>-<attrs digest>.json``: GPUs of one arch
-        disagree on the best tiles (an H100 and an H200), so a choice holds for the GPU model it was timed on."""
+    def _device_dir(self) -> Path | None:
+        """``<cache_dir>/chosen/<GPU name>``: GPUs of one arch disagree on the best tiles (an H100 and an H200),
+        so a choice holds for the GPU model it was timed on."""
         if self.backend is None:
             return None
-        device = re.sub(r"[^a-z0-9]+", "-", self.backend.device.info.name.lower()).strip("-") or "gpu"
-        stem = _file_stem(entry.shape, entry.dtype, entry.arch, entry.attrs)
-        return self.chosen_dir / device / entry.op / f"{stem}.json"
+        return self.chosen_dir / (re.sub(r"[^a-z0-9]+", "-", self.backend.device.info.name.lower()).strip("-") or "gpu")
+
+    def _choice_path(self, entry: KernelEntry) -> Path | None:
+        """``<cache_dir>/chosen/<GPU name>/<op>/<shape>-<dtype>-<arch>-<attrs digest>.json``."""
+        device = self._device_dir()
+        if device is None:
+            return None
+        return device / entry.op / f"{_file_stem(entry.shape, entry.dtype, entry.arch, entry.attrs)}.json"
+
+    def _edges_path(self, entries: Sequence[KernelEntry], problems: Sequence[tuple]) -> Path | None:
+        """``<cache_dir>/chosen/<GPU name>/edges/<digest>.json``, the digest of a forward: its problems, and its
+        PDL kernels (problem, family, params) in launch order."""
+        device = self._device_dir()
+        if device is None:
+            return None
+        kernels = [[e.op, e.shape, e.dtype, e.arch, attrs_key(e.attrs), e.family, e.params] for e in entries]
+        forward = json.dumps([list(problems), kernels], sort_keys=True, default=str)
+        return device / "edges" / f"{hashlib.sha256(forward.encode()).hexdigest()[:24]}.json"
+
+    def remembered_edges(self, entries: Sequence[KernelEntry], problems: Sequence[tuple]) -> set[int] | None:
+        """Indexes into ``entries`` (a captured forward's PDL kernels) of those that a capture of the same forward
+        on this GPU model kept on plain edges because that replayed faster; None where it was not timed here."""
+        path = self._edges_path(entries, problems)
+        try:
+            plain = json.loads(path.read_text())["plain"] if path is not None else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(plain, list) or not all(isinstance(i, int) and 0 <= i < len(entries) for i in plain):
+            return None
+        return set(plain)
+
+    def remember_edges(self, entries: Sequence[KernelEntry], problems: Sequence[tuple], plain: set[int]) -> None:
+        """Records which of a forward's PDL kernels (indexes into ``entries``) replayed faster on plain edges."""
+        path = self._edges_path(entries, problems)
+        if path is None:
+            return
+        names = [f"{e.op} {format_shape(e.shape)}" for e in entries]
+        record = {"plain": sorted(plain), "kernels": names, "device": self.backend.device.info.name}
+        record["at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            _write_atomically(path, json.dumps(record).encode())
+        except OSError as exc:  # a read-only cache must not fail the forward pass
+            log.warning("runtime: could not record a PDL edge choice at %s: %s", self.chosen_dir, exc)
 
     def remembered_choice(self, entry: KernelEntry) -> dict[str, Any] | None:
         """The params a capture on this GPU model kept for ``entry``'s problem when it timed them against this

@@ -497,3 +497,44 @@ def test_buckets_on_the_gpu_path_pad_before_the_kernels_and_cut_after(fake):
     mlp = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, buckets=[4])
     out = mlp.forward(np.ones((3, 8), np.float32))
     assert out.shape == (3, 8) and ("fused_mlp", (4, 8, 16, 8)) in {p[:2] for p in mlp.problems}
+
+
+def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeypatch):
+    from kernelmill.runtime import graph as graph_module
+    from kernelmill.runtime import models as models_module
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    model.forward(np.ones((12, 32), np.float32))
+    problems = list(model.problems)
+    up, down = registry.entries()
+    captures = []
+
+    class FakeGraph:
+        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
+            self.pdl, self.plain, self.constants = pdl, frozenset(plain), constants
+            self.pdl_entries = [e for e in (up, down) if id(e) not in self.plain]
+            captures.append(self)
+
+        def replay(self, prepared, copy_output=True):
+            time.sleep(0.0002 if id(down) in self.plain else 0.0008)  # the down projection is slower early
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
+    kept, line = model._tune_edges(FakeGraph(backend, None, ()), (), problems)
+    assert kept.plain == {id(down)} and "plain edges into linear 12x32x64" in line and "remembered" not in line
+    assert len(captures) == 3  # the first, then one trial per PDL kernel
+    # Another capture of the same forward on the same GPU model: the recorded choice, no timing.
+    monkeypatch.setattr(model, "_time_graphs", lambda graphs, prepared: pytest.fail("timed again"))
+    captures.clear()
+    kept, line = model._tune_edges(FakeGraph(backend, None, ()), (), problems)
+    assert kept.plain == {id(down)} and line == "; plain edges into linear 12x32x64 (remembered)"
+    assert len(captures) == 2  # the first and the one with the remembered edges
+    # Another forward (other problems) or another GPU model is timed afresh.
+    assert registry.remembered_edges([up, down], problems[:1]) is None
+    backend.device.info.name = "NVIDIA Fake H1"
+    assert registry.remembered_edges([up, down], problems) is None
