@@ -239,9 +239,20 @@ def test_model_chooses_pdl_per_kernel_by_replay_time(tmp_path, registry, caplog)
     assert "with PDL everywhere" in line, line
     (graph,) = mlp._graphs.values()
     # Both linears are a PDL family; the kept graph launches some of them on plain edges, or none.
-    ops_plain = {e.op for e in graph.pdl_entries if id(e) in graph.plain}
+    ops_plain = {e.op for e in registry.entries() if id(e) in graph.plain}
     assert ("plain edges into linear" in line) == bool(ops_plain) and ops_plain <= {"linear"}
     assert graph.plain or graph.programmatic_edges > 0
+    # Another model of the same forward on this GPU model takes the recorded choice without timing it.
+    caplog.clear()
+    again = runtime.load_model(tmp_path / "mlp.pt", pdl=True, tune_kernels=False, **load)
+    with caplog.at_level("INFO", logger="kernelmill.runtime.models"):
+        for _ in range(2):
+            out = again.forward(x)
+    (line,) = [r.getMessage() for r in caplog.records if "captured a CUDA graph" in r.getMessage()]
+    assert "(remembered)" in line and "with PDL everywhere" not in line, line
+    (second,) = again._graphs.values()
+    assert second.plain == graph.plain and again.last_run == "graph"
+    np.testing.assert_array_equal(out.numpy(), plain.forward(x).numpy())
 
 
 def test_model_chooses_among_the_defaults_runners_up_by_replay_time(tmp_path, registry, backend, caplog):
