@@ -9,10 +9,12 @@ CUDA context is now unusable, as after an illegal address).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import math
 import struct
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -340,6 +342,9 @@ class Device:
         # The primary context is the one PyTorch uses: baselines and our kernels share it.
         self._ctx = self._dev.retain_primary_context()
         self._ctx.push()
+        # The context stays pushed on this thread's stack; other threads push it around their work (activated).
+        self._owner = threading.get_ident()
+        self._local = threading.local()
         from pycuda.tools import DeviceMemoryPool
 
         self._pool = DeviceMemoryPool()
@@ -458,6 +463,23 @@ class Device:
         if fault.poisoned:
             self.poisoned = True
         return fault
+
+    @contextlib.contextmanager
+    def activated(self):
+        """The device's context current in the calling thread for the block. The thread that created the
+        device has it already; another thread (a web server's pool, a Dask worker's) pushes it for the block
+        and pops it after: pycuda finds contexts on a per-thread stack, and aborts the process if a thread ends
+        with one still there. Nested blocks push once."""
+        if threading.get_ident() == self._owner or getattr(self._local, "depth", 0):
+            yield
+            return
+        self._ctx.push()
+        self._local.depth = 1
+        try:
+            yield
+        finally:
+            self._local.depth = 0
+            self.cuda.Context.pop()
 
     def on_close(self, hook) -> None:
         """Call ``hook()`` before the context goes at exit: layers above drop their device objects there."""

@@ -11,7 +11,9 @@ logged (``logging_work``) so that the graph can later point its kernels at other
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +103,8 @@ class Backend:
         self.device = device
         self.cuda = device.cuda
         self.stream = device.cuda.Stream()
+        #: Held by every runtime call that touches the device (``on_device``): one stream, one capture at a time.
+        self.lock = threading.RLock()
         self._arena: CaptureArena | None = None
         self._programmatic = None  # graph.make_programmatic while a PDL graph is being captured
         self._edges: list[int] = [0]
@@ -234,6 +238,22 @@ class Backend:
 
 
 _backends: dict[int, Backend] = {}
+
+
+def on_device(fn):
+    """Runs ``fn`` holding the runtime backend's lock, with its CUDA context current in the calling thread
+    (``Device.activated``), once a backend exists: so that models and tensors made in one thread work from
+    any other, one at a time (they share one stream, and a forward being captured must see no other work)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        backend = _backends.get(0)
+        if backend is None:
+            return fn(*args, **kwargs)
+        with backend.lock, backend.device.activated():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def get_backend(ordinal: int = 0) -> Backend:

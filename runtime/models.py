@@ -31,6 +31,7 @@ import numpy as np
 from kernelmill.kernels.ops.base import TOLERANCES, format_shape
 from kernelmill.kernels.verify import compare
 from kernelmill.runtime import ops
+from kernelmill.runtime.backend import on_device
 from kernelmill.runtime.graph import GraphUnavailable
 from kernelmill.runtime.nn import (
     MLP,
@@ -395,7 +396,10 @@ class Model:
             return self.module.prepare_padded(self.buckets, *inputs, **kwargs)
         return self.module.prepare(*inputs, **kwargs), None
 
+    @on_device
     def forward(self, *inputs: Any, **kwargs: Any) -> Tensor:
+        """The module's output for these inputs, on the model's device. Any thread may call it (one forward runs
+        at a time, ``on_device``)."""
         prepared, restore = self.prepare(*inputs, **kwargs)
         out = self._forward(prepared)
         return out if restore is None else restore(out)
@@ -716,10 +720,12 @@ class Model:
             if problem not in self.problems:
                 self.problems.append(problem)
 
+    @on_device
     def synchronize(self) -> None:
         if self.backend is not None:
             self.backend.synchronize()
 
+    @on_device
     def reset_graphs(self) -> None:
         for graph in self._graphs.values():
             if graph is not _NO_GRAPH:

@@ -23,6 +23,7 @@ from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVA
 from kernelmill.kernels.ops.embedding import ID_ELEMS, pack_ids
 from kernelmill.kernels.ops.fused_mlp import ACTIVATIONS as FUSED_ACTIVATIONS
 from kernelmill.runtime import ranges
+from kernelmill.runtime.backend import on_device
 from kernelmill.runtime.tensor import ALIGNMENT, FLOAT_DTYPES, Tensor, numpy_dtype
 
 _registry: contextvars.ContextVar[Any] = contextvars.ContextVar("kernelmill_registry", default=None)
@@ -140,6 +141,7 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.ptr % ALIGNMENT == 0 else t.clone()
 
 
+@on_device
 def _launch(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     _note(op, shape, dtype, attrs)
     entry = current_registry().get(op, shape, dtype, attrs)

@@ -15,6 +15,7 @@ import numpy as np
 from kernelmill.kernels.device import Buffer
 from kernelmill.kernels.ops.base import numpy_dtype as _float_numpy_dtype
 from kernelmill.runtime import dlpack
+from kernelmill.runtime.backend import on_device
 
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int32", "int64")
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
@@ -93,6 +94,7 @@ class Tensor:
     # -- construction ----------------------------------------------------------------
 
     @classmethod
+    @on_device
     def empty(cls, shape, dtype: str = "float32", device: str = "cpu") -> Tensor:
         shape = tuple(int(d) for d in shape)
         device = _check_device(device)
@@ -102,6 +104,7 @@ class Tensor:
         return cls(shape, dtype, device, buffer=_backend().alloc(nbytes))
 
     @classmethod
+    @on_device
     def zeros(cls, shape, dtype: str = "float32", device: str = "cpu") -> Tensor:
         t = cls.empty(shape, dtype, device)
         if t.device == "cpu":
@@ -111,6 +114,7 @@ class Tensor:
         return t
 
     @classmethod
+    @on_device
     def from_numpy(cls, a: Any, device: str = "cpu", dtype: str | None = None) -> Tensor:
         """A tensor with ``a``'s values (converted to ``dtype``). On the CPU it shares ``a``'s memory
         when no conversion or copy for contiguity is needed."""
@@ -172,6 +176,7 @@ class Tensor:
 
     # -- data movement -----------------------------------------------------------------
 
+    @on_device
     def numpy(self) -> np.ndarray:
         """The values as a NumPy array (the array itself on the CPU; a copy from the GPU)."""
         if self.device == "cpu":
@@ -181,6 +186,7 @@ class Tensor:
             _backend().download(self.ptr, out)
         return out
 
+    @on_device
     def to(self, device: str | None = None, dtype: str | None = None) -> Tensor:
         device = _check_device(device or self.device)
         dtype = dtype or self.dtype
@@ -199,6 +205,7 @@ class Tensor:
     def cuda(self) -> Tensor:
         return self.to("cuda")
 
+    @on_device
     def copy_(self, src: Tensor) -> Tensor:
         """Copies ``src`` (same shape and dtype, any device) into this tensor."""
         if src.shape != self.shape or src.dtype != self.dtype:
@@ -211,6 +218,7 @@ class Tensor:
             _backend().copy(self.ptr, src.ptr, self.nbytes)
         return self
 
+    @on_device
     def clone(self) -> Tensor:
         if self.device == "cpu":
             return Tensor(self.shape, self.dtype, "cpu", array=self.array.copy())

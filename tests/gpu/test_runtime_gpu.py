@@ -131,6 +131,36 @@ def test_bert_graphs_beyond_max_graphs_are_released_and_captured_again(bert, reg
     assert all(g.nbytes == 0 and g._exec is None for g in released)  # closed, its buffers back in the pool
 
 
+def test_models_and_tensors_work_from_other_threads_one_forward_at_a_time(bert, registry):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("cuda.bindings")
+    path, _ = bert
+    load = dict(device="cuda", dtype="float16", registry=registry, tune_kernels=False)
+    model = runtime.load_model(path, **load)
+    rng = np.random.default_rng(8)
+    inputs = [rng.integers(0, 307, size=(2, 24)) for _ in range(6)]
+    want = [model.forward(ids).numpy() for ids in inputs]  # this thread: plain launches, then the graph
+    assert model.last_run == "graph"
+
+    def serve(ids):  # a web server's worker: forward, then the result on the host
+        return model.forward(ids).numpy()
+
+    def make_and_serve():  # a model loaded and run in a worker thread (the device exists already)
+        other = runtime.load_model(path, **load)
+        return [other.forward(ids).numpy() for ids in inputs[:3]], other.last_run
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(serve, inputs * 3))
+        outs, run = pool.submit(make_and_serve).result()
+    for g, w in zip(got, want * 3, strict=True):
+        np.testing.assert_array_equal(g, w)  # graph replays, four threads taking turns
+    for g, w in zip(outs, want[:3], strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert run == "graph"  # captured in the worker thread
+    np.testing.assert_array_equal(model.forward(inputs[0]).numpy(), want[0])  # and this thread still works
+
+
 def _save_mlp(path, layers: int, seed: int, d: int = 256, hidden: int = 704) -> None:
     """A torch MLP stack (Linear -> GELU -> Linear per layer, random weights) saved as a state_dict."""
     torch.manual_seed(seed)

@@ -1,0 +1,97 @@
+"""Runtime calls from other threads (no GPU: a fake context stack): the device's context is pushed around a
+call made off the thread that created the device and popped after, once however deep the calls nest, and calls
+hold the backend's lock, so one runs at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kernelmill.kernels.device import Device
+from kernelmill.runtime import backend as backend_module
+from kernelmill.runtime.backend import on_device
+
+
+@pytest.fixture
+def device(monkeypatch):
+    stacks: dict[int, list] = {}  # pycuda's context stack, per thread
+
+    def push():
+        stacks.setdefault(threading.get_ident(), []).append("ctx")
+
+    def pop():
+        stacks[threading.get_ident()].pop()
+
+    dev = object.__new__(Device)
+    dev._owner, dev._local = threading.get_ident(), threading.local()
+    dev._ctx = SimpleNamespace(push=push)
+    dev.cuda = SimpleNamespace(Context=SimpleNamespace(pop=pop))
+    dev.stacks = stacks
+    monkeypatch.setitem(backend_module._backends, 0, SimpleNamespace(device=dev, lock=threading.RLock()))
+    return dev
+
+
+def in_thread(fn):
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_another_thread_pushes_the_context_around_a_call_and_pops_it_after(device):
+    @on_device
+    def outer():
+        return inner() + [len(device.stacks.get(threading.get_ident(), []))]
+
+    @on_device
+    def inner():
+        return [len(device.stacks.get(threading.get_ident(), []))]
+
+    assert outer() == [0, 0]  # the creating thread has it already (pycuda pushed it there)
+    assert in_thread(outer) == [1, 1]  # pushed once, nested calls included
+    assert all(stack == [] for stack in device.stacks.values())  # nothing left when the thread ends
+    assert len(device.stacks) == 1
+
+    @on_device
+    def fails():
+        raise RuntimeError("a kernel failed")
+
+    with pytest.raises(RuntimeError):
+        in_thread(fails)
+    assert all(stack == [] for stack in device.stacks.values())  # popped on the way out as well
+
+
+def test_calls_from_two_threads_run_one_at_a_time(device):
+    order = []
+
+    @on_device
+    def work(name):
+        order.append(f"{name} in")
+        time.sleep(0.05)
+        order.append(f"{name} out")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert order == ["a in", "a out", "b in", "b out"]
+
+
+def test_without_a_backend_calls_pass_straight_through(monkeypatch):
+    monkeypatch.delitem(backend_module._backends, 0, raising=False)
+    assert in_thread(on_device(lambda: 7)) == 7
