@@ -426,6 +426,8 @@ class Model:
                 return out
         with ops.using_registry(self.registry):
             self._calls[key] = self._calls.get(key, 0) + 1
+            if self._calls[key] == 1:
+                self._prepare_kernels(prepared)
             if graph is None and self.graphs_enabled and self._calls[key] > self.warmup:
                 graph = self._capture(key, prepared)
                 if graph is not _NO_GRAPH:
@@ -436,6 +438,13 @@ class Model:
             self._remember(seen)
             self.last_run = "plain"
             return out
+
+    def _prepare_kernels(self, prepared: tuple) -> None:
+        """Before the first forward of an input signature: a forward that launches nothing lists the kernels it
+        needs (``ops.planning``), and the registry resolves them, compiling the missing defaults together."""
+        with ops.planning() as planned:
+            self.module.forward_prepared(*prepared)
+        self.registry.prepare(planned)
 
     def _capture(self, key: tuple, prepared: tuple) -> Any:
         from kernelmill.runtime.graph import CapturedForward

@@ -28,6 +28,7 @@ from kernelmill.runtime.tensor import ALIGNMENT, FLOAT_DTYPES, Tensor, numpy_dty
 
 _registry: contextvars.ContextVar[Any] = contextvars.ContextVar("kernelmill_registry", default=None)
 _recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("kernelmill_recorders", default=())
+_planning: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernelmill_planning", default=None)
 _default_registry = None
 _split_mlps: set[tuple] = set()  # fused_mlp problems already logged as running as two linears
 
@@ -96,6 +97,20 @@ def recording() -> Iterator[list[tuple[str, tuple[int, ...], str, dict[str, Any]
         _recorders.reset(token)
 
 
+@contextlib.contextmanager
+def planning() -> Iterator[list[tuple[str, tuple[int, ...], str, dict[str, Any]]]]:
+    """Inside the block GPU ops launch nothing (their outputs are allocated but never written); yields the
+    list of the (op, shape, dtype, attrs) problems whose kernels they would have launched. A forward run this
+    way lists what it needs, so that those kernels can be compiled together before it runs
+    (``KernelRegistry.prepare``)."""
+    planned: list = []
+    token = _planning.set(planned)
+    try:
+        yield planned
+    finally:
+        _planning.reset(token)
+
+
 def _note(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any]) -> None:
     for seen in _recorders.get():
         problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
@@ -144,6 +159,12 @@ def _aligned(t: Tensor) -> Tensor:
 @on_device
 def _launch(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     _note(op, shape, dtype, attrs)
+    planned = _planning.get()
+    if planned is not None:
+        problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
+        if problem not in planned:
+            planned.append(problem)
+        return
     entry = current_registry().get(op, shape, dtype, attrs)
     # Inputs that need an aligned copy are kept alive until the launches are queued; the pool then reuses
     # their memory only for work queued after them on the same stream.
@@ -513,6 +534,7 @@ __all__ = [
     "linear",
     "matmul",
     "narrow",
+    "planning",
     "recording",
     "relu",
     "scaled_dot_product_attention",

@@ -17,7 +17,8 @@ Resolution, once per problem (then kept in memory):
    kernels without a re-tune; where that code is not known, a cubin that lacks an entry those launches name
    (built before its family's launches changed) is not used;
 3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
-   problem), compiled with nvcc on first use (the compile cache keeps the cubin).
+   problem), compiled with nvcc on first use (the compile cache keeps the cubin); ``prepare`` compiles the
+   defaults of a forward's problems together before it runs.
 
 Each problem is logged once with the source it got; ``report()`` lists them all (source ``tuned``,
 ``nearest`` or ``default``, the speedup the service recorded).
@@ -242,6 +243,38 @@ class KernelRegistry:
                 self._entries[key] = entry
                 self._log(entry)
             return entry
+
+    def prepare(self, problems: Sequence[tuple]) -> None:
+        """Resolves the (op, shape, dtype, attrs) ``problems`` not resolved yet, as ``get`` would one by one,
+        but compiles the defaults among them together (``Compiler.compile_many``): a model's first forward then
+        waits for one round of nvcc instead of one compile per op. A problem that fails here fails again, with
+        its own error, where ``get`` meets it."""
+        wanted = []
+        with self._lock:
+            for op, shape, dtype, attrs in problems:
+                spec, shape, attrs, key = self._problem(op, shape, dtype, attrs)
+                if key not in self._entries and all(key != w[-1] for w in wanted):
+                    wanted.append((spec, shape, dtype, attrs, key))
+        by_arch: dict[str, set[str]] = {}
+        for spec, shape, dtype, attrs, _key in wanted:
+            if self.find(spec.name, shape, dtype, attrs) is not None:  # tuned or nearest: no default to compile
+                continue
+            try:
+                fam, params = self.default_choice(spec, shape, dtype, attrs)
+                by_arch.setdefault(self.target_arch + fam.arch_suffix, set()).add(render(fam, params, dtype, attrs))
+            except (SpecError, RenderError):
+                continue
+        sources = sum(len(v) for v in by_arch.values())
+        if sources > 1:
+            start = time.perf_counter()
+            for arch, batch in by_arch.items():
+                self.compiler.compile_many(sorted(batch), arch)
+            log.info("runtime: %d default kernels compiled together in %.1f s", sources, time.perf_counter() - start)
+        for spec, shape, dtype, attrs, _key in wanted:
+            try:
+                self.get(spec.name, shape, dtype, attrs)
+            except Exception as exc:  # noqa: BLE001 - the forward meets it again and raises it there
+                log.debug("runtime: preparing %s %s: %s", spec.name, format_shape(shape), exc)
 
     def resolved(
         self, op: str, shape: tuple[int, ...], dtype: str, attrs: Mapping[str, Any] | None = None

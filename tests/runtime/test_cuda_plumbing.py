@@ -539,3 +539,29 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
     assert registry.remembered_edges([up, down], problems[:1]) is None
     backend.device.info.name = "NVIDIA Fake H1"
     assert registry.remembered_edges([up, down], problems) is None
+
+
+def test_a_first_forward_lists_its_kernels_without_launching_and_compiles_them_together(fake, monkeypatch):
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    batches = []
+    compile_many = registry.compiler.compile_many
+
+    def counted(sources, arch):
+        batches.append(len(sources))
+        return compile_many(sources, arch)
+
+    monkeypatch.setattr(registry.compiler, "compile_many", counted)
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    x = Tensor.from_numpy(np.ones((12, 32), np.float32), "cuda", "float16")
+    with ops.planning() as planned:
+        model.module.forward_prepared(x)
+    # The MLP runs as its two linears (nothing tuned for fused_mlp): those are what it would launch.
+    assert [p[:2] for p in planned] == [("linear", (12, 64, 32)), ("linear", (12, 32, 64))]
+    assert backend.launches == [] and registry.entries() == []
+    model.forward(np.ones((12, 32), np.float32))
+    assert batches == [2] and len(registry.entries()) == 2  # one round of compiles, then the launches
+    assert [launch[0] for launch in backend.launches] == ["linear_gemv", "linear_gemv"]
+    model.forward(np.ones((12, 32), np.float32))
+    assert batches == [2]  # the same signature: nothing to prepare
