@@ -659,6 +659,7 @@ class Model:
                 for problem, entry, _stand_in in remembered:
                     self.registry.put(entry)
                     pending.append(problem)
+        self.registry.compile_alternatives([self.registry.resolved(*problem) for problem in pending])
         for problem in pending:
             entry = original = self.registry.resolved(*problem)
             timed = False

@@ -664,15 +664,7 @@ class KernelRegistry:
         capture-time choice): up to ``limit`` other parameter sets of its family that the defaults rank next
         (``default_alternatives``), compiled in parallel. None for tuned or nearest kernels (a tuning job
         measured those) or for a stand-in already chosen."""
-        if entry.source != DEFAULT or entry.chosen:
-            return []
-        spec = get_op(entry.op)
-        fam = spec.family(entry.family)
-        options = [
-            p
-            for p in default_alternatives(spec, fam, entry.shape, entry.dtype, self._sm_count())
-            if p != entry.params and fam.check_shape(entry.shape, p, entry.dtype) is None
-        ][:limit]
+        options = self._alternative_params(entry, limit)
         if not options:
             return []
         log.info(
@@ -682,6 +674,29 @@ class KernelRegistry:
             len(options),
         )
         return self._stand_ins(entry, options)
+
+    def _alternative_params(self, entry: KernelEntry, limit: int) -> list[dict[str, Any]]:
+        if entry.source != DEFAULT or entry.chosen:
+            return []
+        spec = get_op(entry.op)
+        fam = spec.family(entry.family)
+        return [
+            p
+            for p in default_alternatives(spec, fam, entry.shape, entry.dtype, self._sm_count())
+            if p != entry.params and fam.check_shape(entry.shape, p, entry.dtype) is None
+        ][:limit]
+
+    def compile_alternatives(self, entries: Sequence[KernelEntry], limit: int = 4) -> None:
+        """Compiles the runners-up of all ``entries`` together (one round of nvcc, one process per core), so
+        that ``alternatives`` then finds them compiled; failures are left for ``alternatives`` to report."""
+        by_arch: dict[str, set[str]] = {}
+        for entry in entries:
+            fam = get_op(entry.op).family(entry.family)
+            for params in self._alternative_params(entry, limit):
+                by_arch.setdefault(entry.arch, set()).add(render(fam, params, entry.dtype, entry.attrs))
+        for arch, sources in by_arch.items():
+            if len(sources) > 1:
+                self.compiler.compile_many(sorted(sources), arch)
 
     def stand_in(self, entry: KernelEntry, params: Mapping[str, Any]) -> KernelEntry | None:
         """``entry``'s problem compiled with ``params`` of its family (None where they do not compile)."""

@@ -565,3 +565,14 @@ def test_a_first_forward_lists_its_kernels_without_launching_and_compiles_them_t
     assert [launch[0] for launch in backend.launches] == ["linear_gemv", "linear_gemv"]
     model.forward(np.ones((12, 32), np.float32))
     assert batches == [2]  # the same signature: nothing to prepare
+
+
+def test_the_runners_up_of_several_kernels_compile_in_one_round(fake, monkeypatch):
+    _backend, registry = fake
+    entries = [registry.get("linear", (256, n, 4096), "float16", {"act": "none"}) for n in (4096, 11008)]
+    options = [registry._alternative_params(e, 4) for e in entries]
+    assert all(e.family == "wgmma" for e in entries) and all(options)
+    rounds = []
+    monkeypatch.setattr(registry.compiler, "compile_many", lambda sources, arch: rounds.append((len(sources), arch)))
+    registry.compile_alternatives(entries)
+    assert rounds == [(len(options[0]) + len(options[1]), entries[0].arch)]
