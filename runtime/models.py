@@ -525,6 +525,17 @@ class Model:
         the same forward on the same GPU model takes it without timing."""
         from kernelmill.runtime.graph import CapturedForward
 
+        def plain_into(more: set[int]) -> Any:
+            """The forward captured again with PDL, the kernels in ``more`` (ids) on plain edges as well."""
+            return CapturedForward(
+                self.backend,
+                self.module.forward_prepared,
+                prepared,
+                pdl=True,
+                plain=graph.plain | more,
+                constants=graph.constants,
+            )
+
         entries = list(graph.pdl_entries)
         remembered = self.registry.remembered_edges(entries, problems)
         if remembered is not None:
@@ -532,14 +543,7 @@ class Model:
             if not remembered:
                 return graph, "; PDL for every kernel that has it (remembered)"
             try:
-                trial = CapturedForward(
-                    self.backend,
-                    self.module.forward_prepared,
-                    prepared,
-                    pdl=True,
-                    plain=graph.plain | {id(entries[i]) for i in remembered},
-                    constants=graph.constants,
-                )
+                trial = plain_into({id(entries[i]) for i in remembered})
             except Exception as exc:  # noqa: BLE001 - time the choice again
                 log.info("runtime: capture with the remembered plain edges failed (%s)", exc)
             else:
@@ -549,14 +553,7 @@ class Model:
         plain_names, plain, complete = [], set(), True
         for index, entry in enumerate(entries):
             try:
-                trial = CapturedForward(
-                    self.backend,
-                    self.module.forward_prepared,
-                    prepared,
-                    pdl=True,
-                    plain=graph.plain | {id(entry)},
-                    constants=graph.constants,
-                )
+                trial = plain_into({id(entry)})
             except Exception as exc:  # noqa: BLE001 - keep what was captured
                 log.info("runtime: capture with plain edges into %s failed (%s)", entry.op, exc)
                 continue
