@@ -279,6 +279,7 @@ class Tensor:
     def __dlpack_device__(self) -> tuple[int, int]:
         return (dlpack.KDL_CUDA, 0) if self.device == "cuda" else (dlpack.KDL_CPU, 0)
 
+    @on_device
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None):
         if copy:
             return self.clone().__dlpack__(stream=stream)
