@@ -108,8 +108,9 @@ class Module:
     def prepare_padded(self, buckets: Sequence[int], *inputs: Any, **kwargs: Any) -> tuple[tuple, Restore | None]:
         """``prepare``, with the input's rows (every dim but the last, flattened) padded with zeros up to the
         smallest of ``buckets`` that holds them, so that inputs of many sizes share a few shapes (and CUDA
-        graphs). Returns the tensors and what takes the padding off the output (None where nothing was padded:
-        the rows fill their bucket, exceed the largest, or the module is not row-wise)."""
+        graphs). Returns the tensors and what takes the padding off the output (None where the input is left as
+        it is: a matrix whose rows fill their bucket, rows past the largest bucket, a module that is not
+        row-wise)."""
         prepared = self.prepare(*inputs, **kwargs)
         if not self.rowwise or len(prepared) != 1 or prepared[0].ndim < 2:
             return prepared, None
