@@ -343,8 +343,10 @@ class Device:
         self._ctx = self._dev.retain_primary_context()
         self._ctx.push()
         # The context stays pushed on this thread's stack; other threads push it around their work (activated).
-        self._owner = threading.get_ident()
+        self._owner: int | None = threading.get_ident()
         self._local = threading.local()
+        if threading.current_thread() is not threading.main_thread():
+            self._local.pop_at_end = _PopAtThreadEnd(self)
         from pycuda.tools import DeviceMemoryPool
 
         self._pool = DeviceMemoryPool()
@@ -498,6 +500,8 @@ class Device:
         try:
             import gc
 
+            if threading.get_ident() != self._owner:  # made on another thread, or that thread has ended
+                self._ctx.push()
             self._modules.clear()
             gc.collect()
             if not self.poisoned:
@@ -508,6 +512,24 @@ class Device:
         except Exception as exc:  # noqa: BLE001 - best effort at exit
             log.debug("closing the device context: %s", exc)
         self._ctx = None
+
+
+class _PopAtThreadEnd:
+    """Kept in the thread-local storage of a thread other than the main one that created a Device: when that
+    thread ends (its thread-locals are cleared there), pops the context the Device pushed on its stack, since
+    pycuda aborts the process when a thread ends with one still there, and leaves the device to the threads
+    that use it (``Device.activated``)."""
+
+    def __init__(self, device: Device) -> None:
+        self._device = weakref.ref(device)
+
+    def __del__(self) -> None:
+        device = self._device()
+        if device is None or getattr(device, "_ctx", None) is None or device._owner != threading.get_ident():
+            return
+        device._owner = None
+        with contextlib.suppress(Exception):
+            device.cuda.Context.pop()
 
 
 _devices: dict[int, Device] = {}

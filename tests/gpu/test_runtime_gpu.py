@@ -162,6 +162,39 @@ def test_models_and_tensors_work_from_other_threads_one_forward_at_a_time(bert, 
     np.testing.assert_array_equal(model.forward(inputs[0]).numpy(), want[0])  # and this thread still works
 
 
+_LOAD_IN_A_THREAD = """
+import threading
+import numpy as np
+from kernelmill import runtime
+from kernelmill.runtime.nn import MLP
+
+held, x = {}, np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+
+def load_and_serve():  # e.g. a model loaded lazily by a web server's worker thread, which later ends
+    held["model"] = model = runtime.Model(MLP.random(64, 128, 64), "cuda", "float16", tune_kernels=False)
+    held["first"] = [model.forward(x).numpy() for _ in range(3)]
+
+for target in (load_and_serve, lambda: held.setdefault("other", held["model"].forward(x).numpy())):
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+here = held["model"].forward(x).numpy()
+assert all((a == here).all() for a in [*held["first"], held["other"]])
+print("served after the loading thread ended")
+"""
+
+
+def test_a_model_loaded_on_a_thread_that_ends_keeps_serving_and_the_process_exits_cleanly(backend):
+    """Its own process: the device is made on that thread (pycuda aborts a process whose thread ends with a
+    context pushed)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LOAD_IN_A_THREAD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "served after the loading thread ended" in done.stdout, done.stderr[-3000:]
+    assert "PyCUDA ERROR" not in done.stderr
+
+
 def _save_mlp(path, layers: int, seed: int, d: int = 256, hidden: int = 704) -> None:
     """A torch MLP stack (Linear -> GELU -> Linear per layer, random weights) saved as a state_dict."""
     torch.manual_seed(seed)

@@ -95,3 +95,22 @@ def test_calls_from_two_threads_run_one_at_a_time(device):
 def test_without_a_backend_calls_pass_straight_through(monkeypatch):
     monkeypatch.delitem(backend_module._backends, 0, raising=False)
     assert in_thread(on_device(lambda: 7)) == 7
+
+
+def test_a_device_made_on_a_thread_that_ends_leaves_that_threads_stack_empty(device):
+    from kernelmill.kernels.device import _PopAtThreadEnd
+
+    device._local = threading.local()
+    seen = {}
+
+    def make_device_here():  # what Device.__init__ does off the main thread
+        device._ctx.push()
+        device._owner = threading.get_ident()
+        device._local.pop_at_end = _PopAtThreadEnd(device)
+        seen["ident"] = threading.get_ident()
+        return "made"
+
+    assert in_thread(make_device_here) == "made"
+    # The thread's locals were cleared as it ended, in that thread: its push popped, the device left to others.
+    assert device.stacks[seen["ident"]] == [] and device._owner is None
+    assert in_thread(on_device(lambda: len(device.stacks[threading.get_ident()]))) == 1  # others push for a call
