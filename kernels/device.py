@@ -16,6 +16,7 @@ import math
 import struct
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -502,6 +503,9 @@ class Device:
 
             if threading.get_ident() != self._owner:  # made on another thread, or that thread has ended
                 self._ctx.push()
+                # Objects still held at exit that pycuda made on that thread (a model's stream and modules) cannot
+                # be cleaned up from this one; it says so for each, and the process frees them as it ends.
+                warnings.filterwarnings("ignore", message=".*in out-of-thread context could not be cleaned up")
             self._modules.clear()
             gc.collect()
             if not self.poisoned:

@@ -192,7 +192,7 @@ def test_a_model_loaded_on_a_thread_that_ends_keeps_serving_and_the_process_exit
 
     done = subprocess.run([sys.executable, "-c", _LOAD_IN_A_THREAD], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "served after the loading thread ended" in done.stdout, done.stderr[-3000:]
-    assert "PyCUDA ERROR" not in done.stderr
+    assert "PyCUDA ERROR" not in done.stderr and "could not be cleaned up" not in done.stderr, done.stderr[-3000:]
 
 
 def _save_mlp(path, layers: int, seed: int, d: int = 256, hidden: int = 704) -> None:
