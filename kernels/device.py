@@ -389,6 +389,12 @@ class Device:
         self._live.add(buf)
         return buf
 
+    def free_held(self) -> int:
+        """Returns the pool's unused blocks to the driver; how many there were."""
+        held = self._pool.held_blocks
+        self._pool.free_held()
+        return held
+
     def upload(self, array: np.ndarray) -> Buffer:
         array = np.ascontiguousarray(array)
         buf = self.alloc(array.nbytes)

@@ -9,6 +9,7 @@ Without a GPU the same models run on NumPy float32 (device="cpu"). The runtime i
 """
 
 from kernelmill.runtime import nn, ops
+from kernelmill.runtime.backend import empty_cache
 from kernelmill.runtime.models import BertModel, Model, load_model, load_module, mlp_from_state_dict
 from kernelmill.runtime.registry import KernelRegistry
 from kernelmill.runtime.tensor import Tensor, as_tensor, from_numpy, from_torch, to_torch
@@ -21,6 +22,7 @@ __all__ = [
     "Tensor",
     "TuneError",
     "as_tensor",
+    "empty_cache",
     "from_numpy",
     "from_torch",
     "load_model",

@@ -256,6 +256,21 @@ def on_device(fn):
     return wrapper
 
 
+def empty_cache() -> int:
+    """Hands the memory pool's unused blocks back to the driver, where other libraries (PyTorch) can allocate
+    them; returns how many blocks went. Buffers in use, and the graphs' arenas, stay."""
+    backend = _backends.get(0)
+    if backend is None:
+        return 0
+
+    @on_device
+    def release() -> int:
+        backend.synchronize()  # blocks freed behind queued work are free once it is done
+        return backend.device.free_held()
+
+    return release()
+
+
 def get_backend(ordinal: int = 0) -> Backend:
     """The process's Backend for GPU ``ordinal``; GpuUnavailable where there is none."""
     if ordinal not in _backends:

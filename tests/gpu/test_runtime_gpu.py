@@ -162,6 +162,12 @@ def test_models_and_tensors_work_from_other_threads_one_forward_at_a_time(bert, 
     np.testing.assert_array_equal(model.forward(inputs[0]).numpy(), want[0])  # and this thread still works
 
 
+def test_empty_cache_hands_the_pools_unused_blocks_back(backend):
+    t = Tensor.empty((1 << 20,), "float32", "cuda")  # 4 MiB from the pool
+    del t  # back in the pool, held there
+    assert runtime.empty_cache() >= 1 and backend.device._pool.held_blocks == 0
+
+
 _LOAD_IN_A_THREAD = """
 import threading
 import numpy as np
