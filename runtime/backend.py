@@ -262,13 +262,9 @@ def empty_cache() -> int:
     backend = _backends.get(0)
     if backend is None:
         return 0
-
-    @on_device
-    def release() -> int:
+    with backend.lock, backend.device.activated():
         backend.synchronize()  # blocks freed behind queued work are free once it is done
         return backend.device.free_held()
-
-    return release()
 
 
 def get_backend(ordinal: int = 0) -> Backend:

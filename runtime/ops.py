@@ -111,9 +111,10 @@ def planning() -> Iterator[list[tuple[str, tuple[int, ...], str, dict[str, Any]]
         _planning.reset(token)
 
 
-def _note(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any]) -> None:
-    for seen in _recorders.get():
-        problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
+def _note(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], into: tuple = ()) -> None:
+    """Adds the problem to every recording under way and to the lists in ``into``, once each."""
+    problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
+    for seen in (*_recorders.get(), *into):
         if problem not in seen:
             seen.append(problem)
 
@@ -158,12 +159,9 @@ def _aligned(t: Tensor) -> Tensor:
 
 @on_device
 def _launch(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-    _note(op, shape, dtype, attrs)
     planned = _planning.get()
+    _note(op, shape, dtype, attrs, into=() if planned is None else (planned,))
     if planned is not None:
-        problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
-        if problem not in planned:
-            planned.append(problem)
         return
     entry = current_registry().get(op, shape, dtype, attrs)
     # Inputs that need an aligned copy are kept alive until the launches are queued; the pool then reuses

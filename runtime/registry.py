@@ -249,14 +249,14 @@ class KernelRegistry:
         but compiles the defaults among them together (``Compiler.compile_many``): a model's first forward then
         waits for one round of nvcc instead of one compile per op. A problem that fails here fails again, with
         its own error, where ``get`` meets it."""
-        wanted = []
+        wanted = {}
         with self._lock:
             for op, shape, dtype, attrs in problems:
                 spec, shape, attrs, key = self._problem(op, shape, dtype, attrs)
-                if key not in self._entries and all(key != w[-1] for w in wanted):
-                    wanted.append((spec, shape, dtype, attrs, key))
+                if key not in self._entries:
+                    wanted.setdefault(key, (spec, shape, dtype, attrs))
         by_arch: dict[str, set[str]] = {}
-        for spec, shape, dtype, attrs, _key in wanted:
+        for spec, shape, dtype, attrs in wanted.values():
             if self.find(spec.name, shape, dtype, attrs) is not None:  # tuned or nearest: no default to compile
                 continue
             try:
@@ -264,13 +264,11 @@ class KernelRegistry:
                 by_arch.setdefault(self.target_arch + fam.arch_suffix, set()).add(render(fam, params, dtype, attrs))
             except (SpecError, RenderError):
                 continue
-        sources = sum(len(v) for v in by_arch.values())
-        if sources > 1:
-            start = time.perf_counter()
-            for arch, batch in by_arch.items():
-                self.compiler.compile_many(sorted(batch), arch)
-            log.info("runtime: %d default kernels compiled together in %.1f s", sources, time.perf_counter() - start)
-        for spec, shape, dtype, attrs, _key in wanted:
+        start = time.perf_counter()
+        compiled = self._compile_together(by_arch)
+        if compiled:
+            log.info("runtime: %d default kernels compiled together in %.1f s", compiled, time.perf_counter() - start)
+        for spec, shape, dtype, attrs in wanted.values():
             try:
                 self.get(spec.name, shape, dtype, attrs)
             except Exception as exc:  # noqa: BLE001 - the forward meets it again and raises it there
@@ -694,9 +692,15 @@ class KernelRegistry:
             fam = get_op(entry.op).family(entry.family)
             for params in self._alternative_params(entry, limit):
                 by_arch.setdefault(entry.arch, set()).add(render(fam, params, entry.dtype, entry.attrs))
-        for arch, sources in by_arch.items():
-            if len(sources) > 1:
-                self.compiler.compile_many(sorted(sources), arch)
+        self._compile_together(by_arch)
+
+    def _compile_together(self, by_arch: Mapping[str, set[str]]) -> int:
+        """Compiles each arch's sources in one ``compile_many`` round where there are several (the compile cache
+        then holds them for ``compile``); how many it compiled. Failures are left to whoever compiles again."""
+        batches = {arch: sorted(sources) for arch, sources in by_arch.items() if len(sources) > 1}
+        for arch, sources in batches.items():
+            self.compiler.compile_many(sources, arch)
+        return sum(len(sources) for sources in batches.values())
 
     def stand_in(self, entry: KernelEntry, params: Mapping[str, Any]) -> KernelEntry | None:
         """``entry``'s problem compiled with ``params`` of its family (None where they do not compile)."""
@@ -779,12 +783,16 @@ class KernelRegistry:
         if path is None:
             return
         names = [f"{e.op} {format_shape(e.shape)}" for e in entries]
-        record = {"plain": sorted(plain), "kernels": names, "device": self.backend.device.info.name}
+        self._record(path, {"plain": sorted(plain), "kernels": names}, "a PDL edge choice")
+
+    def _record(self, path: Path, record: dict[str, Any], what: str) -> None:
+        """Writes a capture-time choice with the GPU it was timed on and when."""
+        record = {**record, "device": self.backend.device.info.name}
         record["at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             _write_atomically(path, json.dumps(record).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
-            log.warning("runtime: could not record a PDL edge choice at %s: %s", self.chosen_dir, exc)
+            log.warning("runtime: could not record %s at %s: %s", what, self.chosen_dir, exc)
 
     def remembered_choice(self, entry: KernelEntry) -> dict[str, Any] | None:
         """The params a capture on this GPU model kept for ``entry``'s problem when it timed them against this
@@ -811,17 +819,8 @@ class KernelRegistry:
         path = self._choice_path(default)
         if path is None:
             return
-        record = {
-            "family": default.family,
-            "default": default.params,
-            "params": kept.params,
-            "device": self.backend.device.info.name,
-            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        try:
-            _write_atomically(path, json.dumps(record).encode())
-        except OSError as exc:  # a read-only cache must not fail the forward pass
-            log.warning("runtime: could not record a kernel choice at %s: %s", self.chosen_dir, exc)
+        record = {"family": default.family, "default": default.params, "params": kept.params}
+        self._record(path, record, "a kernel choice")
 
     def put(self, entry: KernelEntry) -> None:
         """Makes ``entry`` the kernel of its problem from now on (a stand-in ``alternatives`` compiled)."""
