@@ -240,20 +240,32 @@ class Backend:
 _backends: dict[int, Backend] = {}
 
 
-def on_device(fn):
+def on_device(fn=None, *, cuda_args_only: bool = False):
     """Runs ``fn`` holding the runtime backend's lock, with its CUDA context current in the calling thread
     (``Device.activated``), once a backend exists: so that models and tensors made in one thread work from
-    any other, one at a time (they share one stream, and a forward being captured must see no other work)."""
+    any other, one at a time (they share one stream, and a forward being captured must see no other work).
+    ``cuda_args_only``: only calls that name the GPU (a CUDA Tensor or a "cuda" device among the arguments)
+    do so; CPU tensor work does not wait behind another thread's forward."""
+    if fn is None:
+        return functools.partial(on_device, cuda_args_only=cuda_args_only)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         backend = _backends.get(0)
-        if backend is None:
+        if backend is None or (cuda_args_only and not _names_cuda(args, kwargs)):
             return fn(*args, **kwargs)
         with backend.lock, backend.device.activated():
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _names_cuda(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's arguments hold a CUDA tensor or name the "cuda" device."""
+    for a in (*args, *kwargs.values()):
+        if getattr(a, "device", None) == "cuda" or (isinstance(a, str) and a.startswith("cuda")):
+            return True
+    return False
 
 
 def empty_cache() -> int:

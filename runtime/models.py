@@ -44,6 +44,7 @@ from kernelmill.runtime.nn import (
     Sequential,
     TransformerEncoderLayer,
     bucket_for,
+    host_array,
 )
 from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor, numpy_dtype
 from kernelmill.settings import get_settings
@@ -54,20 +55,12 @@ log = logging.getLogger(__name__)
 MASK_MIN = {"float32": -3.4028234663852886e38, "float16": -65504.0, "bfloat16": -3.3895313892515355e38}
 
 
-def _host(x: Any) -> np.ndarray:
-    if isinstance(x, Tensor):
-        return x.numpy()
-    if type(x).__module__.startswith("torch"):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
-
-
 # -- BERT -------------------------------------------------------------------------------------------------
 
 
 def _shaped_like(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
     """A per-token input (mask, token types) as an array of input_ids' shape, or a ValueError naming both."""
-    arr = _host(a)
+    arr = host_array(a)
     if arr.shape != shape and not (arr.ndim == 1 and (1, *arr.shape) == shape):
         raise ValueError(f"{name} has shape {arr.shape}; input_ids has {shape}")
     return arr.reshape(shape)
@@ -87,7 +80,7 @@ class BertModel(Module):
         return int(self.config["num_attention_heads"])
 
     def prepare(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> tuple:
-        ids = _host(input_ids)
+        ids = host_array(input_ids)
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
@@ -120,7 +113,7 @@ class BertModel(Module):
         position embeddings): padded tokens are masked out as keys, so no real token's output changes, and the
         output is cut back to the real tokens. A sequence that fills its bucket gets a mask too (all ones), so
         it replays the bucket's graph."""
-        ids = _host(input_ids)
+        ids = host_array(input_ids)
         ids = ids[None] if ids.ndim == 1 else ids
         seq = ids.shape[-1] if ids.ndim == 2 else 0
         size = bucket_for(seq, buckets)
@@ -135,6 +128,22 @@ class BertModel(Module):
             types = np.pad(_shaped_like("token_type_ids", token_type_ids, ids.shape), pad)
         prepared = self.prepare(np.pad(ids, pad), np.pad(mask, pad), types)
         return prepared, None if size == seq else lambda out: ops.narrow(out, seq)
+
+    def resize_inputs(
+        self, size: int, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None
+    ) -> tuple[tuple, dict[str, Any]] | None:
+        """An example request's inputs with the sequence made ``size`` long (tokens repeated or cut), the batch
+        and the optional inputs as they were; None past the position embeddings (not padded)."""
+        if size > self.embeddings.pos.shape[0]:
+            return None
+        ids = host_array(input_ids)
+        ids = ids[None] if ids.ndim == 1 else ids
+        if ids.ndim != 2 or not ids.shape[1]:
+            raise ValueError(f"input_ids must be of shape (batch, seq) with seq >= 1, got {ids.shape}")
+        cols = np.arange(size) % ids.shape[1]
+        given = {"attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        extra = {k: _shaped_like(k, v, ids.shape)[:, cols] for k, v in given.items() if v is not None}
+        return (ids[:, cols],), extra
 
     def forward_prepared(self, ids: Tensor, type_ids: Tensor | None, mask: Tensor | None) -> Tensor:
         x = self.embeddings(ids, type_ids)
@@ -225,7 +234,7 @@ def _path_key(name: str) -> tuple:
 def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
     """An MLP stack from a torch state_dict (see the module docstring for the layouts understood)."""
     act = ops.canonical_act(act)
-    arrays = {k: np.asarray(_host(v), dtype=np.float32) for k, v in sd.items()}
+    arrays = {k: np.asarray(host_array(v), dtype=np.float32) for k, v in sd.items()}
     linears = sorted(
         (k[: -len(".weight")] for k, v in arrays.items() if k.endswith(".weight") and v.ndim == 2), key=_path_key
     )
@@ -380,6 +389,7 @@ class Model:
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()  # least recently used first
         self._released = 0  # graphs closed to keep max_graphs
         self._calls: dict[tuple, int] = {}
+        self._planned: set[tuple] = set()  # input signatures whose kernels the registry has resolved
         self.problems: list[tuple] = []
         self.last_run = "none"  # "graph", "plain" or "cpu": how the last forward ran
 
@@ -404,6 +414,53 @@ class Model:
         out = self._forward(prepared)
         return out if restore is None else restore(out)
 
+    def capture_buckets(self, *inputs: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """Captures now, for each bucket, the CUDA graph that requests like this example (its batch, dtypes
+        and optional inputs) replay once padded to that bucket, so that no request pays a capture (seconds
+        each). The example's padded dimension (BERT's sequence, an MLP's rows) is repeated or cut to each
+        bucket's size. Returns a row per bucket: its size, the input shapes, how its forward now runs
+        ("graph", or "plain" where capture failed) and the seconds it took. A CPU model captures nothing."""
+        if not self.buckets:
+            raise ValueError("capture_buckets needs buckets: load_model(..., buckets=[...])")
+        if len(self.buckets) > self.max_graphs:
+            raise ValueError(
+                f"capture_buckets: {len(self.buckets)} buckets but max_graphs={self.max_graphs}: the last captures "
+                "would release the first (raise max_graphs or use fewer buckets)"
+            )
+        if self.device == "cpu":
+            log.info("runtime: a CPU model has no CUDA graphs to capture")
+            return []
+        rows = []
+        for i, size in enumerate(self.buckets, 1):
+            resized = self.module.resize_inputs(size, *inputs, **kwargs)
+            if resized is None:
+                log.info(
+                    "runtime: bucket %d/%d (%d) skipped: %s does not pad to it",
+                    i,
+                    len(self.buckets),
+                    size,
+                    type(self.module).__name__,
+                )
+                continue
+            start = time.perf_counter()
+            for _ in range(self.warmup + 1 if self.graphs_enabled else 1):
+                out = self.forward(*resized[0], **resized[1])
+            self.synchronize()
+            seconds = time.perf_counter() - start
+            shapes = ", ".join(format_shape(np.shape(a)) for a in (*resized[0], *resized[1].values()))
+            rows.append({"size": size, "inputs": shapes, "run": self.last_run, "seconds": seconds})
+            log.info(
+                "runtime: bucket %d/%d (%d): inputs %s, output %s, %s in %.2f s",
+                i,
+                len(self.buckets),
+                size,
+                shapes,
+                format_shape(out.shape),
+                self.last_run,
+                seconds,
+            )
+        return rows
+
     def _forward(self, prepared: tuple) -> Tensor:
         if self.device == "cpu":
             with ops.recording() as seen:
@@ -426,8 +483,9 @@ class Model:
                 return out
         with ops.using_registry(self.registry):
             self._calls[key] = self._calls.get(key, 0) + 1
-            if self._calls[key] == 1:
+            if key not in self._planned:  # a released graph's inputs come back with their kernels resolved
                 self._prepare_kernels(prepared)
+                self._planned.add(key)
             if graph is None and self.graphs_enabled and self._calls[key] > self.warmup:
                 graph = self._capture(key, prepared)
                 if graph is not _NO_GRAPH:
@@ -866,7 +924,7 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         if (path / "model.safetensors").exists():
             sd = _load_safetensors(path / "model.safetensors")
         elif (path / "pytorch_model.bin").exists():
-            sd = {k: _host(v.float()) for k, v in _torch_load(path / "pytorch_model.bin").items()}
+            sd = {k: host_array(v.float()) for k, v in _torch_load(path / "pytorch_model.bin").items()}
         else:
             raise ValueError(f"{path} has neither model.safetensors nor pytorch_model.bin")
         return BertModel.from_state_dict(sd, config)

@@ -127,6 +127,28 @@ class Module:
             padded.rows(0, rows).copy_(x.reshape(rows, features))
         return (padded,), lambda out: out.rows(0, rows).reshape(*lead, out.shape[-1])
 
+    def resize_inputs(self, size: int, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]] | None:
+        """Inputs like these (an example request) with the dimension ``prepare_padded`` pads made ``size`` long,
+        their values repeated or cut, as host arrays: what ``Model.capture_buckets`` captures a bucket with.
+        None where the module does not pad to ``size``; row-wise modules take one input of rows."""
+        if not self.rowwise:
+            raise ValueError(f"{type(self).__name__} has no dimension to pad")
+        if len(inputs) != 1 or kwargs:
+            raise TypeError(f"{type(self).__name__} takes one input (rows x features)")
+        x = host_array(inputs[0])
+        if x.ndim < 2:
+            raise ValueError(f"the example input must have rows (at least 2 dims), got shape {x.shape}")
+        return (np.resize(x.reshape(-1, x.shape[-1]), (size, x.shape[-1])),), {}
+
+
+def host_array(x: Any) -> np.ndarray:
+    """An input (array, nested lists, Tensor on any device, torch tensor) as a NumPy array on the host."""
+    if isinstance(x, Tensor):
+        return x.numpy()
+    if type(x).__module__.startswith("torch"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
 
 def _as_input(x: Any, device: str, dtype: str) -> Tensor:
     from kernelmill.runtime.tensor import as_tensor

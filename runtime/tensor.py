@@ -94,7 +94,7 @@ class Tensor:
     # -- construction ----------------------------------------------------------------
 
     @classmethod
-    @on_device
+    @on_device(cuda_args_only=True)
     def empty(cls, shape, dtype: str = "float32", device: str = "cpu") -> Tensor:
         shape = tuple(int(d) for d in shape)
         device = _check_device(device)
@@ -104,7 +104,7 @@ class Tensor:
         return cls(shape, dtype, device, buffer=_backend().alloc(nbytes))
 
     @classmethod
-    @on_device
+    @on_device(cuda_args_only=True)
     def zeros(cls, shape, dtype: str = "float32", device: str = "cpu") -> Tensor:
         t = cls.empty(shape, dtype, device)
         if t.device == "cpu":
@@ -114,7 +114,7 @@ class Tensor:
         return t
 
     @classmethod
-    @on_device
+    @on_device(cuda_args_only=True)
     def from_numpy(cls, a: Any, device: str = "cpu", dtype: str | None = None) -> Tensor:
         """A tensor with ``a``'s values (converted to ``dtype``). On the CPU it shares ``a``'s memory
         when no conversion or copy for contiguity is needed."""
@@ -176,7 +176,7 @@ class Tensor:
 
     # -- data movement -----------------------------------------------------------------
 
-    @on_device
+    @on_device(cuda_args_only=True)
     def numpy(self) -> np.ndarray:
         """The values as a NumPy array (the array itself on the CPU; a copy from the GPU)."""
         if self.device == "cpu":
@@ -186,7 +186,7 @@ class Tensor:
             _backend().download(self.ptr, out)
         return out
 
-    @on_device
+    @on_device(cuda_args_only=True)
     def to(self, device: str | None = None, dtype: str | None = None) -> Tensor:
         device = _check_device(device or self.device)
         dtype = dtype or self.dtype
@@ -205,7 +205,7 @@ class Tensor:
     def cuda(self) -> Tensor:
         return self.to("cuda")
 
-    @on_device
+    @on_device(cuda_args_only=True)
     def copy_(self, src: Tensor) -> Tensor:
         """Copies ``src`` (same shape and dtype, any device) into this tensor."""
         if src.shape != self.shape or src.dtype != self.dtype:
@@ -218,7 +218,7 @@ class Tensor:
             _backend().copy(self.ptr, src.ptr, self.nbytes)
         return self
 
-    @on_device
+    @on_device(cuda_args_only=True)
     def clone(self) -> Tensor:
         if self.device == "cpu":
             return Tensor(self.shape, self.dtype, "cpu", array=self.array.copy())
@@ -279,7 +279,7 @@ class Tensor:
     def __dlpack_device__(self) -> tuple[int, int]:
         return (dlpack.KDL_CUDA, 0) if self.device == "cuda" else (dlpack.KDL_CPU, 0)
 
-    @on_device
+    @on_device(cuda_args_only=True)
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None):
         if copy:
             return self.clone().__dlpack__(stream=stream)

@@ -461,6 +461,27 @@ def test_buckets_share_graphs_between_sizes_and_leave_real_tokens_and_rows_as_th
     assert [k[0][0] for k in padded._graphs] == [(8, 256)]  # 3 and 5 rows: one graph; 11 ran plain (once)
 
 
+def test_capture_buckets_ahead_of_requests_gives_the_same_outputs(bert, registry):
+    pytest.importorskip("cuda.bindings")
+    path, ref_model = bert
+    model = runtime.load_model(path, device="cuda", dtype="float16", registry=registry, buckets=[16, 48])
+    example = np.ones((2, 5), dtype=np.int64)
+    rows = model.capture_buckets(example, attention_mask=np.ones((2, 5), dtype=np.int64))
+    assert [(r["size"], r["run"]) for r in rows] == [(16, "graph"), (48, "graph")]
+    assert sorted(k[0][0] for k in model._graphs) == [(2, 16), (2, 48)]
+    rng = np.random.default_rng(9)
+    for seq in (7, 30):  # the first request of each bucket replays its graph
+        ids = rng.integers(0, 307, size=(2, seq))
+        mask = np.ones((2, seq), dtype=np.int64)
+        mask[0, seq // 2 :] = 0
+        out = model.forward(ids, attention_mask=mask)
+        assert model.last_run == "graph" and len(model._graphs) == 2
+        with torch.no_grad():
+            ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+        keep = mask.astype(bool)
+        assert rel_err(out.numpy().astype(np.float32)[keep], ref.numpy()[keep]) < 1e-2, seq
+
+
 # -- zero-copy exchange ----------------------------------------------------------------------------------
 
 

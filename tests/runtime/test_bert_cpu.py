@@ -272,3 +272,31 @@ def test_buckets_need_a_module_that_pads_and_positive_sizes(bert_dir):
     for bad in ([0, 8], [], ["x"], 8):
         with pytest.raises(ValueError, match="buckets must be positive integers"):
             runtime.load_model(path, device="cpu", buckets=bad)
+
+
+def test_resize_inputs_makes_an_example_request_a_buckets_size(bert_dir):
+    from kernelmill.runtime.nn import MultiHeadAttention
+
+    path, _ = bert_dir
+    bert = runtime.load_model(path, device="cpu", buckets=[4, 32, 100])
+    ids, mask = np.arange(10).reshape(2, 5), np.ones((2, 5), np.int64)
+    (short,), extra = bert.module.resize_inputs(4, ids, attention_mask=mask)
+    assert short.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]] and extra["attention_mask"].shape == (2, 4)
+    (long,), extra = bert.module.resize_inputs(12, ids[0], token_type_ids=np.zeros(5, np.int64))
+    assert long.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]] and list(extra) == ["token_type_ids"]
+    assert bert.module.resize_inputs(100, ids) is None  # past the 64 position embeddings: not padded
+    with pytest.raises(ValueError, match="attention_mask"):
+        bert.module.resize_inputs(8, ids, attention_mask=np.ones((2, 4)))
+    with pytest.raises(ValueError, match="capture_buckets needs buckets"):
+        runtime.load_model(path, device="cpu").capture_buckets(ids)
+    with pytest.raises(ValueError, match="3 buckets but max_graphs=2"):
+        runtime.load_model(path, device="cpu", buckets=[4, 8, 16], max_graphs=2).capture_buckets(ids)
+    assert bert.capture_buckets(ids) == []  # nothing to capture on the CPU
+
+    from kernelmill.runtime.nn import Linear, Sequential
+
+    mlp = runtime.Model(Sequential(Linear.random(3, 2)), device="cpu", buckets=[4])
+    (rows,), _ = mlp.module.resize_inputs(5, np.arange(12.0).reshape(2, 2, 3))
+    assert rows.shape == (5, 3) and rows[4].tolist() == [0, 1, 2]  # rows repeated
+    with pytest.raises(ValueError, match="has no dimension to pad"):
+        MultiHeadAttention.from_torch(*(np.ones((8, 8)), np.ones(8)) * 4, heads=2).resize_inputs(4, np.ones((4, 8)))

@@ -458,6 +458,54 @@ def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replay
     assert sorted(closed) == [1, 2, 2, 3]
 
 
+def test_capture_buckets_captures_every_bucket_ahead_of_the_requests(fake, monkeypatch, caplog):
+    from kernelmill.runtime import graph as graph_module
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    captured = []
+
+    class FakeGraph:
+        nodes, programmatic_edges, pdl_entries, nbytes = 2, 0, [], 2**20
+
+        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
+            self.rows = prepared[0].shape[0]
+            captured.append(self.rows)
+
+        def replay(self, prepared, copy_output=True):
+            return Tensor.from_numpy(np.full((self.rows, 8), self.rows, np.float32), "cuda", "float16")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False, buckets=[4, 16])
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.models"):
+        rows = model.capture_buckets(np.ones((3, 8), np.float32))
+    assert [(r["size"], r["inputs"], r["run"]) for r in rows] == [(4, "4x8", "graph"), (16, "16x8", "graph")]
+    assert captured == [4, 16] and "bucket 2/2 (16): inputs 16x8, output 16x8, graph in" in caplog.text
+    # Requests replay those graphs from the first on: nothing planned or captured again.
+    monkeypatch.setattr(model, "_prepare_kernels", lambda prepared: pytest.fail("planned again"))
+    out = model.forward(np.ones((2, 3, 8), np.float32))
+    assert out.shape == (2, 3, 8) and model.last_run == "graph" and captured == [4, 16]
+    assert model.forward(np.ones((9, 8), np.float32)).numpy()[0, 0] == 16
+
+
+def test_inputs_whose_graph_was_released_are_not_planned_again(fake, monkeypatch):
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False, graphs=False)
+    planned = []
+    prepare_kernels = model._prepare_kernels
+    monkeypatch.setattr(model, "_prepare_kernels", lambda prepared: planned.append(prepare_kernels(prepared)))
+    for rows in (1, 2, 1, 2):
+        model.forward(np.ones((rows, 8), np.float32))
+    model._calls.clear()  # what releasing the graphs does
+    model.forward(np.ones((1, 8), np.float32))
+    assert len(planned) == 2
+
+
 def test_max_graphs_comes_from_the_settings(fake, monkeypatch):
     from kernelmill.runtime.nn import MLP
     from kernelmill.settings import reset_settings

@@ -115,3 +115,39 @@ def test_a_device_made_on_a_thread_that_ends_leaves_that_threads_stack_empty(dev
     # The thread's locals were cleared as it ended, in that thread: its push popped, the device left to others.
     assert device.stacks[seen["ident"]] == [] and device._owner is None
     assert in_thread(on_device(lambda: len(device.stacks[threading.get_ident()]))) == 1  # others push for a call
+
+
+def test_cpu_tensor_work_does_not_wait_for_another_threads_forward(device):
+    import numpy as np
+
+    from kernelmill.runtime import Tensor
+
+    cpu = Tensor.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    held, release = threading.Event(), threading.Event()
+
+    @on_device
+    def forward():  # a long forward (or capture) in another thread holds the lock
+        held.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    assert held.wait(10)
+    try:
+        start = time.perf_counter()
+        copy = cpu.clone().to(dtype="float16")
+        assert Tensor.zeros((2, 3)).numpy().sum() == 0 and copy.numpy().tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert time.perf_counter() - start < 5  # did not wait for the forward
+        # A call that names the GPU waits for it.
+        cuda = on_device(cuda_args_only=True)(lambda device: device)
+        result = {}
+        waiting = threading.Thread(target=lambda: result.setdefault("value", cuda("cuda")))
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive() and not result
+    finally:
+        release.set()
+        worker.join(10)
+    waiting.join(10)
+    assert result == {"value": "cuda"}
+    assert backend_module._names_cuda((cpu,), {"device": "cuda:0"}) and not backend_module._names_cuda((cpu,), {})
