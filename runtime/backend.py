@@ -10,6 +10,7 @@ logged (``logging_work``) so that the graph can later point its kernels at other
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -98,11 +99,64 @@ class CaptureArena:
         self._blocks, self._free = [], []
 
 
+class Staging:
+    """Page-locked host buffers that small uploads pass through, so that they queue on the stream
+    (cuMemcpyHtoDAsync) instead of waiting for its work: the host goes on preparing the next forward while
+    the GPU runs this one. A buffer is taken again once the event recorded after its copy has passed; at most
+    ``limit`` bytes are held (past that, an upload waits for the oldest copy)."""
+
+    def __init__(self, cuda: Any, limit: int) -> None:
+        self.cuda, self.limit = cuda, limit
+        self._free: dict[int, list[tuple[Any, Any]]] = {}  # size -> (pinned array, event)
+        self._busy: collections.deque[tuple[int, Any, Any]] = collections.deque()  # in copy order
+        self.held = 0
+
+    def upload(self, ptr: int, host: Any, stream: Any) -> None:
+        data = host.reshape(-1).view("uint8")
+        size = max(4096, 1 << (data.nbytes - 1).bit_length())
+        array, event = self._take(size)
+        array[: data.nbytes] = data
+        self.cuda.memcpy_htod_async(ptr, array[: data.nbytes], stream)
+        event.record(stream)
+        self._busy.append((size, array, event))
+
+    def _take(self, size: int) -> tuple[Any, Any]:
+        self._reap(wait=False)
+        if self._free.get(size):
+            return self._free[size].pop()
+        if self.held + size > self.limit:
+            self._reap(wait=True)  # every copy so far done: all buffers free
+            if self._free.get(size):
+                return self._free[size].pop()
+            self._free.clear()  # buffers of other sizes make room
+            self.held = 0
+        self.held += size
+        return self.cuda.pagelocked_empty(size, "uint8"), self.cuda.Event(self.cuda.event_flags.DISABLE_TIMING)
+
+    def _reap(self, wait: bool) -> None:
+        while self._busy and (wait or self._busy[0][2].query()):
+            size, array, event = self._busy.popleft()
+            if wait:
+                event.synchronize()
+            self._free.setdefault(size, []).append((array, event))
+
+    def close(self) -> None:
+        """Waits for the copies under way and drops the buffers (before the context goes)."""
+        self._reap(wait=True)
+        self._free.clear()
+        self.held = 0
+
+
 class Backend:
+    #: Uploads up to this size go through page-locked staging and queue on the stream (``Staging``); larger
+    #: ones (weights) are synchronous copies.
+    STAGED_BYTES = 8 << 20
+
     def __init__(self, device: Device) -> None:
         self.device = device
         self.cuda = device.cuda
         self.stream = device.cuda.Stream()
+        self.staging = Staging(device.cuda, 4 * self.STAGED_BYTES)
         #: Held by every runtime call that touches the device (``on_device``): one stream, one capture at a time.
         self.lock = threading.RLock()
         self._arena: CaptureArena | None = None
@@ -183,9 +237,16 @@ class Backend:
             self._work.append(LaunchRecord(self._node_of(self.stream_handle), kernel, list(args)))
 
     def upload(self, ptr: int, host: Any) -> None:
-        """Host -> device, after the stream's queued work (a synchronous copy; never during a capture)."""
-        self.stream.synchronize()
+        """Host -> device, after the stream's queued work (never during a capture): up to ``STAGED_BYTES``
+        queued on the stream from a page-locked copy of ``host`` (the caller may change ``host`` at once),
+        larger uploads as a synchronous copy once the stream's work is done."""
+        if self._arena is not None:
+            raise RuntimeError("an upload from the host cannot be captured in a CUDA graph")
         try:
+            if 0 < host.nbytes <= self.STAGED_BYTES:
+                self.staging.upload(ptr, host, self.stream)
+                return
+            self.stream.synchronize()
             self.cuda.memcpy_htod(ptr, host.reshape(-1).view("uint8"))
         except self.cuda.Error as exc:
             raise self.device._raise(exc, "copy to device") from None
@@ -294,4 +355,6 @@ def _release_all() -> None:
 
     ops._default_registry = None
     dlpack._alive.clear()
+    for backend in _backends.values():
+        backend.staging.close()
     _backends.clear()

@@ -344,7 +344,7 @@ class CapturedForward:
         for static, new in copies:
             static.copy_(new)
         # The inputs need not be held: pooled memory is handed out again only to work queued behind this
-        # launch on the same stream (or after a synchronize, as uploads do).
+        # launch on the same stream (uploads queue on it as well).
         _check(_driver().cuGraphLaunch(self._exec, self._stream), "cuGraphLaunch")
         if out is not None:
             return out
