@@ -497,13 +497,8 @@ class Device:
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
-        for hook in reversed(self._close_hooks):
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001 - best effort at exit
-                log.debug("close hook %s: %s", hook, exc)
-        # pycuda aborts at exit if a context is still pushed, so pop it; first drop what we hold and collect
-        # garbage so that buffers, modules and events are freed while their context is still current.
+        # pycuda aborts at exit if a context is still pushed, so pop it; first run the close hooks, drop what we
+        # hold and collect garbage, so that buffers, modules and events are freed while their context is current.
         try:
             import gc
 
@@ -512,6 +507,11 @@ class Device:
                 # Objects still held at exit that pycuda made on that thread (a model's stream and modules) cannot
                 # be cleaned up from this one; it says so for each, and the process frees them as it ends.
                 warnings.filterwarnings("ignore", message=".*in out-of-thread context could not be cleaned up")
+            for hook in reversed(self._close_hooks):
+                try:
+                    hook()
+                except Exception as exc:  # noqa: BLE001 - best effort at exit
+                    log.debug("close hook %s: %s", hook, exc)
             self._modules.clear()
             gc.collect()
             if not self.poisoned:
