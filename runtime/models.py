@@ -418,8 +418,10 @@ class Model:
         """Captures now, for each bucket, the CUDA graph that requests like this example (its batch, dtypes
         and optional inputs) replay once padded to that bucket, so that no request pays a capture (seconds
         each). The example's padded dimension (BERT's sequence, an MLP's rows) is repeated or cut to each
-        bucket's size. Returns a row per bucket: its size, the input shapes, how its forward now runs
-        ("graph", or "plain" where capture failed) and the seconds it took. A CPU model captures nothing."""
+        bucket's size. Every bucket's kernels are planned first and compiled in one round (the defaults, then
+        the runners-up that captures time). Returns a row per bucket: its size, the input shapes, how its
+        forward now runs ("graph", or "plain" where capture failed) and the seconds its forwards took (the
+        round of compiles is logged apart). A CPU model captures nothing."""
         if not self.buckets:
             raise ValueError("capture_buckets needs buckets: load_model(..., buckets=[...])")
         if len(self.buckets) > self.max_graphs:
@@ -430,29 +432,27 @@ class Model:
         if self.device == "cpu":
             log.info("runtime: a CPU model has no CUDA graphs to capture")
             return []
-        rows = []
-        for i, size in enumerate(self.buckets, 1):
+        examples = {}
+        for size in self.buckets:
             resized = self.module.resize_inputs(size, *inputs, **kwargs)
             if resized is None:
-                log.info(
-                    "runtime: bucket %d/%d (%d) skipped: %s does not pad to it",
-                    i,
-                    len(self.buckets),
-                    size,
-                    type(self.module).__name__,
-                )
-                continue
+                log.info("runtime: bucket %d skipped: %s does not pad to it", size, type(self.module).__name__)
+            else:
+                examples[size] = resized
+        self._compile_ahead([self.prepare(*args, **kw)[0] for args, kw in examples.values()])
+        rows = []
+        for i, (size, (args, kw)) in enumerate(examples.items(), 1):
             start = time.perf_counter()
             for _ in range(self.warmup + 1 if self.graphs_enabled else 1):
-                out = self.forward(*resized[0], **resized[1])
+                out = self.forward(*args, **kw)
             self.synchronize()
             seconds = time.perf_counter() - start
-            shapes = ", ".join(format_shape(np.shape(a)) for a in (*resized[0], *resized[1].values()))
+            shapes = ", ".join(format_shape(np.shape(a)) for a in (*args, *kw.values()))
             rows.append({"size": size, "inputs": shapes, "run": self.last_run, "seconds": seconds})
             log.info(
                 "runtime: bucket %d/%d (%d): inputs %s, output %s, %s in %.2f s",
                 i,
-                len(self.buckets),
+                len(examples),
                 size,
                 shapes,
                 format_shape(out.shape),
@@ -461,6 +461,37 @@ class Model:
             )
         return rows
 
+    @on_device
+    def _compile_ahead(self, inputs: list[tuple]) -> None:
+        """Plans the forwards of these prepared inputs and compiles what they need in one round: the missing
+        defaults (``KernelRegistry.prepare``), then, where captures choose kernels, the runners-up of every
+        default without a recorded choice (``compile_alternatives``)."""
+        start = time.perf_counter()
+        planned: list = []
+        with ops.using_registry(self.registry):
+            for prepared in inputs:
+                key = self._key(prepared)
+                if key not in self._planned:
+                    with ops.planning() as more:
+                        self.module.forward_prepared(*prepared)
+                    planned += more
+                    self._planned.add(key)
+            self.registry.prepare(planned)
+            if self.tune_kernels and self.graphs_enabled:
+                entries = {id(e): e for e in (self.registry.resolved(*p) for p in planned) if e is not None}
+                self.registry.compile_alternatives(
+                    [e for e in entries.values() if not e.chosen and self.registry.remembered_choice(e) is None]
+                )
+        log.info(
+            "runtime: kernels of %d input shapes planned and compiled in %.1f s",
+            len(inputs),
+            time.perf_counter() - start,
+        )
+
+    def _key(self, prepared: tuple) -> tuple:
+        """The graph key of prepared inputs: their shapes and dtypes, and the PDL setting."""
+        return (*(None if t is None else (t.shape, t.dtype) for t in prepared), self.pdl)
+
     def _forward(self, prepared: tuple) -> Tensor:
         if self.device == "cpu":
             with ops.recording() as seen:
@@ -468,7 +499,7 @@ class Model:
             self._remember(seen)
             self.last_run = "cpu"
             return out
-        key = (*(None if t is None else (t.shape, t.dtype) for t in prepared), self.pdl)
+        key = self._key(prepared)
         graph = self._graphs.get(key)
         if graph is not None and graph is not _NO_GRAPH:
             self._graphs.move_to_end(key)

@@ -479,11 +479,20 @@ def test_capture_buckets_captures_every_bucket_ahead_of_the_requests(fake, monke
             pass
 
     monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    batches = []
+    compile_many = registry.compiler.compile_many
+    monkeypatch.setattr(
+        registry.compiler,
+        "compile_many",
+        lambda sources, arch: [batches.append(len(sources)), compile_many(sources, arch)][1],
+    )
     model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False, buckets=[4, 16])
     with caplog.at_level(logging.INFO, logger="kernelmill.runtime.models"):
         rows = model.capture_buckets(np.ones((3, 8), np.float32))
     assert [(r["size"], r["inputs"], r["run"]) for r in rows] == [(4, "4x8", "graph"), (16, "16x8", "graph")]
     assert captured == [4, 16] and "bucket 2/2 (16): inputs 16x8, output 16x8, graph in" in caplog.text
+    # Both buckets' kernels (each MLP as two linears) compiled in one round, before the first forward.
+    assert batches == [4] and "kernels of 2 input shapes planned and compiled" in caplog.text
     # Requests replay those graphs from the first on: nothing planned or captured again.
     monkeypatch.setattr(model, "_prepare_kernels", lambda prepared: pytest.fail("planned again"))
     out = model.forward(np.ones((2, 3, 8), np.float32))
