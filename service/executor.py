@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +25,9 @@ from kernelmill.agents.space import Candidate
 from kernelmill.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: How often a call waiting on a worker checks that the process its task is pinned to is still there (s).
+_POLL_S = 2.0
 
 
 @dataclass
@@ -164,31 +168,35 @@ def task_evaluate(op, shape, dtype, attrs, candidates: list[tuple[str, str]]) ->
 
 
 class DaskEvaluator:
-    """Runs each call as a Dask task pinned to one GPU worker (by its stable name)."""
+    """Runs each call as a Dask task on one GPU worker, named by its stable name (``DaskExecutor.run_on``)."""
 
     def __init__(self, executor: DaskExecutor, worker: str) -> None:
         self.executor, self.worker = executor, worker
 
-    def _submit(self, fn, *args):
-        return self.executor.client.submit(
-            fn, *args, workers=[self.worker], allow_other_workers=False, resources={"GPU": 1}, pure=False
-        )
+    def _result(self, fn, *args, timeout: float) -> Any:
+        return self.executor.run_on(self.worker, fn, *args, timeout=timeout)
 
     def facts(self) -> DeviceFacts:
         data = self.executor.facts(self.worker)
         return DeviceFacts(data["name"], data["arch"], data.get("extra", {}))
 
     def baseline_ms(self, op, shape, dtype, attrs):
-        return self._submit(task_baseline, op, list(shape), dtype, dict(attrs)).result(
-            timeout=self.executor.settings.worker_answer_timeout_s
+        return self._result(
+            task_baseline, op, list(shape), dtype, dict(attrs), timeout=self.executor.settings.worker_answer_timeout_s
         )
 
     def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
-        future = self._submit(
-            task_profile, op, list(shape), dtype, dict(attrs), candidate.family, candidate.params_json
-        )
         try:
-            return future.result(timeout=self.executor.settings.worker_answer_timeout_s)
+            return self._result(
+                task_profile,
+                op,
+                list(shape),
+                dtype,
+                dict(attrs),
+                candidate.family,
+                candidate.params_json,
+                timeout=self.executor.settings.worker_answer_timeout_s,
+            )
         except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
             return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 
@@ -196,16 +204,14 @@ class DaskEvaluator:
         from distributed import KilledWorker
 
         payload = [(c.family, c.params_json) for c in candidates]
-        future = self._submit(task_evaluate, op, list(shape), dtype, dict(attrs), payload)
         timeout = self.executor.settings.worker_answer_timeout_s
         try:
-            results = future.result(timeout=timeout)
+            results = self._result(task_evaluate, op, list(shape), dtype, dict(attrs), payload, timeout=timeout)
         except KilledWorker:
             self.executor.restart(self.worker)
             why = "the worker process died while evaluating this batch (it was replaced)"
             return [TrialResult(c.family, c.params, "fault", why) for c in candidates]
         except TimeoutError:
-            future.cancel()
             self.executor.restart(self.worker)
             why = f"the worker did not answer within {timeout:.0f} s (it was replaced)"
             return [TrialResult(c.family, c.params, "timeout", why) for c in candidates]
@@ -225,6 +231,7 @@ class DaskExecutor(_Busy):
         self._why: str | None = None
         self._facts: dict[str, dict[str, Any]] = {}
         self._pending_facts: dict[str, Any] = {}
+        self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -238,16 +245,79 @@ class DaskExecutor(_Busy):
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         return sorted(w["name"] for w in info.values() if w.get("resources", {}).get("GPU"))
 
-    def _facts_future(self, worker: str):
-        if worker not in self._pending_facts:
-            self._pending_facts[worker] = self.client.submit(
-                task_facts, workers=[worker], allow_other_workers=False, pure=False
-            )
-        return self._pending_facts[worker]
+    def address(self, worker: str, timeout: float = 120.0) -> str:
+        """The scheduler address of the live process of the GPU worker named ``worker`` (not one that
+        ``restart`` replaced), waiting up to ``timeout`` s for one to join; TimeoutError past that."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+                if info.get("name") == worker and address not in self._replaced:
+                    return address
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def alive(self, address: str) -> bool:
+        """Whether a worker process at ``address`` is still registered with the scheduler."""
+        return address in self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def submit(self, worker: str, fn, *args, timeout: float, gpu: bool = True) -> tuple[str, Any]:
+        """``fn(*args)`` as a task pinned to the live process of GPU worker ``worker`` (waiting up to ``timeout`` s
+        for one): its address and the future. ``gpu``: the task holds the worker's GPU slot.
+
+        Pinned by address, not by name: the scheduler turns a name into an address when the task arrives, and
+        right after a restart the name may still point at the process being replaced, or at nothing; a task
+        pinned there would never run."""
+        address = self.address(worker, timeout)
+        future = self.client.submit(
+            fn, *args, workers=[address], allow_other_workers=False, resources={"GPU": 1} if gpu else None,
+            pure=False,
+        )  # fmt: skip
+        return address, future
+
+    def run_on(self, worker: str, fn, *args, timeout: float, gpu: bool = True) -> Any:
+        """``fn(*args)`` on GPU worker ``worker``; TimeoutError after ``timeout`` s without an answer (the task
+        cancelled). A task still waiting on a process that has left is pinned to the worker's new process: it
+        never started there (a task whose worker dies while running it errs at once, KilledWorker)."""
+        deadline = time.monotonic() + timeout
+        address, future = self.submit(worker, fn, *args, timeout=timeout, gpu=gpu)
+        while True:
+            try:
+                return future.result(timeout=max(0.01, min(_POLL_S, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    future.cancel()
+                    raise
+                if future.status == "pending" and not self.alive(address):
+                    log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
+                    future.cancel()
+                    left = max(0.0, deadline - time.monotonic())
+                    address, future = self.submit(worker, fn, *args, timeout=left, gpu=gpu)
+
+    def _facts_future(self, worker: str) -> Any:
+        """The background facts task of ``worker`` (submitted once, again where its process has left); None while
+        no process of it is registered."""
+        pending = self._pending_facts.get(worker)
+        if pending is not None and pending[1].status == "pending" and not self.alive(pending[0]):
+            pending[1].cancel()
+            pending = None
+        if pending is None:
+            try:
+                pending = self.submit(worker, task_facts, timeout=0, gpu=False)
+            except TimeoutError:
+                return None
+            self._pending_facts[worker] = pending
+        return pending[1]
 
     def facts(self, worker: str) -> dict[str, Any]:
         if worker not in self._facts:
-            self._facts[worker] = self._facts_future(worker).result(timeout=120)
+            future = self._facts_future(worker)
+            if future is not None and future.done() and future.status == "finished":
+                self._facts[worker] = future.result()
+            else:
+                if future is not None:
+                    future.cancel()
+                self._facts[worker] = self.run_on(worker, task_facts, timeout=120, gpu=False)
             self._pending_facts.pop(worker, None)
         return self._facts[worker]
 
@@ -256,7 +326,7 @@ class DaskExecutor(_Busy):
         for name in self.worker_names():
             if name not in self._facts:  # asked once in the background; never blocks this listing
                 future = self._facts_future(name)
-                if future.done() and future.status == "finished":
+                if future is not None and future.done() and future.status == "finished":
                     self._facts[name] = future.result()
                     self._pending_facts.pop(name, None)
             facts = self._facts.get(name, {})
@@ -278,6 +348,8 @@ class DaskExecutor(_Busy):
         self._facts.pop(worker, None)
         self._pending_facts.pop(worker, None)
         try:
+            workers = self.client.scheduler_info(n_workers=-1)["workers"]
+            self._replaced.update(a for a, info in workers.items() if info.get("name") == worker)
             self.client.restart_workers([worker], timeout=120)
         except Exception as exc:  # noqa: BLE001 - a dead worker is replaced by its nanny anyway
             log.warning("restart of %s: %s", worker, exc)

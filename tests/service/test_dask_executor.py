@@ -83,3 +83,33 @@ def test_job_through_dask_completes_despite_crash(executor, tmp_path, crash_fami
         t for t in trials if t.params_key == crash_family_key.params_json and t.family == crash_family_key.family
     ]
     assert len(crashed) == 1 and crashed[0].status == "fault"
+
+
+def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(executor, monkeypatch, caplog):
+    """After a restart the scheduler may still map the worker's name to the process being replaced: a task pinned
+    there would wait for ever (a hang seen on the GPU, where a poisoned worker takes a while to go)."""
+    import logging
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_POLL_S", 0.2)
+    old = executor.address("gpu1")
+    executor.restart("gpu1")
+    new = executor.address("gpu1", timeout=60)  # the replaced process never again, even while it lingers
+    assert new != old and executor.alive(new)
+    gone = "tcp://127.0.0.1:9"  # a process that has left (no worker listens there)
+    real, first = executor.address, []
+
+    def stale_once(worker, timeout=120.0):  # the first submission meets it
+        if not first:
+            first.append(worker)
+            return gone
+        return real(worker, timeout)
+
+    monkeypatch.setattr(executor, "address", stale_once)
+    with caplog.at_level(logging.INFO, logger="kernelmill.service.executor"):
+        facts = executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)
+    assert facts["name"] == "FakeGPU 1" and f"worker gpu1 left {gone} before running a task" in caplog.text
+    monkeypatch.setattr(executor, "address", real)
+    with pytest.raises(TimeoutError, match="no process of GPU worker gpu7 joined the scheduler within 0 s"):
+        executor.run_on("gpu7", executor_module.task_facts, timeout=0.3)
