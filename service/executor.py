@@ -248,13 +248,18 @@ class DaskExecutor(_Busy):
     def address(self, worker: str, timeout: float = 120.0) -> str:
         """The scheduler address of the live process of the GPU worker named ``worker`` (not one that
         ``restart`` replaced), waiting up to ``timeout`` s for one to join; TimeoutError past that."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        said = 0
         while True:
             for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
                 if info.get("name") == worker and address not in self._replaced:
                     return address
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if waited >= timeout:
                 raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {timeout:.0f} s")
+            if waited >= said + 30:
+                said += 30
+                log.warning("waiting for a process of GPU worker %s to join the scheduler (%d s so far)", worker, said)
             time.sleep(0.2)
 
     def alive(self, address: str) -> bool:
