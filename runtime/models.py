@@ -467,15 +467,8 @@ class Model:
         defaults (``KernelRegistry.prepare``), then, where captures choose kernels, the runners-up of every
         default without a recorded choice (``compile_alternatives``)."""
         start = time.perf_counter()
-        planned: list = []
         with ops.using_registry(self.registry):
-            for prepared in inputs:
-                key = self._key(prepared)
-                if key not in self._planned:
-                    with ops.planning() as more:
-                        self.module.forward_prepared(*prepared)
-                    planned += more
-                    self._planned.add(key)
+            planned = self._plan(inputs)
             self.registry.prepare(planned)
             if self.tune_kernels and self.graphs_enabled:
                 entries = {id(e): e for e in (self.registry.resolved(*p) for p in planned) if e is not None}
@@ -487,6 +480,19 @@ class Model:
             len(inputs),
             time.perf_counter() - start,
         )
+
+    def _plan(self, inputs: list[tuple]) -> list:
+        """The problems whose kernels the forwards of these prepared inputs launch, from a forward of each that
+        launches nothing (``ops.planning``); inputs planned before are left out (their kernels are resolved)."""
+        planned: list = []
+        for prepared in inputs:
+            key = self._key(prepared)
+            if key not in self._planned:
+                with ops.planning() as more:
+                    self.module.forward_prepared(*prepared)
+                planned += more
+                self._planned.add(key)
+        return planned
 
     def _key(self, prepared: tuple) -> tuple:
         """The graph key of prepared inputs: their shapes and dtypes, and the PDL setting."""
@@ -515,8 +521,9 @@ class Model:
         with ops.using_registry(self.registry):
             self._calls[key] = self._calls.get(key, 0) + 1
             if key not in self._planned:  # a released graph's inputs come back with their kernels resolved
-                self._prepare_kernels(prepared)
-                self._planned.add(key)
+                # Before the first forward of these inputs the registry resolves the kernels it needs, compiling the
+                # missing defaults together.
+                self.registry.prepare(self._plan([prepared]))
             if graph is None and self.graphs_enabled and self._calls[key] > self.warmup:
                 graph = self._capture(key, prepared)
                 if graph is not _NO_GRAPH:
@@ -527,13 +534,6 @@ class Model:
             self._remember(seen)
             self.last_run = "plain"
             return out
-
-    def _prepare_kernels(self, prepared: tuple) -> None:
-        """Before the first forward of an input signature: a forward that launches nothing lists the kernels it
-        needs (``ops.planning``), and the registry resolves them, compiling the missing defaults together."""
-        with ops.planning() as planned:
-            self.module.forward_prepared(*prepared)
-        self.registry.prepare(planned)
 
     def _capture(self, key: tuple, prepared: tuple) -> Any:
         from kernelmill.runtime.graph import CapturedForward

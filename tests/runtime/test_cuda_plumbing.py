@@ -494,7 +494,7 @@ def test_capture_buckets_captures_every_bucket_ahead_of_the_requests(fake, monke
     # Both buckets' kernels (each MLP as two linears) compiled in one round, before the first forward.
     assert batches == [4] and "kernels of 2 input shapes planned and compiled" in caplog.text
     # Requests replay those graphs from the first on: nothing planned or captured again.
-    monkeypatch.setattr(model, "_prepare_kernels", lambda prepared: pytest.fail("planned again"))
+    monkeypatch.setattr(model, "_plan", lambda inputs: pytest.fail("planned again"))
     out = model.forward(np.ones((2, 3, 8), np.float32))
     assert out.shape == (2, 3, 8) and model.last_run == "graph" and captured == [4, 16]
     assert model.forward(np.ones((9, 8), np.float32)).numpy()[0, 0] == 16
@@ -506,8 +506,8 @@ def test_inputs_whose_graph_was_released_are_not_planned_again(fake, monkeypatch
     _backend, registry = fake
     model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False, graphs=False)
     planned = []
-    prepare_kernels = model._prepare_kernels
-    monkeypatch.setattr(model, "_prepare_kernels", lambda prepared: planned.append(prepare_kernels(prepared)))
+    plan = model._plan
+    monkeypatch.setattr(model, "_plan", lambda inputs: planned.append(len(inputs)) or plan(inputs))
     for rows in (1, 2, 1, 2):
         model.forward(np.ones((rows, 8), np.float32))
     model._calls.clear()  # what releasing the graphs does
