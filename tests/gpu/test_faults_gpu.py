@@ -31,7 +31,11 @@ def test_planted_faults_are_recorded_and_jobs_go_on(tmp_path, monkeypatch):
     from kernelmill.kernels.ops import load_plugins
 
     load_plugins("tests.faults.planted")
-    settings = Settings(database_url=f"sqlite:///{tmp_path}/faults.db", executor="dask", batch_size=3)
+    # A worker that never answers (or never comes back after its restart) fails the test in minutes, with the
+    # batch recorded as a timeout, instead of holding it for the default 900 s.
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path}/faults.db", executor="dask", batch_size=3, worker_answer_timeout_s=120
+    )
     with TestClient(create_app(settings)) as client:
         deadline = time.monotonic() + 120
         while not client.get("/api/workers").json()["workers"]:
