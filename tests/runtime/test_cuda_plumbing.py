@@ -406,18 +406,18 @@ def test_tune_kernels_reuses_a_choice_made_on_the_same_gpu_model(fake, monkeypat
     assert registry.remembered_choice(down) is None
 
 
-def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replayed(fake, monkeypatch, caplog):
+def _rows_graphs(monkeypatch, nbytes: int) -> tuple[list, list]:
+    """Fake captures of an MLP forward with 8 outputs: each replays a (rows, 8) output filled with the rows it was
+    captured for. Returns the rows of each capture and of each close, in order."""
     from kernelmill.runtime import graph as graph_module
-    from kernelmill.runtime.nn import MLP
 
-    _backend, registry = fake
     captured, closed = [], []
 
     class FakeGraph:
-        nodes, programmatic_edges, pdl_entries, nbytes = 2, 0, [], 3 * 2**20
+        nodes, programmatic_edges, pdl_entries = 2, 0, []
 
         def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
-            self.rows = prepared[0].shape[0]
+            self.rows, self.nbytes = prepared[0].shape[0], nbytes
             captured.append(self.rows)
 
         def replay(self, prepared, copy_output=True):
@@ -428,6 +428,14 @@ def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replay
             closed.append(self.rows)
 
     monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    return captured, closed
+
+
+def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replayed(fake, monkeypatch, caplog):
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    captured, closed = _rows_graphs(monkeypatch, nbytes=3 * 2**20)
     model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False, max_graphs=2)
 
     def forward(rows):
@@ -459,26 +467,10 @@ def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replay
 
 
 def test_capture_buckets_captures_every_bucket_ahead_of_the_requests(fake, monkeypatch, caplog):
-    from kernelmill.runtime import graph as graph_module
     from kernelmill.runtime.nn import MLP
 
     _backend, registry = fake
-    captured = []
-
-    class FakeGraph:
-        nodes, programmatic_edges, pdl_entries, nbytes = 2, 0, [], 2**20
-
-        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
-            self.rows = prepared[0].shape[0]
-            captured.append(self.rows)
-
-        def replay(self, prepared, copy_output=True):
-            return Tensor.from_numpy(np.full((self.rows, 8), self.rows, np.float32), "cuda", "float16")
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    captured, _closed = _rows_graphs(monkeypatch, nbytes=2**20)
     batches = []
     compile_many = registry.compiler.compile_many
     monkeypatch.setattr(
