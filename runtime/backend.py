@@ -329,15 +329,15 @@ def _names_cuda(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+@on_device
 def empty_cache() -> int:
     """Hands the memory pool's unused blocks back to the driver, where other libraries (PyTorch) can allocate
     them; returns how many blocks went. Buffers in use, and the graphs' arenas, stay."""
     backend = _backends.get(0)
     if backend is None:
         return 0
-    with backend.lock, backend.device.activated():
-        backend.synchronize()  # blocks freed behind queued work are free once it is done
-        return backend.device.free_held()
+    backend.synchronize()  # blocks freed behind queued work are free once it is done
+    return backend.device.free_held()
 
 
 def get_backend(ordinal: int = 0) -> Backend:

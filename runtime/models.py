@@ -432,27 +432,26 @@ class Model:
         if self.device == "cpu":
             log.info("runtime: a CPU model has no CUDA graphs to capture")
             return []
-        examples = {}
+        buckets = {}  # size -> (the example's input shapes, its tensors as a request of that size gets them)
         for size in self.buckets:
             resized = self.module.resize_inputs(size, *inputs, **kwargs)
             if resized is None:
                 log.info("runtime: bucket %d skipped: %s does not pad to it", size, type(self.module).__name__)
-            else:
-                examples[size] = resized
-        self._compile_ahead([self.prepare(*args, **kw)[0] for args, kw in examples.values()])
-        rows = []
-        for i, (size, (args, kw)) in enumerate(examples.items(), 1):
-            start = time.perf_counter()
-            for _ in range(self.warmup + 1 if self.graphs_enabled else 1):
-                out = self.forward(*args, **kw)
-            self.synchronize()
-            seconds = time.perf_counter() - start
+                continue
+            args, kw = resized
             shapes = ", ".join(format_shape(np.shape(a)) for a in (*args, *kw.values()))
+            buckets[size] = shapes, self.prepare(*args, **kw)[0]
+        self._compile_ahead([prepared for _, prepared in buckets.values()])
+        rows = []
+        for i, (size, (shapes, prepared)) in enumerate(buckets.items(), 1):
+            start = time.perf_counter()
+            out = self._until_captured(prepared)
+            seconds = time.perf_counter() - start
             rows.append({"size": size, "inputs": shapes, "run": self.last_run, "seconds": seconds})
             log.info(
                 "runtime: bucket %d/%d (%d): inputs %s, output %s, %s in %.2f s",
                 i,
-                len(examples),
+                len(buckets),
                 size,
                 shapes,
                 format_shape(out.shape),
@@ -460,6 +459,15 @@ class Model:
                 seconds,
             )
         return rows
+
+    @on_device
+    def _until_captured(self, prepared: tuple) -> Tensor:
+        """Forwards of these prepared inputs until one replays their graph (one where graphs are off); the last
+        output, once the GPU is done."""
+        for _ in range(self.warmup + 1 if self.graphs_enabled else 1):
+            out = self._forward(prepared)
+        self.backend.synchronize()
+        return out
 
     @on_device
     def _compile_ahead(self, inputs: list[tuple]) -> None:
@@ -473,7 +481,7 @@ class Model:
             if self.tune_kernels and self.graphs_enabled:
                 entries = {id(e): e for e in (self.registry.resolved(*p) for p in planned) if e is not None}
                 self.registry.compile_alternatives(
-                    [e for e in entries.values() if not e.chosen and self.registry.remembered_choice(e) is None]
+                    [e for e in entries.values() if self.registry.remembered_choice(e) is None]
                 )
         log.info(
             "runtime: kernels of %d input shapes planned and compiled in %.1f s",

@@ -316,14 +316,13 @@ class DaskExecutor(_Busy):
 
     def facts(self, worker: str) -> dict[str, Any]:
         if worker not in self._facts:
-            future = self._facts_future(worker)
-            if future is not None and future.done() and future.status == "finished":
-                self._facts[worker] = future.result()
+            pending = self._pending_facts.pop(worker, None)  # the listing's background task, if any
+            if pending is not None and pending[1].done() and pending[1].status == "finished":
+                self._facts[worker] = pending[1].result()
             else:
-                if future is not None:
-                    future.cancel()
+                if pending is not None:
+                    pending[1].cancel()
                 self._facts[worker] = self.run_on(worker, task_facts, timeout=120, gpu=False)
-            self._pending_facts.pop(worker, None)
         return self._facts[worker]
 
     def workers(self) -> list[WorkerInfo]:
