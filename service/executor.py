@@ -384,8 +384,14 @@ def _local_cluster(n_gpus: int, fake_device: bool):
     import dask
     from distributed import Scheduler, SpecCluster
 
-    # A kernel that kills its worker process would kill the retry too: fail the task at once.
-    dask.config.set({"distributed.scheduler.allowed-failures": 0})
+    dask.config.set({
+        # A kernel that kills its worker process would kill the retry too: fail the task at once.
+        "distributed.scheduler.allowed-failures": 0,
+        # The cluster closes a worker's nanny for good when no process of that name is registered
+        # lost-worker-timeout (15 s) after one left. A GPU slot is never lost: its process may be away for
+        # seconds at that moment when a second restart follows the first (a hung kernel slows the exit).
+        "distributed.deploy.lost-worker-timeout": "3650d",
+    })  # fmt: skip
 
     workers = {f"gpu{i}": _worker_spec(i, "", fake_device) for i in range(n_gpus)}
     return SpecCluster(

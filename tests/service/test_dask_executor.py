@@ -113,3 +113,30 @@ def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(e
     monkeypatch.setattr(executor, "address", real)
     with pytest.raises(TimeoutError, match="no process of GPU worker gpu7 joined the scheduler within 0 s"):
         executor.run_on("gpu7", executor_module.task_facts, timeout=0.3)
+
+
+def _linger_at_exit(seconds: float) -> None:
+    """Make this worker process slow to leave, as one whose kernel hangs is: the driver's teardown (pycuda's exit
+    handlers) blocks until the nanny kills the process."""
+    import atexit
+
+    atexit.register(time.sleep, seconds)
+
+
+def test_two_restarts_in_a_row_keep_the_workers_nanny(executor):
+    """A restart soon after another, of a process slow to leave (a hung kernel): the GPU worker stays absent for
+    seconds, past the moment the local cluster checks on the worker removed by the first restart. The cluster must
+    not close the worker's nanny then (seen on the GPU: the worker never came back and its job hung)."""
+    from kernelmill.service import executor as executor_module
+
+    executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu1")])
+    start = time.monotonic()
+    executor.restart("gpu1")  # returns once the new process has joined
+    executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu1", timeout=60)])
+    check_at = 15.0  # distributed.deploy.lost-worker-timeout's default, counted from the first removal
+    time.sleep(max(0.0, check_at - 4.0 - (time.monotonic() - start)))
+    executor.restart("gpu1")  # the old process lingers ~4 s (then killed), the new one takes seconds to join
+    assert time.monotonic() - start > check_at, "the second restart ended before the check it is meant to straddle"
+    facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
+    assert facts["name"] == "FakeGPU 1"
+    assert executor.worker_names() == ["gpu0", "gpu1"]
