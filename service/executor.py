@@ -10,6 +10,7 @@ trial is recorded as failed with the reason and the job goes on.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import socket
@@ -232,6 +233,7 @@ class DaskExecutor(_Busy):
         self._facts: dict[str, dict[str, Any]] = {}
         self._pending_facts: dict[str, Any] = {}
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
+        self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -254,6 +256,7 @@ class DaskExecutor(_Busy):
             for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
                 if info.get("name") == worker and address not in self._replaced:
                     return address
+            self._revive(worker)
             waited = time.monotonic() - start
             if waited >= timeout:
                 raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {timeout:.0f} s")
@@ -261,6 +264,18 @@ class DaskExecutor(_Busy):
                 said += 30
                 log.warning("waiting for a process of GPU worker %s to join the scheduler (%d s so far)", worker, said)
             time.sleep(0.2)
+
+    def _revive(self, worker: str) -> None:
+        """Start the local cluster's nanny of ``worker`` again where it has closed: its GPU slot would stay empty
+        for good (the nanny, not the scheduler, brings a worker process back)."""
+        cluster = self.cluster
+        if cluster is None or worker not in cluster.worker_spec or worker in cluster.workers:
+            return
+        if time.monotonic() - self._revived.get(worker, -math.inf) < 30:
+            return  # starting; a nanny joins cluster.workers only once it runs
+        self._revived[worker] = time.monotonic()
+        log.warning("the nanny of GPU worker %s had closed; starting it again", worker)
+        cluster.scale(len(cluster.worker_spec))  # opens every worker of the spec that is not running
 
     def alive(self, address: str) -> bool:
         """Whether a worker process at ``address`` is still registered with the scheduler."""
@@ -353,7 +368,12 @@ class DaskExecutor(_Busy):
         self._pending_facts.pop(worker, None)
         try:
             workers = self.client.scheduler_info(n_workers=-1)["workers"]
-            self._replaced.update(a for a, info in workers.items() if info.get("name") == worker)
+            mine = {a for a, info in workers.items() if info.get("name") == worker}
+            if not mine:  # already gone: its nanny brings a fresh one (started again here if it closed)
+                log.warning("no process of worker %s to restart; waiting for a fresh one", worker)
+                self._revive(worker)
+                return
+            self._replaced.update(mine)
             self.client.restart_workers([worker], timeout=120)
         except Exception as exc:  # noqa: BLE001 - a dead worker is replaced by its nanny anyway
             log.warning("restart of %s: %s", worker, exc)

@@ -140,3 +140,24 @@ def test_two_restarts_in_a_row_keep_the_workers_nanny(executor):
     facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
     assert facts["name"] == "FakeGPU 1"
     assert executor.worker_names() == ["gpu0", "gpu1"]
+
+
+@pytest.mark.parametrize("first", ["task", "restart"])
+def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, first):
+    """Whatever closes a local GPU worker's nanny (the cluster did, after a lost-worker timeout), the next task or
+    restart for that worker starts it again instead of waiting for a process that no nanny will bring."""
+    import logging
+
+    from kernelmill.service import executor as executor_module
+
+    nanny = executor.cluster.workers.pop("gpu1")  # as SpecCluster drops a worker it believes lost
+    executor.cluster.sync(nanny.close)
+    assert "gpu1" not in executor.worker_names()
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
+        if first == "restart":
+            executor.restart("gpu1")
+            assert "no process of worker gpu1 to restart" in caplog.text
+        facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
+    assert facts["name"] == "FakeGPU 1"
+    assert "the nanny of GPU worker gpu1 had closed; starting it again" in caplog.text
+    assert executor.worker_names() == ["gpu0", "gpu1"]
