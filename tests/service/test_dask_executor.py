@@ -129,6 +129,7 @@ def test_two_restarts_in_a_row_keep_the_workers_nanny(executor):
     not close the worker's nanny then (seen on the GPU: the worker never came back and its job hung)."""
     from kernelmill.service import executor as executor_module
 
+    nanny = executor.cluster.workers["gpu1"]
     executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu1")])
     start = time.monotonic()
     executor.restart("gpu1")  # returns once the new process has joined
@@ -139,6 +140,7 @@ def test_two_restarts_in_a_row_keep_the_workers_nanny(executor):
     assert time.monotonic() - start > check_at, "the second restart ended before the check it is meant to straddle"
     facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
     assert facts["name"] == "FakeGPU 1"
+    assert executor.cluster.workers["gpu1"] is nanny  # the same nanny throughout, not one started again
     assert executor.worker_names() == ["gpu0", "gpu1"]
 
 
