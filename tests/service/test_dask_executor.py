@@ -116,8 +116,8 @@ def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(e
 
 
 def _linger_at_exit(seconds: float) -> None:
-    """Make this worker process slow to leave, as one whose kernel hangs is: the driver's teardown (pycuda's exit
-    handlers) blocks until the nanny kills the process."""
+    """Make this worker process slow to leave, as one whose kernel hangs was seen to be on the GPU: it does not exit
+    on its own, and the nanny kills it after its grace period."""
     import atexit
 
     atexit.register(time.sleep, seconds)
