@@ -268,8 +268,12 @@ class DaskExecutor(_Busy):
     def _revive(self, worker: str) -> None:
         """Start the local cluster's nanny of ``worker`` again where it has closed: its GPU slot would stay empty
         for good (the nanny, not the scheduler, brings a worker process back)."""
+        from distributed.core import Status
+
         cluster = self.cluster
-        if cluster is None or worker not in cluster.worker_spec or worker in cluster.workers:
+        if cluster is None or cluster.status in (Status.closing, Status.closed):
+            return  # not ours to start, or shutting down
+        if worker not in cluster.worker_spec or worker in cluster.workers:
             return
         if time.monotonic() - self._revived.get(worker, -math.inf) < 30:
             return  # starting; a nanny joins cluster.workers only once it runs
