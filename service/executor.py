@@ -345,6 +345,9 @@ class DaskExecutor(_Busy):
         return self._facts[worker]
 
     def workers(self) -> list[WorkerInfo]:
+        if self.cluster is not None:  # the listing is polled (job runner, API): a closed local nanny comes back
+            for name in list(self.cluster.worker_spec):
+                self._revive(name)
         out = []
         for name in self.worker_names():
             if name not in self._facts:  # asked once in the background; never blocks this listing

@@ -144,10 +144,11 @@ def test_two_restarts_in_a_row_keep_the_workers_nanny(executor):
     assert executor.worker_names() == ["gpu0", "gpu1"]
 
 
-@pytest.mark.parametrize("first", ["task", "restart"])
+@pytest.mark.parametrize("first", ["task", "restart", "listing"])
 def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, first):
-    """Whatever closes a local GPU worker's nanny (the cluster did, after a lost-worker timeout), the next task or
-    restart for that worker starts it again instead of waiting for a process that no nanny will bring."""
+    """Whatever closes a local GPU worker's nanny (the cluster did, after a lost-worker timeout), the next listing
+    of the workers (the job runner's poll), task or restart for that worker starts it again instead of waiting for
+    a process that no nanny will bring."""
     import logging
 
     from kernelmill.service import executor as executor_module
@@ -159,6 +160,11 @@ def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, firs
         if first == "restart":
             executor.restart("gpu1")
             assert "no process of worker gpu1 to restart" in caplog.text
+        elif first == "listing":
+            deadline = time.monotonic() + 60
+            while "gpu1" not in [w.name for w in executor.workers()]:
+                assert time.monotonic() < deadline, "the listing never brought gpu1 back"
+                time.sleep(0.2)
         facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
     assert facts["name"] == "FakeGPU 1"
     assert "the nanny of GPU worker gpu1 had closed; starting it again" in caplog.text
