@@ -243,9 +243,16 @@ class DaskExecutor(_Busy):
         self.cluster = _local_cluster(n, fake_device)
         self.client = Client(self.cluster)
 
+    def _registered(self) -> dict[str, dict[str, Any]]:
+        """The worker processes registered with the scheduler now, by address."""
+        return self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def _processes(self, worker: str) -> set[str]:
+        """The addresses of the registered processes of the worker named ``worker``."""
+        return {address for address, info in self._registered().items() if info.get("name") == worker}
+
     def worker_names(self) -> list[str]:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        return sorted(w["name"] for w in info.values() if w.get("resources", {}).get("GPU"))
+        return sorted(w["name"] for w in self._registered().values() if w.get("resources", {}).get("GPU"))
 
     def address(self, worker: str, timeout: float = 120.0) -> str:
         """The scheduler address of the live process of the GPU worker named ``worker`` (not one that
@@ -253,9 +260,9 @@ class DaskExecutor(_Busy):
         start = time.monotonic()
         said = 0
         while True:
-            for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
-                if info.get("name") == worker and address not in self._replaced:
-                    return address
+            live = self._processes(worker) - self._replaced
+            if live:
+                return min(live)  # one, save for a moment during a restart
             self._revive(worker)
             waited = time.monotonic() - start
             if waited >= timeout:
@@ -283,7 +290,7 @@ class DaskExecutor(_Busy):
 
     def alive(self, address: str) -> bool:
         """Whether a worker process at ``address`` is still registered with the scheduler."""
-        return address in self.client.scheduler_info(n_workers=-1)["workers"]
+        return address in self._registered()
 
     def submit(self, worker: str, fn, *args, timeout: float, gpu: bool = True) -> tuple[str, Any]:
         """``fn(*args)`` as a task pinned to the live process of GPU worker ``worker`` (waiting up to ``timeout`` s
@@ -374,8 +381,7 @@ class DaskExecutor(_Busy):
         self._facts.pop(worker, None)
         self._pending_facts.pop(worker, None)
         try:
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
-            mine = {a for a, info in workers.items() if info.get("name") == worker}
+            mine = self._processes(worker)
             if not mine:  # already gone: its nanny brings a fresh one (started again here if it closed)
                 log.warning("no process of worker %s to restart; waiting for a fresh one", worker)
                 self._revive(worker)
