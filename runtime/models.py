@@ -618,6 +618,11 @@ class Model:
         again with that entry's edges plain and keep the graph if it replays faster (taking turns with the
         graph kept so far). Early launch helps where a kernel sets up while the one before finishes, and
         can hurt where the early blocks change how the kernel before them runs (measured: docs/PERFORMANCE.md).
+
+        One entry at a time misses choices that pay only together, and at the power cap a replay's time drifts
+        from one round of turns to the next. So, with more than one entry, the choice then takes turns with
+        the two corners, PDL everywhere and plain edges everywhere, in one last round; a corner replaces it
+        only when faster by ``_EDGE_MIN_GAIN``, and the times logged all come from that round.
         The outcome is recorded per GPU model and forward (``registry.remember_edges``); a later capture of
         the same forward on the same GPU model takes it without timing."""
         from kernelmill.runtime.graph import CapturedForward
@@ -646,8 +651,9 @@ class Model:
             else:
                 graph.close()
                 return trial, f"; plain edges into {names} (remembered)"
+        first = graph  # PDL everywhere: kept open for the last round
         first_ms = kept_ms = None
-        plain_names, plain, complete = [], set(), True
+        plain, complete = set(), True
         for index, entry in enumerate(entries):
             try:
                 trial = plain_into({id(entry)})
@@ -663,19 +669,62 @@ class Model:
                 break
             first_ms = first_ms or times["kept"]
             if times["trial"] < times["kept"] * (1 - _EDGE_MIN_GAIN):
-                graph.close()
+                if graph is not first:
+                    graph.close()
                 graph, kept_ms = trial, times["trial"]
-                plain_names.append(f"{entry.op} {format_shape(entry.shape)}")
                 plain.add(index)
             else:
                 trial.close()
                 kept_ms = times["kept"]
         if first_ms is None:
             return graph, ""
+        corners = ""
+        if complete and len(entries) > 1:
+            graph, plain, complete, corners = self._edge_corners(graph, first, plain, entries, prepared, plain_into)
+        if graph is not first:
+            first.close()
         if complete:
             self.registry.remember_edges(entries, problems, plain)
-        which = f"plain edges into {', '.join(plain_names)}" if plain_names else "PDL for every kernel that has it"
-        return graph, f"; a replay {kept_ms:.3f} ms ({first_ms:.3f} with PDL everywhere): {which}"
+        names = ", ".join(f"{entries[i].op} {format_shape(entries[i].shape)}" for i in sorted(plain))
+        which = f"plain edges into {names}" if plain else "PDL for every kernel that has it"
+        timing = corners or f"{kept_ms:.3f} ms ({first_ms:.3f} with PDL everywhere)"
+        return graph, f"; a replay {timing}: {which}"
+
+    def _edge_corners(
+        self, chosen: Any, first: Any, plain: set[int], entries: list, prepared: tuple, plain_into: Any
+    ) -> tuple[Any, set[int], bool, str]:
+        """The last round of ``_tune_edges``: the choice so far (``chosen``, plain edges into ``plain``) takes
+        turns with PDL everywhere (``first``) and plain edges everywhere. Returns the graph kept, its plain
+        entries (indices), whether the round was timed, and the round's times for the log ("" if untimed).
+        Closes the graphs it does not keep, except ``first`` (the caller's)."""
+        everywhere = set(range(len(entries)))
+        graphs = {"chosen": chosen}
+        if chosen is not first:
+            graphs["pdl"] = first
+        if plain != everywhere:
+            try:
+                graphs["plain"] = plain_into({id(entry) for entry in entries})
+            except Exception as exc:  # noqa: BLE001 - that corner is not a candidate
+                log.info("runtime: capture with plain edges everywhere failed (%s)", exc)
+        try:
+            times = self._time_graphs(graphs, prepared)
+        except GraphUnavailable as exc:  # keep the choice, untimed against the corners
+            log.info("runtime: timing the choice against PDL everywhere and plain everywhere failed (%s)", exc)
+            times = None
+        best = "chosen"
+        if times is not None:
+            faster = [name for name in times if times[name] < times["chosen"] * (1 - _EDGE_MIN_GAIN)]
+            best = min(faster, key=times.__getitem__, default="chosen")
+        for name, candidate in graphs.items():
+            if name != best and candidate is not first:
+                candidate.close()
+        if times is None:
+            return chosen, plain, False, ""
+        pdl_ms = times.get("pdl", times["chosen"])
+        plain_ms = times.get("plain", times["chosen"])
+        line = f"{times[best]:.3f} ms ({pdl_ms:.3f} with PDL everywhere, {plain_ms:.3f} with plain edges everywhere)"
+        kept_plain = {"chosen": plain, "pdl": set(), "plain": everywhere}[best]
+        return graphs[best], kept_plain, True, line
 
     def _tune_kernels(self, graph: Any, prepared: tuple, problems: list) -> tuple[Any, str]:
         """For each problem of the forward whose kernel is an untuned default, try the stand-ins the registry

@@ -564,6 +564,7 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
         def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
             self.pdl, self.plain, self.constants = pdl, frozenset(plain), constants
             self.pdl_entries = [e for e in (up, down) if id(e) not in self.plain]
+            self.closed = False
             captures.append(self)
 
         def replay(self, prepared, copy_output=True):
@@ -571,13 +572,16 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
             time.sleep(0.0008 + (0.0006 if id(up) in self.plain else 0) - (0.0006 if id(down) in self.plain else 0))
 
         def close(self):
-            pass
+            self.closed = True
 
     monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
     monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
     kept, line = model._tune_edges(FakeGraph(backend, None, ()), (), problems)
     assert kept.plain == {id(down)} and "plain edges into linear 12x32x64" in line and "remembered" not in line
-    assert len(captures) == 3  # the first, then one trial per PDL kernel
+    assert "with PDL everywhere" in line and "with plain edges everywhere" in line, line
+    # The first, one trial per PDL kernel, then plain edges everywhere for the last round.
+    assert len(captures) == 4 and captures[-1].plain == {id(up), id(down)}
+    assert [g.closed for g in captures] == [True, True, False, True]
     # Another capture of the same forward on the same GPU model: the recorded choice, no timing.
     monkeypatch.setattr(model, "_time_graphs", lambda graphs, prepared: pytest.fail("timed again"))
     captures.clear()
@@ -588,6 +592,68 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
     assert registry.remembered_edges([up, down], problems[:1]) is None
     backend.device.info.name = "NVIDIA Fake H1"
     assert registry.remembered_edges([up, down], problems) is None
+
+
+@pytest.mark.parametrize("corner", ["plain", "pdl"])
+def test_pdl_edge_choice_takes_turns_with_both_corners(fake, monkeypatch, corner):
+    """Choices that pay only together (plain edges everywhere), and a choice that a later round shows slower
+    than PDL everywhere (drift at the power cap), are settled by the last round of turns with both corners."""
+    from kernelmill.runtime import graph as graph_module
+    from kernelmill.runtime import models as models_module
+    from kernelmill.runtime.nn import MLP
+
+    backend, registry = fake
+    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
+    model.forward(np.ones((12, 32), np.float32))
+    problems = list(model.problems)
+    up, down = registry.entries()
+    captures, rounds = [], []
+
+    class FakeGraph:
+        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
+            self.pdl, self.plain, self.constants = pdl, frozenset(plain), constants
+            self.pdl_entries = [e for e in (up, down) if id(e) not in self.plain]
+            self.closed = False
+            captures.append(self)
+
+        def cost(self):
+            both = {id(up), id(down)} <= self.plain
+            if corner == "plain":  # one plain edge alone costs, both together gain
+                return 0.0005 if both else 0.0008 + (0.0004 if self.plain else 0)
+            # "pdl": the down projection's plain edge wins its own turn, then loses in the last round
+            last_round = len(rounds) > 2
+            return (
+                0.0008
+                + (0.0006 if id(up) in self.plain else 0)
+                + (0.0004 if last_round else -0.0004) * (id(down) in self.plain)
+            )
+
+        def replay(self, prepared, copy_output=True):
+            assert not self.closed
+            time.sleep(self.cost())
+
+        def close(self):
+            self.closed = True
+
+    time_graphs = model._time_graphs
+    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
+    monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
+    monkeypatch.setattr(
+        model, "_time_graphs", lambda graphs, prepared: (rounds.append(1), time_graphs(graphs, prepared))[1]
+    )
+    first = FakeGraph(backend, None, ())
+    kept, line = model._tune_edges(first, (), problems)
+    assert len(rounds) == 3  # one turn per PDL kernel, then the last round
+    if corner == "plain":
+        assert kept.plain == {id(up), id(down)} and first.closed
+        assert "plain edges into linear" in line and "12x32x64" in line and "12x64x32" in line, line
+        assert registry.remembered_edges([up, down], problems) == {0, 1}
+    else:
+        assert kept is first and not first.closed and "PDL for every kernel that has it" in line, line
+        assert registry.remembered_edges([up, down], problems) == set()
+    # Every graph but the one kept was closed, and the logged times are that last round's.
+    assert [g for g in captures if not g.closed] == [kept]
+    assert "with PDL everywhere" in line and "with plain edges everywhere" in line, line
 
 
 def test_a_first_forward_lists_its_kernels_without_launching_and_compiles_them_together(fake, monkeypatch):
