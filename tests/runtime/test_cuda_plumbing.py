@@ -548,7 +548,10 @@ def test_buckets_on_the_gpu_path_pad_before_the_kernels_and_cut_after(fake):
     assert out.shape == (3, 8) and ("fused_mlp", (4, 8, 16, 8)) in {p[:2] for p in mlp.problems}
 
 
-def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeypatch):
+def _edge_choice(fake, monkeypatch, cost):
+    """A one-layer MLP forward on the fake backend and a stand-in for CapturedForward whose replay sleeps
+    ``cost(plain_ops)`` seconds (``plain_ops``: "up" / "down" for the linears on plain edges). Returns the
+    model, its problems, the up and down entries, the graph class and the list of graphs it made."""
     from kernelmill.runtime import graph as graph_module
     from kernelmill.runtime import models as models_module
     from kernelmill.runtime.nn import MLP
@@ -556,7 +559,6 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
     backend, registry = fake
     model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
     model.forward(np.ones((12, 32), np.float32))
-    problems = list(model.problems)
     up, down = registry.entries()
     captures = []
 
@@ -568,14 +570,23 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
             captures.append(self)
 
         def replay(self, prepared, copy_output=True):
-            # The down projection is slower launched early, the up projection faster (by far: no noise decides).
-            time.sleep(0.0008 + (0.0006 if id(up) in self.plain else 0) - (0.0006 if id(down) in self.plain else 0))
+            assert not self.closed
+            time.sleep(cost({name for name, e in (("up", up), ("down", down)) if id(e) in self.plain}))
 
         def close(self):
             self.closed = True
 
     monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
     monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
+    return model, list(model.problems), up, down, FakeGraph, captures
+
+
+def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeypatch):
+    # The down projection is slower launched early, the up projection faster (by far: no noise decides).
+    backend, registry = fake
+    model, problems, up, down, FakeGraph, captures = _edge_choice(
+        fake, monkeypatch, lambda plain: 0.0008 + 0.0006 * ("up" in plain) - 0.0006 * ("down" in plain)
+    )
     kept, line = model._tune_edges(FakeGraph(backend, None, ()), (), problems)
     assert kept.plain == {id(down)} and "plain edges into linear 12x32x64" in line and "remembered" not in line
     assert "with PDL everywhere" in line and "with plain edges everywhere" in line, line
@@ -598,46 +609,17 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
 def test_pdl_edge_choice_takes_turns_with_both_corners(fake, monkeypatch, corner):
     """Choices that pay only together (plain edges everywhere), and a choice that a later round shows slower
     than PDL everywhere (drift at the power cap), are settled by the last round of turns with both corners."""
-    from kernelmill.runtime import graph as graph_module
-    from kernelmill.runtime import models as models_module
-    from kernelmill.runtime.nn import MLP
+    rounds = []
+
+    def cost(plain):
+        if corner == "plain":  # one plain edge alone costs, both together gain
+            return 0.0005 if plain == {"up", "down"} else 0.0008 + 0.0004 * bool(plain)
+        # "pdl": the down projection's plain edge wins its own turn, then loses in the last round
+        return 0.0008 + 0.0006 * ("up" in plain) + (0.0004 if len(rounds) > 2 else -0.0004) * ("down" in plain)
 
     backend, registry = fake
-    model = runtime.Model(MLP.random(32, 64, 32), device="cuda", dtype="float16", registry=registry)
-    model.forward(np.ones((12, 32), np.float32))
-    problems = list(model.problems)
-    up, down = registry.entries()
-    captures, rounds = [], []
-
-    class FakeGraph:
-        def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
-            self.pdl, self.plain, self.constants = pdl, frozenset(plain), constants
-            self.pdl_entries = [e for e in (up, down) if id(e) not in self.plain]
-            self.closed = False
-            captures.append(self)
-
-        def cost(self):
-            both = {id(up), id(down)} <= self.plain
-            if corner == "plain":  # one plain edge alone costs, both together gain
-                return 0.0005 if both else 0.0008 + (0.0004 if self.plain else 0)
-            # "pdl": the down projection's plain edge wins its own turn, then loses in the last round
-            last_round = len(rounds) > 2
-            return (
-                0.0008
-                + (0.0006 if id(up) in self.plain else 0)
-                + (0.0004 if last_round else -0.0004) * (id(down) in self.plain)
-            )
-
-        def replay(self, prepared, copy_output=True):
-            assert not self.closed
-            time.sleep(self.cost())
-
-        def close(self):
-            self.closed = True
-
+    model, problems, up, down, FakeGraph, captures = _edge_choice(fake, monkeypatch, cost)
     time_graphs = model._time_graphs
-    monkeypatch.setattr(graph_module, "CapturedForward", FakeGraph)
-    monkeypatch.setattr(models_module, "_WARMUP_S", 0.001)
     monkeypatch.setattr(
         model, "_time_graphs", lambda graphs, prepared: (rounds.append(1), time_graphs(graphs, prepared))[1]
     )
