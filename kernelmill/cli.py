@@ -467,6 +467,8 @@ def worker(
     _check_scheduler(scheduler)
     try:
         asyncio.run(run_workers(scheduler, gpus))
+    except ValueError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
     except RuntimeError as exc:
         raise fail(str(exc), EXIT_UNAVAILABLE) from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -103,4 +104,13 @@ class BodyLimit:
 def jsonable(errors):
     from fastapi.encoders import jsonable_encoder
 
-    return jsonable_encoder(errors, custom_encoder={Exception: str})
+    def finite(value):  # a NaN or an infinity sent in a rejected body is echoed as text (JSON has neither)
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [finite(v) for v in value]
+        return value
+
+    return finite(jsonable_encoder(errors, custom_encoder={Exception: str}))

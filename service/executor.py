@@ -9,6 +9,7 @@ trial is recorded as failed with the reason and the job goes on.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -429,7 +430,9 @@ def _local_cluster(n_gpus: int, fake_device: bool):
     workers = {f"gpu{i}": _worker_spec(i, "", fake_device) for i in range(n_gpus)}
     return SpecCluster(
         workers=workers,
-        scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+        # The Dask protocol runs code: the built-in scheduler listens on loopback only, with no dashboard
+        # (its own defaults are every interface and :8787). Workers elsewhere join a separate scheduler.
+        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": None}},
         silence_logs=logging.WARNING,
         name="kernelmill",
     )
@@ -441,13 +444,25 @@ async def run_workers(scheduler: str, gpus: int | None = None) -> None:
 
     from distributed import Nanny
 
-    n, how = (gpus, "configured") if gpus is not None else count_gpus()
-    if n == 0:
-        raise RuntimeError(f"no GPU to serve ({how})")
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, not {gpus}")
+    fake_device = os.environ.get("KERNELMILL_FAKE_DEVICE") == "1"
+    n = gpus
+    if not fake_device:  # a worker that cannot run kernels would take queued jobs only to fail them
+        found, how = count_gpus()
+        if found == 0:
+            raise RuntimeError(f"no GPU to serve ({how})")
+        if importlib.util.find_spec("pycuda") is None:
+            raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")
+        n = found if gpus is None else gpus
+    elif n is None:
+        n, how = count_gpus()
+        if n == 0:
+            raise RuntimeError(f"no GPU to serve ({how})")
     prefix = f"{socket.gethostname()}-"
     nannies = []
     for i in range(n):
-        spec = _worker_spec(i, prefix, fake_device=os.environ.get("KERNELMILL_FAKE_DEVICE") == "1")
+        spec = _worker_spec(i, prefix, fake_device=fake_device)
         nannies.append(Nanny(scheduler, **spec["options"]))
     await asyncio.gather(*nannies)
     await asyncio.gather(*(nanny.finished() for nanny in nannies))

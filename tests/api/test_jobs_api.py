@@ -1,5 +1,7 @@
 """The whole job lifecycle over REST with the fake device (logic only), and every 422/404 path."""
 
+import json
+
 import pytest
 
 from tests.api.conftest import SOFTMAX_JOB, wait_state
@@ -125,3 +127,10 @@ def test_auth_on_guards_writes_only(authed):
 
 def test_auth_off_accepts_writes(client):
     assert client.post("/api/jobs", json=SOFTMAX_JOB).status_code == 201
+
+
+def test_a_nan_in_a_rejected_body_is_echoed_as_text_in_a_422(client):
+    body = '{"op": "softmax", "shapes": [[8, 8]], "dtype": "float16", "budget": {"seconds": NaN}}'
+    r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "budget.seconds" in r.json()["detail"], r.text
+    assert "nan" in json.dumps(r.json()["errors"]).lower()

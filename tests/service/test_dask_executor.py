@@ -36,6 +36,10 @@ def test_workers_pinned_one_per_gpu(executor):
     assert executor.worker_names() == ["gpu0", "gpu1"]
     facts = {w: executor.facts(w)["name"] for w in executor.worker_names()}
     assert facts == {"gpu0": "FakeGPU 0", "gpu1": "FakeGPU 1"}  # CUDA_VISIBLE_DEVICES per worker
+    # The built-in scheduler runs whatever its clients send: it and its HTTP routes listen on loopback only.
+    assert executor.cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+    http = executor.cluster.scheduler.http_server
+    assert {sock.getsockname()[0] for sock in http._sockets.values()} == {"127.0.0.1"}
 
 
 def test_dead_worker_is_replaced_and_batch_recorded_as_fault(executor, crash_family_key):

@@ -122,6 +122,22 @@ def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeyp
     assert bad.exit_code == 2 and "malformed scheduler address" in bad.output
 
 
+def test_worker_refuses_a_gpu_count_below_one_and_a_host_without_gpus(monkeypatch):
+    from kernelmill.service import executor
+
+    monkeypatch.delenv("KERNELMILL_FAKE_DEVICE", raising=False)
+    monkeypatch.setattr(executor, "count_gpus", lambda: (0, "nvidia-smi lists no GPU"))
+    with socket.create_server(("127.0.0.1", 0)) as scheduler:  # reachable: the checks after that one decide
+        address = f"tcp://127.0.0.1:{scheduler.getsockname()[1]}"
+        for gpus in ("0", "-1"):
+            low = runner.invoke(app, ["worker", "--scheduler", address, "--gpus", gpus])
+            assert low.exit_code == 2 and f"--gpus must be at least 1, not {gpus}" in low.output, low.output
+        # --gpus says how many to serve, not that they exist: without one, jobs would be taken only to fail.
+        none = runner.invoke(app, ["worker", "--scheduler", address, "--gpus", "2"])
+    assert none.exit_code == 3 and "no GPU to serve (nvidia-smi lists no GPU)" in none.output, none.output
+    assert "Traceback" not in low.output + none.output
+
+
 def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
     import threading
 
