@@ -15,7 +15,7 @@ from typing import Any
 
 from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
-from kernelmill.agents.space import Candidate, Observation
+from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import strategy_class
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
@@ -63,6 +63,13 @@ def validate_submission(
         raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
     if not any(dtype in f.dtypes for f in spec.families.values()):
         raise JobError(f"no {op} family supports {dtype}")
+    space = Space(spec, dtype)
+    for shape in parsed:  # a shape no variant accepts would finish "done" with no trial
+        reasons = (space.families[c.family].check_shape(tuple(shape), c.params, dtype) for c in space.candidates)
+        first = next(reasons, "no variant")
+        if first is not None and all(reason is not None for reason in reasons):
+            shown = "x".join(str(d) for d in shape)
+            raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} (the first: {first})")
     return {
         "op": op,
         "shapes": parsed,

@@ -134,3 +134,11 @@ def test_a_nan_in_a_rejected_body_is_echoed_as_text_in_a_422(client):
     r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and "budget.seconds" in r.json()["detail"], r.text
     assert "nan" in json.dumps(r.json()["errors"]).lower()
+
+
+def test_a_shape_no_variant_accepts_is_422_at_submission(client):
+    # mlp_stack runs batch <= 8: such a job used to finish "done" with no trial and no error.
+    job = {"op": "mlp_stack", "shapes": [[4, 64, 64, 2], [64, 64, 64, 2]], "dtype": "float16"}
+    r = client.post("/api/jobs", json=job)
+    assert r.status_code == 422 and "no mlp_stack variant accepts 64x64x64x2 in float16" in r.json()["detail"], r.text
+    assert client.post("/api/jobs", json={**job, "shapes": [[4, 64, 64, 2]]}).status_code == 201
