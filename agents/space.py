@@ -73,6 +73,22 @@ class Space:
         view._index = {c.key: c for c in view.candidates}
         return view
 
+    @staticmethod
+    def refuses(op: OpSpec, dtype: str, shape: tuple[int, ...]) -> str | None:
+        """None where some variant of ``op`` in ``dtype`` accepts ``shape`` (what ``for_shape`` keeps), else the
+        first variant's reason. Walks the families' spaces only until one accepts, building no Space (a whole
+        matmul space takes a quarter of a second)."""
+        first = None
+        for fam in op.families.values():
+            if dtype not in fam.dtypes:
+                continue
+            for params in fam.space(dtype):
+                reason = fam.check_shape(shape, params, dtype)
+                if reason is None:
+                    return None
+                first = first or reason
+        return first or f"no {op.name} family supports {dtype}"
+
     def __len__(self) -> int:
         return len(self.candidates)
 

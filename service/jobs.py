@@ -63,13 +63,11 @@ def validate_submission(
         raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
     if not any(dtype in f.dtypes for f in spec.families.values()):
         raise JobError(f"no {op} family supports {dtype}")
-    space = Space(spec, dtype)
     for shape in parsed:  # a shape no variant accepts would finish "done" with no trial
-        reasons = (space.families[c.family].check_shape(tuple(shape), c.params, dtype) for c in space.candidates)
-        first = next(reasons, "no variant")
-        if first is not None and all(reason is not None for reason in reasons):
+        reason = Space.refuses(spec, dtype, tuple(shape))
+        if reason is not None:
             shown = "x".join(str(d) for d in shape)
-            raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} (the first: {first})")
+            raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} (the first: {reason})")
     return {
         "op": op,
         "shapes": parsed,
