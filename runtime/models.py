@@ -639,9 +639,12 @@ class Model:
             )
 
         entries = list(graph.pdl_entries)
+
+        def named(indices: set[int]) -> str:
+            return ", ".join(f"{entries[i].op} {format_shape(entries[i].shape)}" for i in sorted(indices))
+
         remembered = self.registry.remembered_edges(entries, problems)
         if remembered is not None:
-            names = ", ".join(f"{entries[i].op} {format_shape(entries[i].shape)}" for i in sorted(remembered))
             if not remembered:
                 return graph, "; PDL for every kernel that has it (remembered)"
             try:
@@ -650,7 +653,7 @@ class Model:
                 log.info("runtime: capture with the remembered plain edges failed (%s)", exc)
             else:
                 graph.close()
-                return trial, f"; plain edges into {names} (remembered)"
+                return trial, f"; plain edges into {named(remembered)} (remembered)"
         first = graph  # PDL everywhere: kept open for the last round
         first_ms = kept_ms = None
         plain, complete = set(), True
@@ -685,8 +688,7 @@ class Model:
             first.close()
         if complete:
             self.registry.remember_edges(entries, problems, plain)
-        names = ", ".join(f"{entries[i].op} {format_shape(entries[i].shape)}" for i in sorted(plain))
-        which = f"plain edges into {names}" if plain else "PDL for every kernel that has it"
+        which = f"plain edges into {named(plain)}" if plain else "PDL for every kernel that has it"
         timing = corners or f"{kept_ms:.3f} ms ({first_ms:.3f} with PDL everywhere)"
         return graph, f"; a replay {timing}: {which}"
 

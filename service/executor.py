@@ -448,17 +448,13 @@ async def run_workers(scheduler: str, gpus: int | None = None) -> None:
         raise ValueError(f"--gpus must be at least 1, not {gpus}")
     fake_device = os.environ.get("KERNELMILL_FAKE_DEVICE") == "1"
     n = gpus
-    if not fake_device:  # a worker that cannot run kernels would take queued jobs only to fail them
+    if gpus is None or not fake_device:  # a worker that cannot run kernels would take jobs only to fail them
         found, how = count_gpus()
         if found == 0:
             raise RuntimeError(f"no GPU to serve ({how})")
-        if importlib.util.find_spec("pycuda") is None:
-            raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")
         n = found if gpus is None else gpus
-    elif n is None:
-        n, how = count_gpus()
-        if n == 0:
-            raise RuntimeError(f"no GPU to serve ({how})")
+    if not fake_device and importlib.util.find_spec("pycuda") is None:
+        raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")
     prefix = f"{socket.gethostname()}-"
     nannies = []
     for i in range(n):
