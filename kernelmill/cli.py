@@ -187,11 +187,8 @@ def compile(  # noqa: A001 - the command's name
 ) -> None:
     """Compile one variant with nvcc and print the ptxas report (or the compile error)."""
     variant = _variant(op, family, dtype, param, attr)
-    target = normalize_arch(arch) if arch else None
-    if target and variant.family.arch_suffix and not target.endswith(variant.family.arch_suffix):
-        target += variant.family.arch_suffix
     try:
-        compiled = variant.compile(Compiler(), target)
+        compiled = variant.compile(Compiler(), normalize_arch(arch) if arch else None)
     except CompileError as exc:
         if as_json:
             typer.echo(json.dumps({"ok": False, "error": str(exc).splitlines()[0], "log": exc.log}, indent=2))

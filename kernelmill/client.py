@@ -145,7 +145,7 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
     evaluator = LocalEvaluator(0, settings.verify_seeds, settings.bench_reps, settings.kernel_timeout_s)
     store = Store(settings.database_url)
     facts = evaluator.facts()
-    job = store.create_job(arch=facts.arch, **fields)
+    job = store.create_job(**{**fields, "arch": facts.arch})
     store.start_job(job.id, "embedded", facts.name)
     plan = JobPlan(
         job.id,

@@ -26,6 +26,9 @@ from kernelmill.settings import get_settings
 log = logging.getLogger(__name__)
 
 DEFAULT_ARCH = "sm_90"
+#: The oldest GPU the templates target (bf16, cp.async): sm_80. Families that need Hopper (clusters, TMA,
+#: wgmma) say so with an #error, or Family.target, on older targets.
+MIN_SM = 80
 BASE_FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-lineinfo", "-Xptxas", "-v")
 
 

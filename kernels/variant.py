@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kernelmill.kernels.compile import CompiledKernel, Compiler
+from kernelmill.kernels.compile import CompiledKernel, Compiler, normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, OpSpec, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import render
@@ -53,11 +53,12 @@ class Variant:
         return self.family.precision(self.dtype)
 
     def compile(self, compiler: Compiler | None = None, arch: str | None = None) -> CompiledKernel:
+        """The cubin for ``arch`` (default: this GPU's, else sm_90), with the family's suffix where it needs one."""
         if arch is None:
             from kernelmill.kernels.arch import default_arch
 
-            arch = default_arch() + self.family.arch_suffix
-        return (compiler or Compiler()).compile(self.source, arch)
+            arch = default_arch()
+        return (compiler or Compiler()).compile(self.source, self.family.target(normalize_arch(arch)))
 
     def check_shape(self, shape: tuple[int, ...]) -> str | None:
         return self.family.check_shape(shape, self.params, self.dtype)

@@ -162,7 +162,7 @@ class BertModel(Module):
             for key in (prefix + name, prefix + name.replace(".weight", ".gamma").replace(".bias", ".beta")):
                 if key in sd:
                     return np.asarray(sd[key], dtype=np.float32)
-            raise KeyError(f"checkpoint has no {prefix + name}")
+            raise ValueError(f"checkpoint has no {prefix + name}")
 
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported")
@@ -1000,6 +1000,21 @@ def _torch_load(path: Path) -> Any:
         ) from None
 
 
+def _read_config(path: Path) -> dict[str, Any]:
+    """A HuggingFace config.json, or ValueError naming the file and what is wrong with it."""
+    try:
+        config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    for key in ("num_attention_heads", "num_hidden_layers"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{path}: {key} must be a positive whole number, got {value!r}")
+    return config
+
+
 def load_module(path: str | Path, act: str | None = None) -> Module:
     """The Module stored at ``path`` (a HF BERT directory or an MLP state_dict file), on the CPU in float32."""
     path = Path(path)
@@ -1007,7 +1022,7 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         config_path = path / "config.json"
         if not config_path.exists():
             raise ValueError(f"{path} has no config.json (expected a HuggingFace checkpoint directory)")
-        config = json.loads(config_path.read_text())
+        config = _read_config(config_path)
         model_type = config.get("model_type", "bert")
         if model_type != "bert":
             raise ValueError(f"model_type {model_type!r} is not supported (bert is)")

@@ -17,8 +17,9 @@ from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import strategy_class
+from kernelmill.kernels.compile import MIN_SM, normalize_arch
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import SpecError
+from kernelmill.kernels.ops.base import SpecError, format_shape
 from kernelmill.service.db.models import Job
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import Executor
@@ -40,8 +41,10 @@ def validate_submission(
     budget_trials: int,
     budget_seconds: float,
     attrs: dict[str, Any] | None = None,
+    arch: str = "auto",
 ) -> dict[str, Any]:
     """Normalized job fields, or JobError saying what is wrong."""
+    job_arch = _job_arch(arch)
     try:
         spec = get_op(op)
         spec.check_dtype(dtype)
@@ -50,6 +53,9 @@ def validate_submission(
         if len(shapes) > settings.max_shapes:
             raise JobError(f"shapes: at most {settings.max_shapes} per job, got {len(shapes)}")
         parsed = [list(spec.parse_shape(s)) for s in shapes]
+        twice = next((shape for i, shape in enumerate(parsed) if shape in parsed[:i]), None)
+        if twice is not None:
+            raise JobError(f"shapes: {format_shape(tuple(twice))} is given twice")
         resolved_attrs = spec.resolve_attrs(attrs or {})
     except SpecError as exc:
         raise JobError(str(exc)) from None
@@ -66,10 +72,11 @@ def validate_submission(
     for shape in parsed:  # a shape no variant accepts would finish "done" with no trial
         reason = Space.refuses(spec, dtype, tuple(shape))
         if reason is not None:
-            shown = "x".join(str(d) for d in shape)
+            shown = format_shape(tuple(shape))
             raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} (the first: {reason})")
     return {
         "op": op,
+        "arch": job_arch,
         "shapes": parsed,
         "dtype": dtype,
         "attrs": resolved_attrs,
@@ -77,6 +84,26 @@ def validate_submission(
         "budget_trials": budget_trials,
         "budget_seconds": budget_seconds,
     }
+
+
+def _job_arch(arch: str) -> str:
+    """A job's GPU arch: "auto" (any worker's) or a base arch such as "sm_90" ("sm_90a" and "90" say the same)."""
+    if arch == "auto":
+        return arch
+    try:
+        base = normalize_arch(arch).rstrip("af")
+    except ValueError as exc:
+        raise JobError(f"arch: {exc}, or auto (the worker's GPU)") from None
+    if int(base.removeprefix("sm_")) < MIN_SM:
+        raise JobError(f"arch: kernelmill's kernels need sm_{MIN_SM} or newer, not {base}")
+    return base
+
+
+def runs_on(job_arch: str | None, worker_arch: str | None) -> bool:
+    """Whether a job for ``job_arch`` may run on a worker whose GPU is ``worker_arch`` (None: not known yet)."""
+    if job_arch in (None, "auto"):
+        return True
+    return worker_arch is not None and worker_arch.rstrip("af") == job_arch.rstrip("af")
 
 
 class StoreRecorder:
@@ -166,6 +193,7 @@ class JobRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._running: dict[int, threading.Thread] = {}
+        self._said_waiting: set[int] = set()
         self.progress: dict[int, Progress] = {}
 
     def start(self) -> None:
@@ -201,18 +229,26 @@ class JobRunner:
         queued = [j for j in self.store.jobs_in_state("queued") if j.id not in self._running]
         if not queued:
             return
-        for worker in self.executor.workers():
+        workers = self.executor.workers()
+        for worker in workers:
             if not queued:
                 return
             if worker.busy:
                 continue
-            job = queued[0]
-            if not self.executor.claim(worker.name, job.id):
+            job = next((j for j in queued if runs_on(j.arch, worker.arch)), None)
+            if job is None or not self.executor.claim(worker.name, job.id):
                 continue
-            queued.pop(0)
+            queued.remove(job)
             thread = threading.Thread(target=self._run, args=(job, worker.name), name=f"job-{job.id}", daemon=True)
             self._running[job.id] = thread
             thread.start()
+        if not workers or any(w.arch is None for w in workers):
+            return  # a worker's GPU is not known yet
+        archs = sorted({w.arch.rstrip("af") for w in workers})
+        for job in queued:  # said once a job; GET /api/system lists the workers and their archs
+            if job.id not in self._said_waiting and not any(runs_on(job.arch, a) for a in archs):
+                self._said_waiting.add(job.id)
+                log.warning("job %s waits for an %s worker; the workers have %s", job.id, job.arch, ", ".join(archs))
 
     def _run(self, job: Job, worker: str) -> None:
         try:

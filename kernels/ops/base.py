@@ -77,8 +77,9 @@ class Param:
     values: tuple[Any, ...]
     doc: str = ""
 
-    def coerce(self, raw: Any) -> Any:
-        """Turn a CLI/JSON/query value into one of ``values`` or raise SpecError."""
+    def coerce(self, raw: Any, what: str = "parameter") -> Any:
+        """Turn a CLI/JSON/query value into one of ``values`` or raise SpecError (about a ``what``: a template
+        parameter, or an op attribute)."""
         number = _float_or_none(raw) if isinstance(raw, str) else None
         for value in self.values:
             if raw == value or str(raw).lower() == str(value).lower():
@@ -86,7 +87,7 @@ class Param:
             if number is not None and isinstance(value, float) and number == value:  # "1e-5" is 1e-05
                 return value
         allowed = ", ".join(str(v) for v in self.values)
-        raise SpecError(f"parameter {self.name}={raw!r} is not allowed; choose one of {allowed}")
+        raise SpecError(f"{what} {self.name}={raw!r} is not allowed; choose one of {allowed}")
 
 
 def _float_or_none(text: str) -> float | None:
@@ -163,6 +164,19 @@ class Family(ABC):
     #: Workspaces of arrival counts: zero when a launch starts and left zero when it ends, so they are zeroed
     #: once where they are allocated and never poisoned (a kernel resets each count it finishes with).
     counter_workspaces: tuple[str, ...] = ()
+
+    def target(self, arch: str) -> str:
+        """The nvcc target for this family on GPU ``arch`` ("sm_90" -> "sm_90a" where the family needs the suffix).
+
+        Arch-specific (``a``) instructions such as wgmma exist on sm_90 alone, so such a family has no target
+        on any other GPU: SpecError says so, rather than nvcc failing on a target like compute_80a."""
+        base = arch.rstrip("af")
+        if not self.arch_suffix:
+            return arch
+        if base != "sm_90":
+            suffixed = f"sm_90{self.arch_suffix}"
+            raise SpecError(f"family {self.name} uses {suffixed} instructions: it runs on sm_90 only, not {base}")
+        return base + self.arch_suffix
 
     def precision(self, dtype: str) -> str:
         """Arithmetic precision that sets the tolerance (e.g. "tf32" for fp32 on tensor cores)."""
@@ -335,7 +349,7 @@ class OpSpec(ABC):
             if not match:
                 known = ", ".join(a.name for a in self.attributes) or "none"
                 raise SpecError(f"op {self.name} has no attribute {name!r}; its attributes: {known}")
-            attrs[name] = match[0].coerce(value)
+            attrs[name] = match[0].coerce(value, "attribute")
         return attrs
 
     def check_dtype(self, dtype: str) -> str:

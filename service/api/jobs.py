@@ -16,6 +16,7 @@ from kernelmill.service.api.schemas import (
     Page,
     ShapeProgress,
     TrialOut,
+    TrialStatus,
     problems,
 )
 from kernelmill.service.db.models import Job, utcnow
@@ -86,10 +87,11 @@ def create_job(
             body.budget.trials,
             body.budget.seconds,
             body.attrs,
+            body.arch,
         )
     except JobError as exc:
         raise HTTPException(422, detail=str(exc)) from None
-    return job_out(store, store.create_job(arch=body.arch, **fields))
+    return job_out(store, store.create_job(**fields))
 
 
 @router.get("", responses=problems(422))
@@ -123,7 +125,7 @@ def list_trials(
     store: Store = Depends(get_store),
     sort: Literal["seq", "median_ms", "status", "family"] = "seq",
     order: Literal["asc", "desc"] = "asc",
-    status_filter: str | None = Query(None, alias="status"),
+    status_filter: TrialStatus | None = Query(None, alias="status"),
     limit: int = Query(100, ge=1, le=1000),
     offset: Offset = 0,
 ) -> Page[TrialOut]:

@@ -257,9 +257,10 @@ async def best_kernel(
             cache.put(store, generation, cache.kernels, found[0], out)
     if out is None:  # none served (or, never in practice, deleted since its shape was read)
         where = f" for {arch}" if arch else ""
+        given = f" with {' '.join(f'{k}={v}' for k, v in sorted(attrs.items()))}" if attrs else ""
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
-            detail=f"no tuned {op} kernel for {dtype}{where} at any shape; submit a job to tune one",
+            detail=f"no tuned {op} kernel for {dtype}{where}{given} at any shape; submit a job to tune one",
         )
     answer = BestKernelOut.model_construct(**dict(out), exact=found[1], requested_shape=list(dims))
     body = answer.model_dump_json().encode()

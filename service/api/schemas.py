@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from fastapi import Path, Query
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
@@ -14,6 +14,8 @@ JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="a job's id")]
 KernelId = Annotated[int, Path(ge=1, le=MAX_INT, description="a served kernel's id")]
 ProfileId = Annotated[int, Path(ge=1, le=MAX_INT, description="a forward profile's id")]
 Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="rows to skip")]
+#: A trial's status (kernels.evaluate.TRIAL_STATUSES; a test keeps the two the same).
+TrialStatus = Literal["ok", "compile_error", "unsupported", "wrong_result", "fault", "timeout"]
 
 
 def _with_utc_offset(when: datetime) -> datetime:
@@ -60,7 +62,9 @@ class JobCreate(BaseModel):
     dtype: str = Field("float16", examples=["float16"])
     arch: str = Field("auto", description="'auto' = the worker's GPU", pattern=r"^(auto|sm_\d+a?)$")
     strategy: str = Field("random", examples=["random", "exhaustive", "evolutionary"])
-    attrs: dict[str, str] = Field(default_factory=dict, description="op attributes, e.g. {'act': 'relu'}")
+    attrs: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="op attributes, e.g. {'act': 'relu'} or {'eps': 1e-05}"
+    )
     budget: Budget = Field(default_factory=Budget)
 
 

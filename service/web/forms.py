@@ -144,7 +144,9 @@ def field_of(message: str, op: str) -> str:
         return "trials"
     if m.startswith("budget.seconds"):
         return "seconds"
-    attr = re.match(r"parameter (\w+)=", message)
+    if m.startswith("arch:"):
+        return "arch"
+    attr = re.match(r"attribute (\w+)=", message)
     if attr and op in OPS and any(a.name == attr.group(1) for a in OPS[op].attributes):
         return attr_field(op, attr.group(1))
     return GENERAL
@@ -177,6 +179,7 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
         "budget_trials": trials if trials is not None else 1,
         "budget_seconds": seconds if seconds is not None else 1.0,
         "attrs": form.op_attrs(),
+        "arch": form.arch,
     }
     fields = None
     for _ in range(12):
@@ -201,6 +204,8 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
                 args["budget_trials"] = 1
             elif name == "seconds":
                 args["budget_seconds"] = 1.0
+            elif name == "arch":
+                args["arch"] = "auto"
             else:
                 args["attrs"] = {}
     try:  # the API's request schema: arch pattern and budget bounds
@@ -217,9 +222,9 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
         for err in exc.errors():
             loc = [str(p) for p in err.get("loc", ())]
             name = {"arch": "arch", "trials": "trials", "seconds": "seconds"}.get(loc[-1] if loc else "", GENERAL)
+            if name == "arch":
+                errors.setdefault(name, "'auto' (the worker's GPU) or an arch such as sm_90 or sm_90a")
             errors.setdefault(name, f"{err.get('msg')}")
-    if "arch" in errors:
-        errors["arch"] = "'auto' (the worker's GPU) or an arch such as sm_90 or sm_90a"
 
     return errors, (fields if not errors else None)
 
@@ -240,7 +245,7 @@ def submit_job(store: Store, settings: Settings, form: JobForm, csrf_cookie: str
     form.errors = errors
     if errors or fields is None:
         return Submission(form, status_code=status_code)
-    return Submission(form, store.create_job(arch=form.arch, **fields), 201)
+    return Submission(form, store.create_job(**fields), 201)
 
 
 def check_write(settings: Settings, data: Mapping[str, str], csrf_cookie: str | None) -> str | None:

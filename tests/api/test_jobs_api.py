@@ -80,6 +80,9 @@ def test_cancel(client):
         ({"budget": {"trials": 10, "seconds": 10**9}}, "budget.seconds"),
         ({"attrs": {"act": "relu"}}, "no attribute"),
         ({"arch": "hopper"}, "arch"),
+        ({"arch": "sm_20"}, "arch: kernelmill's kernels need sm_80 or newer, not sm_20"),
+        ({"shapes": [[1024, 1024], [4096, 512], [1024, 1024]]}, "shapes: 1024x1024 is given twice"),
+        ({"shapes": [[1024, 1024], "1024x1024"]}, "shapes: 1024x1024 is given twice"),
         ({"surprise": 1}, "surprise"),
     ],
 )
@@ -101,6 +104,47 @@ def test_best_kernel_missing_is_404_with_reason_and_bad_query_422(client):
     assert resp.status_code == 404 and "submit a job" in resp.json()["detail"]
     resp = client.get("/api/kernels/best", params={"op": "matmul", "shape": "64x64", "dtype": "float16"})
     assert resp.status_code == 422
+    # An op with attributes: the 404 names the ones it looked for (the defaults too), so a wrong eps shows.
+    resp = client.get("/api/kernels/best", params={"op": "layernorm", "shape": "8x768", "attr": "eps:1e-12"})
+    assert resp.status_code == 404
+    assert resp.json()["detail"].startswith("no tuned layernorm kernel for float16 with eps=1e-12 at any shape")
+
+
+def test_trials_status_filter_takes_only_trial_statuses(client):
+    job = wait_state(client, client.post("/api/jobs", json=SOFTMAX_JOB).json()["id"])
+    resp = client.get(f"/api/jobs/{job['id']}/trials", params={"status": "okay"})
+    assert resp.status_code == 422 and "status" in resp.json()["detail"], resp.text
+    for status in ("ok", "compile_error", "unsupported", "wrong_result", "fault", "timeout"):
+        assert client.get(f"/api/jobs/{job['id']}/trials", params={"status": status}).status_code == 200
+
+
+def test_the_trial_status_filter_names_every_status_the_evaluator_gives():
+    from typing import get_args
+
+    from kernelmill.kernels.evaluate import TRIAL_STATUSES
+    from kernelmill.service.api.schemas import TrialStatus
+
+    assert set(get_args(TrialStatus)) == set(TRIAL_STATUSES)
+
+
+def test_a_job_for_a_gpu_arch_keeps_its_base_arch_and_waits_for_such_a_worker(client):
+    # The fake workers are sm_90: an sm_90a job runs on them, an sm_80 job waits (queued) for an sm_80 worker.
+    hopper = client.post("/api/jobs", json={**SOFTMAX_JOB, "arch": "sm_90a"}).json()
+    ampere = client.post("/api/jobs", json={**SOFTMAX_JOB, "arch": "sm_80"}).json()
+    assert (hopper["arch"], ampere["arch"]) == ("sm_90", "sm_80")
+    assert wait_state(client, hopper["id"])["state"] == "done"
+    waiting = client.get(f"/api/jobs/{ampere['id']}").json()
+    assert waiting["state"] == "queued" and waiting["trials_done"] == 0
+
+
+def test_attributes_may_be_json_numbers(client):
+    job = {"op": "layernorm", "shapes": [[8, 768]], "dtype": "float16"}
+    as_number = client.post("/api/jobs", json={**job, "attrs": {"eps": 1e-12}})
+    as_text = client.post("/api/jobs", json={**job, "attrs": {"eps": "1e-12"}})
+    assert as_number.status_code == as_text.status_code == 201, as_number.text
+    assert as_number.json()["attrs"] == as_text.json()["attrs"] == {"eps": 1e-12}
+    wrong = client.post("/api/jobs", json={**job, "attrs": {"eps": 0.5}})
+    assert wrong.status_code == 422 and "attribute eps=0.5 is not allowed" in wrong.json()["detail"], wrong.text
 
 
 def test_workers_and_health(client):

@@ -3,6 +3,8 @@ runtime.load_model(device="cpu"), match PyTorch."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -167,6 +169,31 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         runtime.load_model(tmp_path, device="cpu")
     with pytest.raises(FileNotFoundError, match="missing.pt: no such model"):
         runtime.load_model(tmp_path / "missing.pt", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{not json", r"config.json is not valid JSON \(Expecting property name"),
+        (b"\xff\xfe{}", "config.json is not valid JSON"),
+        ("[1, 2]", "config.json holds a JSON list, not an object"),
+        ('{"num_hidden_layers": 2}', "config.json: num_attention_heads must be a positive whole number, got None"),
+        ('{"num_hidden_layers": "2", "num_attention_heads": 2}', "num_hidden_layers must be a positive whole number"),
+    ],
+)
+def test_a_broken_config_json_is_a_one_line_error_naming_the_file(tmp_path, config, message):
+    (tmp_path / "config.json").write_bytes(config if isinstance(config, bytes) else config.encode())
+    with pytest.raises(ValueError, match=message) as err:
+        runtime.load_model(tmp_path, device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_missing_a_weight_is_a_one_line_error_naming_it(tmp_path):
+    config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save({"bert.embeddings.word_embeddings.weight": torch.zeros(50, 32)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="checkpoint has no bert.embeddings.position_embeddings.weight"):
+        runtime.load_model(tmp_path, device="cpu")
 
 
 def test_mlp_state_dicts_whose_layers_do_not_fit_are_refused_at_load(tmp_path):

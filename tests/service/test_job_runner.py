@@ -23,11 +23,14 @@ def store(tmp_path):
     store.close()
 
 
+_JOB = dict(
+    op="softmax", shapes=[[1024, 1024]], dtype="float16", attrs={}, strategy="random",
+    budget_trials=400, budget_seconds=600.0,
+)  # fmt: skip
+
+
 def softmax_job(store: Store, trials: int = 400):
-    return store.create_job(
-        op="softmax", shapes=[[1024, 1024]], dtype="float16", attrs={}, strategy="random",
-        budget_trials=trials, budget_seconds=600.0,
-    )  # fmt: skip
+    return store.create_job(**{**_JOB, "budget_trials": trials})
 
 
 def wait_for(predicate, timeout_s: float = 20.0) -> None:
@@ -95,3 +98,20 @@ def test_stop_is_bounded_when_a_batch_hangs(store, caplog):
     wait_for(lambda: store.get_job(job.id).state == "queued")  # the batch returned: recorded, then queued
     wait_for(lambda: not runner._running)
     assert store.trials(job.id)
+
+
+def test_a_job_for_another_arch_waits_for_a_worker_of_that_arch_and_says_so_once(store, caplog):
+    executor = FakeExecutor(1)  # one sm_90 worker
+    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=8), poll_s=0.02)
+    ampere = store.create_job(**{**_JOB, "arch": "sm_80"})
+    hopper = store.create_job(**{**_JOB, "arch": "sm_90", "budget_trials": 8})
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: store.get_job(hopper.id).state == "done")  # queued after the sm_80 job, run first
+            time.sleep(0.2)  # several more polls
+        finally:
+            runner.stop()
+    assert store.get_job(ampere.id).state == "queued" and not store.trials(ampere.id)
+    said = [r.getMessage() for r in caplog.records if "waits for" in r.getMessage()]
+    assert said == [f"job {ampere.id} waits for an sm_80 worker; the workers have sm_90"]

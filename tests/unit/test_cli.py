@@ -39,6 +39,7 @@ def test_render_prints_source_with_params():
         (["bench", "softmax", "--shape", "12xq"], "malformed shape"),
         (["bench", "softmax", "--shape", "12x12x12"], "takes a shape of 2 dims"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "hopper"], "malformed arch"),
+        (["compile", "matmul", "-f", "wgmma", "--arch", "sm_80"], "family wgmma uses sm_90a instructions"),
         (["jobs", "--state", "finished"], "unknown state 'finished'; use one of queued"),
         (["jobs", "--limit", "0"], "--limit 0 is out of range 1..500"),
         (["kernels", "--op", "conv"], "unknown op 'conv'"),

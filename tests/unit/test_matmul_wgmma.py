@@ -29,6 +29,14 @@ def test_registered_for_sm_90a_half_types_only():
         WGMMA.resolve({}, "float32")
 
 
+def test_its_target_is_sm_90a_and_no_other_gpu_has_one():
+    assert WGMMA.target("sm_90") == WGMMA.target("sm_90a") == "sm_90a"
+    for arch in ("sm_80", "sm_89", "sm_100"):
+        with pytest.raises(SpecError, match=f"wgmma uses sm_90a instructions: it runs on sm_90 only, not {arch}"):
+            WGMMA.target(arch)
+    assert MATMUL.family("tensorcore").target("sm_80") == "sm_80"  # a family with no suffix: the GPU's own arch
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))

@@ -79,6 +79,8 @@ def test_op_attributes_are_submitted(empty):
         ({"seconds": "1e9"}, "seconds", "budget.seconds"),
         ({"seconds": "soon"}, "seconds", "number of seconds"),
         ({"arch": "hopper"}, "arch", "sm_90"),
+        ({"arch": "sm_75"}, "arch", "need sm_80 or newer, not sm_75"),
+        ({"shapes": "64x64\n128x64\n64x64"}, "shapes", "64x64 is given twice"),
         ({"op": "fused_mlp", "shapes": "8x8x8x8", "attr.fused_mlp.act": "swish"}, "attr-fused_mlp-act", "not allowed"),
     ],
 )
@@ -167,6 +169,6 @@ def test_field_of_maps_every_validation_message():
     assert field_of("unknown op 'x'; known ops: softmax", "x") == "op"
     assert field_of("no softmax family supports float64", "softmax") == "dtype"
     assert field_of("softmax takes a shape of 2 dims (rows x cols), got 1", "softmax") == "shapes"
-    assert field_of("parameter act='swish' is not allowed; choose one of relu", "fused_mlp") == "attr.fused_mlp.act"
+    assert field_of("attribute act='swish' is not allowed; choose one of relu", "fused_mlp") == "attr.fused_mlp.act"
     assert field_of("something else entirely", "softmax") == "form"
     assert re.match(r"^budget", "budget.trials must be in 1..4096, got 0")
