@@ -18,6 +18,7 @@ from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import strategy_class
 from kernelmill.kernels.compile import MIN_SM, normalize_arch
+from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
 from kernelmill.service.db.models import Job
@@ -188,8 +189,12 @@ def _facts(trial) -> dict[str, Any]:
 class JobRunner:
     """Polls the store for queued jobs and runs each on an idle GPU worker, one thread per job."""
 
+    #: Seconds a worker gets no job after its GPU was unavailable (its job went back to the queue).
+    bench_s = 30.0
+
     def __init__(self, store: Store, executor: Executor, settings: Settings, poll_s: float = 0.5) -> None:
         self.store, self.executor, self.settings, self.poll_s = store, executor, settings, poll_s
+        self._benched: dict[str, float] = {}  # worker -> when it may take a job again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._running: dict[int, threading.Thread] = {}
@@ -233,7 +238,7 @@ class JobRunner:
         for worker in workers:
             if not queued:
                 return
-            if worker.busy:
+            if worker.busy or self._benched.get(worker.name, 0.0) > time.monotonic():
                 continue
             job = next((j for j in queued if runs_on(j.arch, worker.arch)), None)
             if job is None or not self.executor.claim(worker.name, job.id):
@@ -252,8 +257,12 @@ class JobRunner:
 
     def _run(self, job: Job, worker: str) -> None:
         try:
-            evaluator = self.executor.evaluator(worker)
-            facts = evaluator.facts()
+            try:
+                evaluator = self.executor.evaluator(worker)
+                facts = evaluator.facts()
+            except Exception as exc:  # noqa: BLE001 - the worker, not the job, is at fault: another may run it
+                self._bench(worker, job, exc)
+                return
             self.store.upsert_device(
                 worker, name=facts.name, arch=facts.arch, sm_count=facts.extra.get("sm_count"),
                 copy_gbps=facts.extra.get("copy_gbps"), matrix_tflops=facts.extra.get("matrix_tflops") or {},
@@ -270,7 +279,12 @@ class JobRunner:
                 job.budget_seconds,
                 batch_size=self.settings.batch_size,
             )
-            state = run_job(plan, evaluator, StoreRecorder(self.store, job.id, self._stop), self._on_progress)
+            try:
+                state = run_job(plan, evaluator, StoreRecorder(self.store, job.id, self._stop), self._on_progress)
+            except GpuUnavailable as exc:  # the GPU went away mid-job: what was recorded stays, the job resumes
+                self.store.update_job(job.id, state="queued")
+                self._bench(worker, job, exc)
+                return
             if state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
                 log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
                 self.store.update_job(job.id, state="queued")
@@ -283,6 +297,14 @@ class JobRunner:
             self.executor.release(worker)
             self._running.pop(job.id, None)
             self.progress.pop(job.id, None)
+
+    def _bench(self, worker: str, job: Job, exc: Exception) -> None:
+        """``job`` goes back to the queue (or stays there) and ``worker`` gets no job for ``bench_s``."""
+        self._benched[worker] = time.monotonic() + self.bench_s
+        log.warning(
+            "worker %s cannot run job %s (%s: %s): the job is queued again; the worker gets no job for %.0f s",
+            worker, job.id, type(exc).__name__, exc, self.bench_s,
+        )  # fmt: skip
 
     def _on_progress(self, progress: Progress) -> None:
         self.progress[progress.job_id] = progress

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kernelmill.agents.evaluator import FakeEvaluator
+from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import FakeExecutor
 from kernelmill.service.jobs import JobRunner
@@ -115,3 +116,44 @@ def test_a_job_for_another_arch_waits_for_a_worker_of_that_arch_and_says_so_once
     assert store.get_job(ampere.id).state == "queued" and not store.trials(ampere.id)
     said = [r.getMessage() for r in caplog.records if "waits for" in r.getMessage()]
     assert said == [f"job {ampere.id} waits for an sm_80 worker; the workers have sm_90"]
+
+
+class _LosesItsGpu(FakeEvaluator):
+    """A worker whose GPU goes away: ``facts`` or ``evaluate`` raise GpuUnavailable while ``gone`` is set."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.gone, self.calls = where, threading.Event(), 0
+
+    def facts(self):
+        if self.where == "facts" and self.gone.is_set():
+            raise GpuUnavailable("no CUDA device is visible")
+        return super().facts()
+
+    def evaluate(self, op, shape, dtype, attrs, candidates):
+        self.calls += 1
+        if self.where == "evaluate" and self.calls == 3:  # mid-job, after two recorded batches
+            raise GpuUnavailable("CUDA driver unavailable: device lost")
+        return super().evaluate(op, shape, dtype, attrs, candidates)
+
+
+@pytest.mark.parametrize("where", ["facts", "evaluate"])
+def test_a_worker_whose_gpu_is_unavailable_is_benched_and_its_job_queued_again(store, caplog, where):
+    executor = FakeExecutor(2)
+    lost = executor._evaluators["fake-gpu0"] = _LosesItsGpu(where)
+    lost.gone.set()
+    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
+    runner.bench_s = 60.0
+    job = softmax_job(store, trials=12)
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: store.get_job(job.id).state == "done")
+        finally:
+            runner.stop()
+    done = store.get_job(job.id)
+    assert done.worker == "fake-gpu1" and done.error is None  # the other worker finished it
+    assert len(store.trials(job.id)) == 12  # batches recorded before the GPU went stay: nothing twice
+    said = [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"worker fake-gpu0 cannot run job {job.id} (GpuUnavailable: ")
+    assert "the worker gets no job for 60 s" in said[0]
