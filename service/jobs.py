@@ -250,7 +250,7 @@ class JobRunner:
         if not workers or any(w.arch is None for w in workers):
             return  # a worker's GPU is not known yet
         archs = sorted({w.arch.rstrip("af") for w in workers})
-        for job in queued:  # said once a job; GET /api/system lists the workers and their archs
+        for job in queued:  # said once a job; GET /api/workers lists the workers and their archs
             if job.id not in self._said_waiting and not any(runs_on(job.arch, a) for a in archs):
                 self._said_waiting.add(job.id)
                 log.warning("job %s waits for an %s worker; the workers have %s", job.id, job.arch, ", ".join(archs))

@@ -60,7 +60,11 @@ class JobCreate(BaseModel):
     op: str = Field(examples=["softmax"])
     shapes: list[list[int] | str] = Field(min_length=1, examples=[[[8192, 8192]]])
     dtype: str = Field("float16", examples=["float16"])
-    arch: str = Field("auto", description="'auto' = the worker's GPU", pattern=r"^(auto|sm_\d+a?)$")
+    arch: str = Field(
+        "auto",
+        description="'auto' = any worker's GPU; an arch (sm_80 or newer) = wait for a worker with that GPU",
+        pattern=r"^(auto|sm_\d+a?)$",
+    )
     strategy: str = Field("random", examples=["random", "exhaustive", "evolutionary"])
     attrs: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="op attributes, e.g. {'act': 'relu'} or {'eps': 1e-05}"
