@@ -47,7 +47,7 @@ console = _console()
 err_console = _console(stderr=True)
 
 EXIT_USAGE = 2  # bad input
-EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc)
+EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc), or a service does not answer
 EXIT_NO_PROFILER = 4  # nsys (Nsight Systems) is not installed
 EXIT_NO_REPORT = 5  # the profiler ran but wrote no usable report
 
@@ -67,7 +67,8 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except (SpecError, RenderError, ValueError) as exc:
-            raise fail(str(exc)) from None
+            # A server that does not answer is unavailable, like a missing GPU: 3; what it refused is input: 2.
+            raise fail(str(exc), EXIT_UNAVAILABLE if getattr(exc, "unreachable", False) else EXIT_USAGE) from None
         except GpuUnavailable as exc:
             raise fail(
                 f"no GPU here ({exc}). `kernelmill render` and `kernelmill compile` still work without one.",

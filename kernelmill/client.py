@@ -13,7 +13,11 @@ from kernelmill.settings import Settings, get_settings
 
 
 class ServerError(ValueError):
-    """The server refused a request or could not be reached; the message says why."""
+    """The server refused a request or could not be reached (``unreachable``); the message says why."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 def _request(method: str, url: str, **kw) -> Any:
@@ -22,7 +26,7 @@ def _request(method: str, url: str, **kw) -> Any:
     try:
         resp = httpx.request(method, url, headers=headers, timeout=30.0, **kw)
     except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach {url}: {exc}") from None
+        raise ServerError(f"cannot reach {url}: {exc}", unreachable=True) from None
     if resp.status_code >= 400:
         try:
             detail = resp.json().get("detail", resp.text)

@@ -18,11 +18,11 @@ class TuneError(ValueError):
     """The service could not be reached or refused a job. ``jobs``: the jobs it had created before (they run
     on; the message gives their ids)."""
 
-    def __init__(self, message: str, jobs: list[dict[str, Any]]) -> None:
+    def __init__(self, message: str, jobs: list[dict[str, Any]], *, unreachable: bool = False) -> None:
         if jobs:
             message += f"; submitted before it: job {', '.join(str(j.get('id')) for j in jobs)}"
         super().__init__(message)
-        self.jobs = jobs
+        self.jobs, self.unreachable = jobs, unreachable
 
 
 def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...], str, dict]]:
@@ -96,7 +96,8 @@ def tune_model(
                 try:
                     resp = client.post("/api/jobs", json=body, headers=headers)
                 except httpx.HTTPError as exc:
-                    raise TuneError(f"cannot reach the service at {base or client.base_url}: {exc}", jobs) from None
+                    where = base or client.base_url
+                    raise TuneError(f"cannot reach the service at {where}: {exc}", jobs, unreachable=True) from None
                 if resp.status_code >= 400:
                     raise TuneError(f"the service refused the {op} job ({resp.status_code}): {resp.text}", jobs)
                 job = resp.json()
