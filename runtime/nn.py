@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kernelmill.kernels.ops.base import numpy_dtype
 from kernelmill.runtime import ops
 from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor
 
@@ -146,7 +147,12 @@ def host_array(x: Any) -> np.ndarray:
     if isinstance(x, Tensor):
         return x.numpy()
     if type(x).__module__.startswith("torch"):
-        return x.detach().cpu().numpy()
+        import torch
+
+        t = x.detach().cpu()
+        if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the same bits, as ml_dtypes' bfloat16
+            return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+        return t.numpy()
     return np.asarray(x)
 
 

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -546,7 +546,9 @@ def profile_forward(
     nsys = nsys or find_nsys()
     if nsys is None:
         raise NsysUnavailable("nsys (Nsight Systems) is not on PATH")
-    workdir = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="kernelmill-nsys-"))
+    if spec.path is not None:  # nsys starts the forward in the work directory: paths must not be relative
+        spec = replace(spec, path=str(Path(spec.path).resolve()))
+    workdir = Path(keep_dir).resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="kernelmill-nsys-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         return _profile_in(workdir, spec, nsys, timeout_s, keep=keep_dir is not None)

@@ -438,6 +438,10 @@ class KernelRegistry:
             cubin = cubin_path.read_bytes()
         except (OSError, ValueError):
             return None
+        wrong = _wrong_fields(meta, _CACHED_FIELDS)
+        if wrong:  # a cache: a damaged entry is passed over (and replaced when the service serves one)
+            notes.append(f"local cache entry unusable: {wrong}")
+            return None
         reason = self._usable(spec, shape, dtype, attrs, meta["family"], meta["params"], meta.get("attrs"))
         if reason:
             notes.append(f"local cache entry unusable: {reason}")
@@ -560,7 +564,12 @@ class KernelRegistry:
                 notes.append("service unreachable")
                 return None
             if resp.status_code == 200:
-                answers.append(resp.json())
+                served, wrong = _record(resp, _SERVED_FIELDS)
+                if wrong:
+                    notes.append(f"service answered an unusable kernel ({wrong})")
+                    log.warning("runtime: %s %s: the service's answer is unusable: %s", spec.name, shape, wrong)
+                else:
+                    answers.append(served)
             elif resp.status_code != 404:
                 notes.append(f"service answered {resp.status_code}")
                 log.warning("runtime: %s %s: service answered %s: %s", spec.name, shape, resp.status_code, resp.text)
@@ -838,3 +847,44 @@ class KernelRegistry:
         arch = self.target_arch + fam.arch_suffix
         compiled = self.compiler.compile(render(fam, params, dtype, attrs), arch)
         return self._build(spec, shape, dtype, attrs, fam.name, params, DEFAULT, compiled.cubin, compiled.key, arch)
+
+
+#: The fields of a /api/kernels/best answer and of a local cache entry that the registry reads without a default,
+#: and those it reads where present (None allowed).
+_SERVED_FIELDS = {"id": int, "family": str, "params": dict, "shape": list}
+_CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
+_OPTIONAL_FIELDS = {
+    "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
+    "launches": list, "kernel_id": int, "code": str,
+}  # fmt: skip
+
+
+def _wrong_fields(record: Any, fields: dict[str, type]) -> str | None:
+    """Why ``record`` (JSON from the service or the local cache) is not an object with ``fields`` of those types."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for name, kind in fields.items():
+        value = record.get(name)
+        if name not in record:
+            return f"no {name}"
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} is {value!r}"
+        if kind is list and not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value):
+            return f"{name} is {value!r}"
+    for name, kind in _OPTIONAL_FIELDS.items():
+        value = record.get(name)
+        if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+            return f"{name} is {value!r}"
+    launches = record.get("launches") or []
+    if not all(isinstance(launch, dict) and isinstance(launch.get("entry"), str) for launch in launches):
+        return f"launches is {launches!r}"
+    return None
+
+
+def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:
+    """(the JSON of ``resp``, or why it is unusable)."""
+    try:
+        record = resp.json()
+    except ValueError:
+        return None, f"not JSON: {resp.text[:60]!r}"
+    return record, _wrong_fields(record, fields)

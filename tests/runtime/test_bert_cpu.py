@@ -126,6 +126,17 @@ def test_mlp_state_dict_blocks_match_torch(tmp_path, act):
     assert {r["op"] for r in model.kernel_report()} == {"fused_mlp"}
 
 
+def test_an_mlp_saved_in_bfloat16_loads_and_takes_bfloat16_inputs(tmp_path):
+    ref = _mlp_blocks(24, 56, 2, "relu").to(torch.bfloat16)
+    path = tmp_path / "bf16.pt"
+    torch.save(ref.state_dict(), path)
+    model = runtime.load_model(path, device="cpu", act="relu")
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal((5, 24)).astype(np.float32)).to(torch.bfloat16)
+    with torch.no_grad():  # the same bf16 weights and input, in float32 on both sides
+        want = ref.float()(x.float()).numpy()
+    assert rel_err(model.forward(x).numpy(), want) < 1e-5
+
+
 def test_mlp_flat_sequential_and_act_in_the_file(tmp_path):
     torch.manual_seed(6)
     ref = torch.nn.Sequential(

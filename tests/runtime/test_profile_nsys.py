@@ -4,6 +4,7 @@ summary, and the whole profile_forward pipeline against a fake nsys on PATH."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,6 +222,17 @@ def test_profile_forward_with_a_fake_nsys(nsys_bin, tmp_path):
     assert spec["preset"] == "mlp-tiny" and spec["iters"] == 2
     assert "--format" in stats_cmd and stats_cmd[-1].endswith("forward.nsys-rep")
     assert set(stats_cmd[stats_cmd.index("--report") + 1].split(",")) == {c[0] for c in REPORTS.values()}
+
+
+def test_relative_model_and_keep_paths_are_made_absolute_for_nsys(nsys_bin, tmp_path, monkeypatch):
+    """nsys starts the forward in the work directory: a relative model path or --keep would point elsewhere."""
+    fake_nsys.install(nsys_bin, "ok", "new")
+    monkeypatch.chdir(tmp_path)
+    Path("mlp.pt").write_bytes(b"not read: the fake nsys does not run the forward")
+    result = profile_forward(ForwardSpec(path="mlp.pt", iters=2), keep_dir=Path("kept"))
+    assert result.kernel_launches == 4 and Path(result.report_path) == tmp_path / "kept" / "forward.nsys-rep"
+    spec = json.loads((tmp_path / "kept" / "spec.json").read_text())
+    assert spec["path"] == str(tmp_path / "mlp.pt") and spec["meta_path"] == str(tmp_path / "kept" / "child.json")
 
 
 def test_old_nsys_gets_old_report_names(nsys_bin):

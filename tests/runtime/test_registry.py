@@ -169,6 +169,45 @@ def test_the_service_revalidates_the_local_cache(tmp_path):
     assert registry(nearest, []).get(*problem).kernel_id == 8
 
 
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"<html>oops</html>", "not JSON: '<html>oops</html>'"),
+        (b"{}", "no id"),
+        (b"[1, 2, 3]", "a JSON list, not an object"),
+        (json.dumps(_fused_kernel(family=None)).encode(), "family is None"),
+        (json.dumps(_fused_kernel(shape=[4, "64", 128, 64])).encode(), "shape is [4, '64', 128, 64]"),
+        (json.dumps(_fused_kernel(median_ms="fast")).encode(), "median_ms is 'fast'"),
+        (json.dumps(_fused_kernel(launches=[{"name": 1}])).encode(), "launches is [{'name': 1}]"),
+    ],
+)
+def test_an_unusable_answer_from_the_service_is_logged_and_the_default_used(tmp_path, caplog, body, why):
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best":
+            return httpx.Response(200, content=body)
+        return httpx.Response(404, json={"detail": "?"})
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    with caplog.at_level(logging.WARNING), pytest.raises(_Compiled):  # the default variant is compiled instead
+        reg.get("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    assert "the service's answer is unusable: " + why in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["{}", "[1]", '{"family": "small_batch", "params": {}, "source": 3}', "{"])
+def test_a_damaged_local_cache_entry_is_passed_over(tmp_path, damage):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    client = _mock_service(_fused_kernel(exact=True), [])
+    KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    assert offline.get(*problem).cubin == b"served-cubin"  # the entry, while whole
+    metas = list((tmp_path / "served").rglob("*.json"))
+    assert len(metas) == 1
+    metas[0].write_text(damage)
+    with pytest.raises(_Compiled):  # no KeyError / TypeError: the default variant is compiled instead
+        KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile()).get(*problem)
+
+
 class _Recompile:
     """A compiler that records what it is asked to build (or fails, given an error)."""
 
