@@ -1,3 +1,24 @@
-from kernelmill.cli import app
+"""The ``kernelmill`` command.
 
-app()
+Importing the CLI reads the settings and imports the operator's plugins (``KERNELMILL_PLUGINS``), so a bad
+``KERNELMILL_*`` value is reported here, in one line with exit code 2, before any command runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    from kernelmill.settings import SettingsError
+
+    try:
+        from kernelmill.cli import app
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    app()
+
+
+if __name__ == "__main__":
+    main()

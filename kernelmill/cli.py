@@ -67,7 +67,7 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except (SpecError, RenderError, ValueError) as exc:
-            # A server that does not answer is unavailable, like a missing GPU: 3; what it refused is input: 2.
+            # A server or database that does not answer is unavailable, like a missing GPU: 3; bad input: 2.
             raise fail(str(exc), EXIT_UNAVAILABLE if getattr(exc, "unreachable", False) else EXIT_USAGE) from None
         except GpuUnavailable as exc:
             raise fail(
@@ -350,14 +350,6 @@ def _print_bench(report: dict[str, Any]) -> None:
             console.print(f"[red]{escape(v['variant'])}[/]: {escape(v['reason'])}", highlight=False)
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 # -- service commands ----------------------------------------------------------------------
 
 ServerOpt = Annotated[
@@ -427,11 +419,13 @@ def serve(
     import uvicorn
 
     from kernelmill.service.app import create_app
+    from kernelmill.service.db.store import Store
     from kernelmill.settings import get_settings
 
     given = {"host": host, "port": port, "scheduler": scheduler, "access_log": access_log}
     settings = get_settings().model_copy(update={k: v for k, v in given.items() if v is not None})
     _check_listen(settings.host, settings.port)
+    Store(settings.database_url).close()  # opened and migrated: DatabaseError (one line) before the service starts
     if settings.scheduler:
         _check_scheduler(settings.scheduler)
     console.print(f"kernelmill {__version__} serving on http://{settings.host}:{settings.port} (docs at /docs)")

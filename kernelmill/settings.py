@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -89,14 +89,29 @@ class Settings(BaseSettings):
     worker_answer_timeout_s: float = Field(900.0, gt=0, description="a GPU worker silent this long is replaced")
 
 
+class SettingsError(ValueError):
+    """A ``KERNELMILL_*`` value (environment or ``.env``) that is not valid; one line naming each variable."""
+
+
+def _named(exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors():
+        name = "KERNELMILL_" + "_".join(str(part) for part in err["loc"]).upper()
+        problems.append(f"{name}={err['input']!r}: {err['msg']}")
+    return "; ".join(problems)
+
+
 _current: Settings | None = None
 
 
 def get_settings() -> Settings:
-    """The process-wide settings, read from the environment on first use."""
+    """The process-wide settings, read from the environment on first use; SettingsError names what is wrong."""
     global _current
     if _current is None:
-        _current = Settings()
+        try:
+            _current = Settings()
+        except ValidationError as exc:
+            raise SettingsError(_named(exc)) from None
     return _current
 
 

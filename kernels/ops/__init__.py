@@ -42,11 +42,14 @@ def load_plugins(modules: str | None = None) -> None:
     """Import the operator's plugin modules (comma-separated), which register their ops."""
     import importlib
 
-    from kernelmill.settings import get_settings
+    from kernelmill.settings import SettingsError, get_settings
 
     for name in (modules if modules is not None else get_settings().plugins).split(","):
         if name.strip():
-            importlib.import_module(name.strip())
+            try:
+                importlib.import_module(name.strip())
+            except ImportError as exc:
+                raise SettingsError(f"KERNELMILL_PLUGINS: cannot import {name.strip()!r} ({exc})") from None
 
 
 load_plugins()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
 from kernelmill.service.db.models import Baseline, DeviceRow, ForwardProfileRow, Job, Kernel, Trial, utcnow
@@ -113,12 +113,36 @@ class ShapeSummary:
         return None
 
 
+class DatabaseError(ValueError):
+    """The database URL is malformed, or the database cannot be opened or migrated (``unreachable``)."""
+
+    def __init__(self, message: str, *, unreachable: bool) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def _shown(url: str) -> str:
+    """``url`` with its password hidden, for messages."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url.split("://", 1)[0] + "://..." if "://" in url else repr(url)
+
+
 class Store:
     def __init__(self, url: str, *, migrate_on_open: bool = True) -> None:
         self.url = url
-        self.engine = make_engine(url)
-        if migrate_on_open:
-            migrate(self.engine)
+        try:
+            self.engine = make_engine(url)
+            if migrate_on_open:
+                migrate(self.engine)
+        except ArgumentError as exc:  # NoSuchModuleError too: an unknown dialect or driver
+            raise DatabaseError(f"database URL {_shown(url)}: {str(exc).splitlines()[0]}", unreachable=False) from None
+        except SQLAlchemyError as exc:
+            why = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            raise DatabaseError(f"cannot open the database {_shown(url)}: {why}", unreachable=True) from None
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         # Publishing reads the served kernel then replaces it: serialized here (SQLite ignores FOR UPDATE)
         # and by a row lock across processes (PostgreSQL), so a slower trial never overwrites a faster one.

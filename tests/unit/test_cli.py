@@ -106,10 +106,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeypatch):
+def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeypatch, tmp_path):
     from kernelmill import cli
 
     monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 0.6)
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     assert runner.invoke(app, ["serve", "--port", "70000"]).exit_code == 2
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -121,6 +122,23 @@ def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeyp
     assert "Traceback" not in nobody.output
     bad = runner.invoke(app, ["worker", "--scheduler", "tcp://:x"])
     assert bad.exit_code == 2 and "malformed scheduler address" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "message"),
+    [
+        ("bogus://x", 2, "database URL bogus://x: Can't load plugin: sqlalchemy.dialects:bogus"),
+        ("sqlite:////nonexistent/dir/x.db", 3, "cannot open the database sqlite:////nonexistent/dir/x.db: unable"),
+        ("postgresql://u:s3cret@127.0.0.1:9/db", 3, "cannot open the database postgresql://u:***@127.0.0.1:9/db: "),
+    ],
+)
+def test_a_database_that_cannot_be_opened_is_one_line_before_anything_runs(monkeypatch, url, code, message):
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
+    for argv in (["jobs"], ["kernels"], ["serve", "--port", str(_free_port())]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == code, result.output
+        assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+        assert "s3cret" not in result.output and "serving on" not in result.output
 
 
 def test_worker_refuses_a_gpu_count_below_one_and_a_host_without_gpus(monkeypatch):
@@ -156,3 +174,25 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
         timer.join()
         for s in listening:
             s.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KERNELMILL_PORT": "99999"}, "error: KERNELMILL_PORT='99999': Input should be less than or equal to 65535"),
+        ({"KERNELMILL_EXECUTOR": "bogus"}, "error: KERNELMILL_EXECUTOR='bogus': String should match pattern"),
+        ({"KERNELMILL_PLUGINS": "no_such_plugin_mod"}, "error: KERNELMILL_PLUGINS: cannot import 'no_such_plugin_mod'"),
+    ],
+)
+def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
+    """Settings are read (and plugins imported) when the CLI is imported: the entry point reports them."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kernelmill", "ops"], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == done.stderr.strip().splitlines()[0] and done.stderr.startswith(message)
+    assert "Traceback" not in done.stderr and not done.stdout
