@@ -9,6 +9,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kernelmill.service.api.schemas import JobOut, KernelSummary, Page, WorkersOut
 from kernelmill.settings import Settings, get_settings
 
 
@@ -20,7 +21,9 @@ class ServerError(ValueError):
         self.unreachable = unreachable
 
 
-def _request(method: str, url: str, **kw) -> Any:
+def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
+    """The JSON the server answers, checked against ``expect`` (a type of the API's schemas) where given: a
+    ServerError says when it is not JSON or not what the API answers (another service on that port, a proxy)."""
     token = get_settings().api_token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
@@ -33,7 +36,21 @@ def _request(method: str, url: str, **kw) -> Any:
         except ValueError:
             detail = resp.text
         raise ServerError(f"server answered {resp.status_code}: {detail}")
-    return resp.json()
+    try:
+        data = resp.json()
+    except ValueError:
+        raise ServerError(f"{url} answered something that is not JSON: {resp.text[:60]!r}") from None
+    if expect is not None:
+        from pydantic import TypeAdapter, ValidationError
+
+        try:
+            TypeAdapter(expect).validate_python(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "the body"
+            name = getattr(expect, "__name__", str(expect))
+            raise ServerError(f"{url} answered what is not a {name} ({where}: {first['msg']})") from None
+    return data
 
 
 def _progress(console: Console) -> Progress:
@@ -66,7 +83,7 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
         "attrs": {k: str(v) for k, v in fields["attrs"].items()},
         "budget": {"trials": fields["budget_trials"], "seconds": fields["budget_seconds"]},
     }
-    job = _request("POST", f"{base}/api/jobs", json=body)
+    job = _request("POST", f"{base}/api/jobs", json=body, expect=JobOut)
     console.print(f"job {job['id']} submitted to {base}")
     return follow_jobs(base, [job], console, poll_s)[0]
 
@@ -92,7 +109,7 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
                 for i, job in enumerate(jobs):
                     if job["state"] not in ("queued", "running"):
                         continue
-                    jobs[i] = job = _request("GET", f"{base}/api/jobs/{job['id']}")
+                    jobs[i] = job = _request("GET", f"{base}/api/jobs/{job['id']}", expect=JobOut)
                     shapes = [s for s in job["per_shape"] if s["best_ms"]]
                     best = min(shapes, key=lambda s: s["best_ms"], default=None)
                     bar.update(
@@ -117,7 +134,7 @@ def _say_why_queued(base: str, job_id: int, console: Console) -> bool:
     """While a job waits: if the server has no GPU worker, says so once with the server's reason (else the
     bar would sit at "queued" with no word of why). True once said, or where the server cannot tell."""
     try:
-        workers = _request("GET", f"{base}/api/workers")
+        workers = _request("GET", f"{base}/api/workers", expect=WorkersOut)
     except ServerError:  # only a hint: watching the job goes on
         return True
     if workers.get("workers"):
@@ -189,7 +206,7 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
 def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[str, Any]]:
     if server:
         params = {"limit": limit, **({"state": state} if state else {})}
-        return _request("GET", f"{server.rstrip('/')}/api/jobs", params=params)["items"]
+        return _request("GET", f"{server.rstrip('/')}/api/jobs", params=params, expect=Page[JobOut])["items"]
     from kernelmill.service.api.jobs import job_out
     from kernelmill.service.db.store import Store
 
@@ -201,8 +218,8 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
 def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list[dict[str, Any]]:
     if server:
         params = {k: v for k, v in {"op": op, "dtype": dtype}.items() if v}
-        return _request("GET", f"{server.rstrip('/')}/api/kernels", params=params)["items"]
-    from kernelmill.service.api.schemas import KernelSummary
+        page = Page[KernelSummary]
+        return _request("GET", f"{server.rstrip('/')}/api/kernels", params=params, expect=page)["items"]
     from kernelmill.service.db.store import Store
 
     rows, _ = Store(get_settings().database_url).list_kernels(op, dtype)

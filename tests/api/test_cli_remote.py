@@ -185,3 +185,24 @@ def test_tune_model_bad_input_is_one_line_and_exit_2(args, message, monkeypatch)
     result = CliRunner().invoke(app, [*TUNE_MODEL, *args])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("body", "argv", "message"),
+    [
+        (b"<html>hello</html>", ["jobs"], "/api/jobs answered something that is not JSON: '<html>hello</html>'"),
+        (b"{}", ["jobs"], "/api/jobs answered what is not a Page[JobOut] (items: Field required)"),
+        (b"[1, 2, 3]", ["kernels"], "/api/kernels answered what is not a Page[KernelSummary]"),
+        (b'{"id": 1}', TUNE[:-2], "/api/jobs answered what is not a JobOut"),
+    ],
+)
+def test_an_answer_that_is_not_the_apis_is_one_line_and_exit_2(monkeypatch, body, argv, message):
+    """Another service on that port, or a proxy's page: the CLI says so, never a KeyError."""
+
+    def request(method, url, headers=None, timeout=None, **kw):
+        return httpx.Response(200, content=body, request=httpx.Request(method, url))
+
+    monkeypatch.setattr(httpx, "request", request)
+    result = CliRunner().invoke(app, [*argv, "--server", SERVER])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
