@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kernelmill import __version__
-from kernelmill.kernels.compile import CompileError, Compiler, normalize_arch
+from kernelmill.kernels.compile import CompileError, Compiler, NvccMissing, normalize_arch
 from kernelmill.kernels.ops import OPS, get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import RenderError
@@ -84,6 +84,8 @@ def parse_pairs(pairs: list[str] | None, what: str) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise SpecError(f"malformed {what} {pair!r}: expected NAME=VALUE")
+        if key.strip() in out:
+            raise SpecError(f"{what} {key.strip()} given twice")
         out[key.strip()] = value.strip()
     return out
 
@@ -190,6 +192,8 @@ def compile(  # noqa: A001 - the command's name
     variant = _variant(op, family, dtype, param, attr)
     try:
         compiled = variant.compile(Compiler(), normalize_arch(arch) if arch else None)
+    except NvccMissing as exc:
+        raise fail(str(exc), EXIT_UNAVAILABLE) from None
     except CompileError as exc:
         if as_json:
             typer.echo(json.dumps({"ok": False, "error": str(exc).splitlines()[0], "log": exc.log}, indent=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -210,6 +211,8 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
     from kernelmill.service.api.jobs import job_out
     from kernelmill.service.db.store import Store
 
+    if _no_local_database():
+        return []
     store = Store(get_settings().database_url)
     rows, _ = store.list_jobs(state, None, limit)
     return [job_out(store, j).model_dump() for j in rows]
@@ -222,5 +225,24 @@ def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list
         return _request("GET", f"{server.rstrip('/')}/api/kernels", params=params, expect=page)["items"]
     from kernelmill.service.db.store import Store
 
+    if _no_local_database():
+        return []
     rows, _ = Store(get_settings().database_url).list_kernels(op, dtype)
     return [KernelSummary.model_validate(k).model_dump() for k in rows]
+
+
+def _no_local_database() -> bool:
+    """Whether the local database is an SQLite file that does not exist yet: listing it is listing nothing, and a
+    read-only command does not create it."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(get_settings().database_url)
+    except ArgumentError:
+        return False  # Store says what is wrong with it
+    return (
+        url.get_backend_name() == "sqlite"
+        and url.database not in (None, "", ":memory:")
+        and not (Path(url.database).exists())
+    )

@@ -44,6 +44,10 @@ class CompileError(RuntimeError):
         return f"{first}\n{self.log}" if self.log else first
 
 
+class NvccMissing(CompileError):
+    """There is no nvcc to run (KERNELMILL_NVCC names none on PATH): the machine, not the variant."""
+
+
 _ELF64_LE = b"\x7fELF\x02\x01"
 _SHT_SYMTAB, _STT_FUNC, _STB_GLOBAL, _STO_CUDA_ENTRY = 2, 2, 1, 0x10
 
@@ -158,7 +162,7 @@ def nvcc_version(nvcc: str) -> str:
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False)
     except FileNotFoundError:
-        raise CompileError(f"nvcc not found ({nvcc}); install the CUDA toolkit or set KERNELMILL_NVCC") from None
+        raise NvccMissing(f"nvcc not found ({nvcc}); install the CUDA toolkit or set KERNELMILL_NVCC") from None
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "unknown"
 
 
@@ -166,7 +170,7 @@ def find_nvcc() -> str:
     configured = get_settings().nvcc
     found = shutil.which(configured)
     if found is None:
-        raise CompileError(f"nvcc not found ({configured}); install the CUDA toolkit or set KERNELMILL_NVCC")
+        raise NvccMissing(f"nvcc not found ({configured}); install the CUDA toolkit or set KERNELMILL_NVCC")
     return found
 
 

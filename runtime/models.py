@@ -85,6 +85,8 @@ class BertModel(Module):
             ids = ids[None]
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be integers of shape (batch, seq), got {ids.dtype} {ids.shape}")
+        if not ids.shape[1]:
+            raise ValueError(f"input_ids has no tokens (shape {ids.shape}): a sequence needs at least one")
         vocab = self.embeddings.word.shape[0]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise IndexError(f"input_ids out of range 0..{vocab - 1}")
@@ -117,8 +119,8 @@ class BertModel(Module):
         ids = ids[None] if ids.ndim == 1 else ids
         seq = ids.shape[-1] if ids.ndim == 2 else 0
         size = bucket_for(seq, buckets)
-        if ids.ndim != 2 or size not in buckets or size > self.embeddings.pos.shape[0]:
-            return self.prepare(input_ids, attention_mask, token_type_ids), None
+        if ids.ndim != 2 or not seq or size not in buckets or size > self.embeddings.pos.shape[0]:
+            return self.prepare(input_ids, attention_mask, token_type_ids), None  # which says what is wrong
         pad = ((0, 0), (0, size - seq))
         mask = np.ones(ids.shape)
         if attention_mask is not None:

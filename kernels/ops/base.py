@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kernelmill.kernels.compile import MIN_SM
+
 try:  # ml_dtypes gives NumPy a real bfloat16 (the JAX project's package)
     from ml_dtypes import bfloat16 as _np_bfloat16
 except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
@@ -171,6 +173,8 @@ class Family(ABC):
         Arch-specific (``a``) instructions such as wgmma exist on sm_90 alone, so such a family has no target
         on any other GPU: SpecError says so, rather than nvcc failing on a target like compute_80a."""
         base = arch.rstrip("af")
+        if int(base.removeprefix("sm_")) < MIN_SM:
+            raise SpecError(f"kernelmill's kernels need sm_{MIN_SM} or newer, not {base}")
         if not self.arch_suffix:
             return arch
         if base != "sm_90":

@@ -234,6 +234,9 @@ def test_random_bert_runs_on_cpu():
     model = runtime.Model(runtime.BertModel.random(config), device="cpu")
     out = model.forward(np.arange(10).reshape(2, 5))
     assert out.shape == (2, 5, 32) and np.isfinite(out.numpy()).all()
+    for bucketed in (model, runtime.Model(runtime.BertModel.random(config), device="cpu", buckets=[8, 16])):
+        with pytest.raises(ValueError, match=r"input_ids has no tokens \(shape \(2, 0\)\)"):
+            bucketed.forward(np.zeros((2, 0), np.int64))
 
 
 def test_a_cuda_model_without_a_gpu_says_the_cpu_runs_it(bert_dir, monkeypatch):

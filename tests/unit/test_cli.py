@@ -40,6 +40,8 @@ def test_render_prints_source_with_params():
         (["bench", "softmax", "--shape", "12x12x12"], "takes a shape of 2 dims"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "hopper"], "malformed arch"),
         (["compile", "matmul", "-f", "wgmma", "--arch", "sm_80"], "family wgmma uses sm_90a instructions"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", "sm_70"], "kernelmill's kernels need sm_80 or newer"),
+        (["render", "matmul", "-f", "simt", "-p", "BM=64", "-p", "BM=128"], "--param BM given twice"),
         (["jobs", "--state", "finished"], "unknown state 'finished'; use one of queued"),
         (["jobs", "--limit", "0"], "--limit 0 is out of range 1..500"),
         (["kernels", "--op", "conv"], "unknown op 'conv'"),
@@ -52,6 +54,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert message in result.output
     assert "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) <= 3  # rich may wrap one long line
+
+
+def test_compile_without_nvcc_is_exit_3(monkeypatch):
+    monkeypatch.setenv("KERNELMILL_NVCC", "/nonexistent/nvcc")
+    result = runner.invoke(app, ["compile", "softmax", "-f", "warp_row"])
+    assert result.exit_code == 3 and "nvcc not found (/nonexistent/nvcc)" in result.output, result.output
 
 
 def test_bench_without_gpu_says_what_it_cannot_do(monkeypatch):
@@ -88,6 +96,14 @@ def test_bench_checks_params_before_looking_for_a_gpu(monkeypatch):
     result = runner.invoke(app, ["bench", "sdpa", "-s", "2x3x64x64", "-f", "mma", "-p", "warps=3"])
     assert result.exit_code == 2, result.output
     assert "warps" in result.output and "Traceback" not in result.output
+
+
+def test_listing_a_local_database_that_does_not_exist_does_not_create_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/none.db")
+    for argv in (["jobs"], ["kernels"]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 0 and "in the local database" in result.output, result.output
+    assert not (tmp_path / "none.db").exists()
 
 
 def test_empty_listings_say_so_and_how_to_fill_them(tmp_path, monkeypatch):
@@ -134,7 +150,8 @@ def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeyp
 )
 def test_a_database_that_cannot_be_opened_is_one_line_before_anything_runs(monkeypatch, url, code, message):
     monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
-    for argv in (["jobs"], ["kernels"], ["serve", "--port", str(_free_port())]):
+    reads = [] if url.startswith("sqlite") else [["jobs"], ["kernels"]]  # no SQLite file: nothing to list
+    for argv in (*reads, ["serve", "--port", str(_free_port())]):
         result = runner.invoke(app, argv)
         assert result.exit_code == code, result.output
         assert message in " ".join(result.output.split()) and "Traceback" not in result.output
