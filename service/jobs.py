@@ -267,7 +267,9 @@ class JobRunner:
                 worker, name=facts.name, arch=facts.arch, sm_count=facts.extra.get("sm_count"),
                 copy_gbps=facts.extra.get("copy_gbps"), matrix_tflops=facts.extra.get("matrix_tflops") or {},
             )  # fmt: skip
-            self.store.start_job(job.id, worker, facts.name)
+            if self.store.start_job(job.id, worker, facts.name) is None:
+                log.info("job %s was cancelled before it started on %s", job.id, worker)
+                return
             plan = JobPlan(
                 job.id,
                 job.op,

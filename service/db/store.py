@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy import Engine, create_engine, event, func, select, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
@@ -195,24 +195,35 @@ class Store:
                 setattr(job, key, value)
         return job
 
-    def start_job(self, job_id: int, worker: str | None, device_name: str | None) -> Job:
-        job = self.get_job(job_id)
-        started = job.started_at if job and job.started_at else utcnow()
-        return self.update_job(job_id, state="running", worker=worker, device_name=device_name, started_at=started)
+    def start_job(self, job_id: int, worker: str | None, device_name: str | None) -> Job | None:
+        """The job, now running on ``worker``; None where it is no longer queued (cancelled meanwhile). One
+        conditional UPDATE, so a cancel and a start never both win."""
+        started = func.coalesce(Job.started_at, utcnow())  # a resumed job keeps its first start
+        with self.session() as s, s.begin():
+            moved = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == "queued")
+                .values(state="running", worker=worker, device_name=device_name, started_at=started)
+            ).rowcount
+        return self.get_job(job_id) if moved else None
 
     def finish_job(self, job_id: int, state: str, error: str | None = None) -> Job:
         return self.update_job(job_id, state=state, error=error, finished_at=utcnow())
 
     def request_cancel(self, job_id: int) -> Job:
-        """Queued jobs are cancelled at once; running ones at the loop's next check."""
+        """Queued jobs are cancelled at once; running ones at the loop's next check. Conditional UPDATEs: a job
+        that starts meanwhile (``start_job``) is asked to stop instead, never left running."""
         with self.session() as s, s.begin():
-            job = s.get(Job, job_id)
-            if job is None:
-                raise KeyError(job_id)
-            if job.state == "queued":
-                job.state, job.finished_at = "cancelled", utcnow()
-            elif job.state == "running":
-                job.cancel_requested = True
+            queued = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == "queued")
+                .values(state="cancelled", finished_at=utcnow())
+            ).rowcount
+            if not queued:
+                s.execute(update(Job).where(Job.id == job_id, Job.state == "running").values(cancel_requested=True))
+        job = self.get_job(job_id)
+        if job is None:
+            raise KeyError(job_id)
         return job
 
     def cancel_requested(self, job_id: int) -> bool:

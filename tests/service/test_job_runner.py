@@ -157,3 +157,32 @@ def test_a_worker_whose_gpu_is_unavailable_is_benched_and_its_job_queued_again(s
     said = [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"worker fake-gpu0 cannot run job {job.id} (GpuUnavailable: ")
     assert "the worker gets no job for 60 s" in said[0]
+
+
+class _SlowFacts(FakeEvaluator):
+    """Reading the GPU's facts takes a while (on a GPU it measures copy and matrix speeds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+
+    def facts(self):
+        self.asked.set()
+        time.sleep(0.5)
+        return super().facts()
+
+
+def test_a_cancel_while_the_runner_reads_the_gpus_facts_wins(store):
+    executor = FakeExecutor(1)
+    slow = executor._evaluators["fake-gpu0"] = _SlowFacts()
+    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
+    job = softmax_job(store, trials=8)
+    runner.start()
+    try:
+        assert slow.asked.wait(10)
+        assert store.request_cancel(job.id).state == "cancelled"  # claimed, not yet started
+        wait_for(lambda: not runner._running)
+    finally:
+        runner.stop()
+    after = store.get_job(job.id)
+    assert after.state == "cancelled" and not store.trials(job.id)

@@ -161,6 +161,20 @@ def test_cancel_queued_at_once_running_on_request(store):
         store.request_cancel(10**6)
 
 
+def test_a_job_cancelled_before_it_starts_is_not_started(store):
+    """The runner claims a queued job, then reads the GPU's facts; a cancel in between must win."""
+    job = new_job(store)
+    assert store.request_cancel(job.id).state == "cancelled"
+    assert store.start_job(job.id, "fake-gpu0", "FakeGPU 0") is None
+    after = store.get_job(job.id)
+    assert after.state == "cancelled" and after.worker is None and after.finished_at is not None
+    resumed = new_job(store)
+    first = store.start_job(resumed.id, "fake-gpu0", "FakeGPU 0")
+    store.update_job(resumed.id, state="queued")  # the service stopped: queued again
+    again = store.start_job(resumed.id, "fake-gpu1", "FakeGPU 1")
+    assert again.state == "running" and again.worker == "fake-gpu1" and again.started_at == first.started_at
+
+
 # -- trials -----------------------------------------------------------------------------------
 
 
