@@ -46,6 +46,7 @@ def create_app(
     app.state.settings = settings
 
     app.add_middleware(kernels.BestKernelFastPath)  # best-kernel cache hits, before routing
+    app.add_middleware(NoNulInUrl)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: outside the fast path
 
     @app.exception_handler(RequestValidationError)
@@ -62,6 +63,20 @@ def create_app(
     app.include_router(system.router)
     web.install(app)  # dashboard pages at /, static files, an HTML 404 for browsers
     return app
+
+
+class NoNulInUrl:
+    """422 for a NUL character in the path or the query: no name or filter holds one, and PostgreSQL refuses it
+    in text (a 500 from the driver otherwise)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and ("\x00" in scope["path"] or b"%00" in scope["query_string"]):
+            body = {"detail": "a NUL character (%00) in the URL: no name or filter holds one"}
+            return await JSONResponse(body, status_code=422)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -8,11 +8,13 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from fastapi import Path, Query
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-# Ids and offsets past the databases' 64-bit integers cannot name a row: 422, not a driver overflow (500).
+# Ids past the id columns (INTEGER: 32 bits on PostgreSQL) and offsets past 64-bit integers cannot name a row:
+# 422, not a driver overflow (500).
+MAX_ID = 2**31 - 1
 MAX_INT = 2**63 - 1
-JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="a job's id")]
-KernelId = Annotated[int, Path(ge=1, le=MAX_INT, description="a served kernel's id")]
-ProfileId = Annotated[int, Path(ge=1, le=MAX_INT, description="a forward profile's id")]
+JobId = Annotated[int, Path(ge=1, le=MAX_ID, description="a job's id")]
+KernelId = Annotated[int, Path(ge=1, le=MAX_ID, description="a served kernel's id")]
+ProfileId = Annotated[int, Path(ge=1, le=MAX_ID, description="a forward profile's id")]
 Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="rows to skip")]
 #: A trial's status (kernels.evaluate.TRIAL_STATUSES; a test keeps the two the same).
 TrialStatus = Literal["ok", "compile_error", "unsupported", "wrong_result", "fault", "timeout"]
@@ -63,7 +65,7 @@ class JobCreate(BaseModel):
     arch: str = Field(
         "auto",
         description="'auto' = any worker's GPU; an arch (sm_80 or newer) = wait for a worker with that GPU",
-        pattern=r"^(auto|sm_\d+a?)$",
+        pattern=r"^(auto|sm_[0-9]{2,4}a?)$",
     )
     strategy: str = Field("random", examples=["random", "exhaustive", "evolutionary"])
     attrs: dict[str, str | int | float | bool] = Field(

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernelmill import __version__
 from kernelmill.service.api.deps import get_settings_dep, get_store
+from kernelmill.service.api.schemas import MAX_ID
 from kernelmill.service.db.models import JOB_STATES
 from kernelmill.service.db.store import Store
 from kernelmill.service.web import filters, forms, views
@@ -25,7 +26,6 @@ from kernelmill.settings import Settings
 
 HERE = Path(__file__).parent
 STATIC_DIR = HERE / "static"
-MAX_ID = 2**63 - 1
 
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 filters.register(templates.env)
@@ -58,7 +58,8 @@ def not_found(request: Request, what: str) -> Response:
 
 
 def _page_number(raw: str | None) -> int:
-    return int(raw) if raw and raw.isdigit() and 0 < int(raw) < 10**6 else 1
+    # ASCII digits only: str.isdigit() is true of "²", which int() refuses.
+    return int(raw) if raw and raw.isascii() and raw.isdigit() and 0 < int(raw) < 10**6 else 1
 
 
 @router.get("/")

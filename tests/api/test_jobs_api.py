@@ -92,6 +92,28 @@ def test_submission_errors_are_422_with_reason(client, change, message):
     assert message in resp.json()["detail"]
 
 
+def test_ids_past_the_id_columns_and_nul_characters_are_422_not_a_driver_error(client):
+    """PostgreSQL's INTEGER ids end at 2**31 - 1 and its text holds no NUL: both were 500s there."""
+    too_big = 2**31
+    for url in (
+        f"/api/jobs/{too_big}", f"/api/jobs/{too_big}/trials", f"/api/kernels/{too_big}",
+        f"/api/kernels/{too_big}/cubin", f"/api/profiles/forward/{too_big}",
+    ):  # fmt: skip
+        resp = client.get(url)
+        assert resp.status_code == 422 and "less than or equal to 2147483647" in resp.json()["detail"], url
+    assert client.post(f"/api/jobs/{too_big}/cancel").status_code == 422
+    assert client.get(f"/api/jobs/{too_big - 1}").status_code == 404
+    for url in (
+        "/api/jobs?op=%00", "/api/kernels?op=%00", "/api/kernels?dtype=a%00b", "/api/kernels?arch=%00",
+        "/api/kernels/best?op=softmax&shape=64x64&arch=%00", "/api/profiles/forward?model=%00", "/jobs?op=%00",
+    ):  # fmt: skip
+        resp = client.get(url)
+        assert resp.status_code == 422 and "NUL" in resp.json()["detail"], url
+    long_arch = client.post("/api/jobs", json={**SOFTMAX_JOB, "arch": "sm_12345678901234"})
+    assert long_arch.status_code == 422 and "arch" in long_arch.json()["detail"]
+    assert client.get("/api/jobs").json()["total"] == 0
+
+
 def test_unknown_ids_are_404(client):
     for url in ("/api/jobs/999", "/api/jobs/999/trials", "/api/kernels/999", "/api/kernels/999/cubin"):
         resp = client.get(url)
