@@ -11,12 +11,13 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy import Engine, create_engine, event, func, select, text, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
@@ -73,6 +74,10 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+#: The PostgreSQL advisory lock taken while migrating (any constant of kernelmill's own).
+_MIGRATION_LOCK = 0x6B6D_696C_6C00  # "kmill"
+
+
 def migrate(engine: Engine, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision``."""
     from alembic import command
@@ -81,9 +86,32 @@ def migrate(engine: Engine, revision: str = "head") -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
-    with engine.begin() as conn:
+    # Processes opening a new database together (API replicas, `serve` and the CLI): one migrates, the others
+    # wait for it and then find the database at head.
+    with _sqlite_file_lock(engine), engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
+
+
+@contextmanager
+def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
+    """An exclusive flock on an SQLite database file while it is migrated (pysqlite runs DDL outside a
+    transaction, so SQLite's own locks do not serialize two migrations). flock and SQLite's fcntl locks are
+    independent: readers and writers of the database are not held up."""
+    database = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        yield
+        return
+    import fcntl
+
+    with open(database, "ab") as handle:  # an empty file is an empty database
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def downgrade(engine: Engine, revision: str = "base") -> None:

@@ -369,3 +369,23 @@ def test_trial_rows_roundtrip_json_and_binary(store):
     assert isinstance(back, Trial)
     assert (back.params, back.ptxas, back.verify, back.note) == ({"BLOCK": 256, "VEC": 4}, ptxas, verify, "crossover")
     assert back.cubin == bytes(range(256)) and back.arch == "sm_90a"
+
+
+def test_stores_opened_together_on_a_new_database_migrate_it_once(db_url):
+    """API replicas starting together on an empty database: one migrates, the others wait and find it done."""
+    import subprocess
+    import sys
+
+    opening = "import sys; from kernelmill.service.db.store import Store; Store(sys.argv[1]).close()"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", opening, db_url], stderr=subprocess.PIPE, text=True) for _ in range(4)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n".join(errors)
+    from kernelmill.service.db.store import Store
+
+    store = Store(db_url)
+    try:
+        assert store.list_jobs() == ([], 0)
+    finally:
+        store.close()
