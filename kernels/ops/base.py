@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -324,14 +325,16 @@ class OpSpec(ABC):
         """``"8192x8192"`` (or a sequence) -> validated tuple of positive ints."""
         if isinstance(text, str):
             parts = [p for p in re.split(r"[x,\s]+", text.strip().lower()) if p]
-            try:
-                shape = tuple(int(p) for p in parts)
-            except ValueError:
+            # ASCII digits only: int() also reads "１２" (full width) and "1_0" as numbers.
+            if not parts or not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
                 raise SpecError(
                     f"malformed shape {text!r} for {self.name}: expected {'x'.join(self.dims)}, e.g. "
                     f"{'x'.join('1024' for _ in self.dims)}"
-                ) from None
+                )
+            shape = tuple(int(p) for p in parts)
         else:
+            if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in text):
+                raise SpecError(f"malformed shape {list(text)!r} for {self.name}: dims are whole numbers")
             shape = tuple(int(v) for v in text)
         if len(shape) != len(self.dims):
             raise SpecError(

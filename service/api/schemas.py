@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from fastapi import Path, Query
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, StrictInt
 
 # Ids past the id columns (INTEGER: 32 bits on PostgreSQL) and offsets past 64-bit integers cannot name a row:
 # 422, not a driver overflow (500).
@@ -60,7 +60,7 @@ class Budget(BaseModel):
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     op: str = Field(examples=["softmax"])
-    shapes: list[list[int] | str] = Field(min_length=1, examples=[[[8192, 8192]]])
+    shapes: list[list[StrictInt] | str] = Field(min_length=1, examples=[[[8192, 8192]]])
     dtype: str = Field("float16", examples=["float16"])
     arch: str = Field(
         "auto",

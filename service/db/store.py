@@ -106,7 +106,12 @@ def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
         return
     import fcntl
 
-    with open(database, "ab") as handle:  # an empty file is an empty database
+    try:
+        handle = open(database, "ab")  # noqa: SIM115 - an empty file is an empty database
+    except OSError:  # no such folder, no permission: SQLite says so when it opens the database
+        yield
+        return
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -161,9 +161,9 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
     """(errors by field, normalized job fields when there are none)."""
     errors: dict[str, str] = {}
     trials = seconds = None
-    try:
+    if re.fullmatch(r"\s*[0-9]+\s*", form.trials):  # not int() alone: it reads "1_0" and "１０" too
         trials = int(form.trials)
-    except ValueError:
+    else:
         errors["trials"] = f"a whole number of trials, 1 to {settings.max_budget_trials}"
     try:
         seconds = float(form.seconds)

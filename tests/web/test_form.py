@@ -75,6 +75,8 @@ def test_op_attributes_are_submitted(empty):
         ({"shapes": "\n".join(["8x8"] * 40)}, "shapes", "at most 32"),
         ({"trials": "0"}, "trials", "budget.trials"),
         ({"trials": "ten"}, "trials", "whole number"),
+        ({"trials": "1_0"}, "trials", "whole number"),
+        ({"shapes": "１０24x64"}, "shapes", "malformed shape"),
         ({"trials": "1000000"}, "trials", "budget.trials"),
         ({"seconds": "1e9"}, "seconds", "budget.seconds"),
         ({"seconds": "soon"}, "seconds", "number of seconds"),
