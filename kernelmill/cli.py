@@ -445,8 +445,22 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level="info",
+        log_config=serve_log_config(),
         access_log=settings.access_log,
     )
+
+
+def serve_log_config() -> dict:
+    """uvicorn's logging, with kernelmill's own INFO lines (jobs resumed, plateaus, budgets spent, workers
+    replaced) through the same handler: without one they would go unseen (Python's last resort shows warnings
+    only)."""
+    from copy import deepcopy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = deepcopy(LOGGING_CONFIG)
+    config["loggers"]["kernelmill"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 @app.command()

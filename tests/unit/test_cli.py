@@ -213,3 +213,19 @@ def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == done.stderr.strip().splitlines()[0] and done.stderr.startswith(message)
     assert "Traceback" not in done.stderr and not done.stdout
+
+
+def test_serve_shows_kernelmills_own_info_lines():
+    """Job resumes, plateaus and replaced workers are INFO lines: serve's logging shows them (a subprocess, so
+    this test's logging configuration stays its own)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, logging.config; from kernelmill.cli import serve_log_config; "
+        "logging.config.dictConfig(serve_log_config()); log = logging.getLogger('kernelmill.service.jobs'); "
+        "log.info('job 1 was running when the service stopped'); log.debug('not shown')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "job 1 was running when the service stopped" in done.stderr and "not shown" not in done.stderr
