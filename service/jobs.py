@@ -112,6 +112,14 @@ class StoreRecorder:
 
     def __init__(self, store: Store, job_id: int, stopping: threading.Event | None = None) -> None:
         self.store, self.job_id, self.stopping = store, job_id, stopping
+        self._since = time.monotonic()
+
+    def checkpoint(self) -> None:
+        """Count the time since the last checkpoint against the job's budget (after each batch, and when the
+        run ends), so that a crash loses at most one batch's time."""
+        now = time.monotonic()
+        self.store.add_job_seconds(self.job_id, now - self._since)
+        self._since = now
 
     def observations(self, shape: str) -> list[Observation]:
         return [
@@ -121,6 +129,7 @@ class StoreRecorder:
 
     def record(self, shape: str, results: Sequence[TrialResult]) -> None:
         self.store.record_trials(self.job_id, shape, [r.row() for r in results])
+        self.checkpoint()
 
     def baseline(self, shape: str) -> tuple[bool, float | None]:
         return self.store.has_baseline(self.job_id, shape), self.store.baseline(self.job_id, shape)
@@ -278,15 +287,18 @@ class JobRunner:
                 dict(job.attrs or {}),
                 job.strategy,
                 job.budget_trials,
-                job.budget_seconds,
+                max(0.0, job.budget_seconds - (job.seconds_used or 0.0)),  # what earlier starts left
                 batch_size=self.settings.batch_size,
             )
+            recorder = StoreRecorder(self.store, job.id, self._stop)
             try:
-                state = run_job(plan, evaluator, StoreRecorder(self.store, job.id, self._stop), self._on_progress)
+                state = run_job(plan, evaluator, recorder, self._on_progress)
             except GpuUnavailable as exc:  # the GPU went away mid-job: what was recorded stays, the job resumes
                 self.store.update_job(job.id, state="queued")
                 self._bench(worker, job, exc)
                 return
+            finally:
+                recorder.checkpoint()
             if state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
                 log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
                 self.store.update_job(job.id, state="queued")

@@ -35,9 +35,10 @@ def job_out(store: Store, job: Job) -> JobOut:
     done = sum(s.trials for s in per_shape)
     eta = None
     if job.state == "running" and job.started_at and done:
-        elapsed = (utcnow() - job.started_at).total_seconds()
+        # Running time over all its starts (counted after each batch), else the time since its first start.
+        used = job.seconds_used or (utcnow() - job.started_at).total_seconds()
         remaining = max(0, job.budget_trials - done)
-        eta = min(elapsed / done * remaining, max(0.0, job.budget_seconds - elapsed))
+        eta = min(used / done * remaining, max(0.0, job.budget_seconds - used))
     return JobOut(
         id=job.id,
         op=job.op,
@@ -54,6 +55,7 @@ def job_out(store: Store, job: Job) -> JobOut:
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
+        seconds_used=job.seconds_used or 0.0,
         trials_done=done,
         trials_failed=sum(s.failed for s in per_shape),
         per_shape=per_shape,

@@ -100,6 +100,7 @@ class JobOut(BaseModel):
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None
+    seconds_used: float = Field(0.0, description="seconds the job has run over all its starts (budget.seconds caps)")
     trials_done: int = 0
     trials_failed: int = 0
     per_shape: list[ShapeProgress] = []

@@ -56,6 +56,8 @@ class Job(Base):
     strategy: Mapped[str] = mapped_column(String(32))
     budget_trials: Mapped[int] = mapped_column(Integer)
     budget_seconds: Mapped[float] = mapped_column(Float)
+    #: Wall-clock seconds the job has run, summed over its starts (a resumed job has only the rest of its budget).
+    seconds_used: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     state: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     error: Mapped[str | None] = mapped_column(Text)

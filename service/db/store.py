@@ -240,6 +240,11 @@ class Store:
             ).rowcount
         return self.get_job(job_id) if moved else None
 
+    def add_job_seconds(self, job_id: int, seconds: float) -> None:
+        """Count ``seconds`` more of running time against the job's budget (one UPDATE, no read)."""
+        with self.session() as s, s.begin():
+            s.execute(update(Job).where(Job.id == job_id).values(seconds_used=Job.seconds_used + max(0.0, seconds)))
+
     def finish_job(self, job_id: int, state: str, error: str | None = None) -> Job:
         return self.update_job(job_id, state=state, error=error, finished_at=utcnow())
 

@@ -186,3 +186,20 @@ def test_a_cancel_while_the_runner_reads_the_gpus_facts_wins(store):
         runner.stop()
     after = store.get_job(job.id)
     assert after.state == "cancelled" and not store.trials(job.id)
+
+
+def test_a_resumed_job_has_only_the_rest_of_its_time_budget(store):
+    """budget.seconds spans restarts: a job that ran 11 of its 12 s before the service stopped gets 1 s more,
+    not 12 (each batch's time is counted as it is recorded)."""
+    runner = JobRunner(store, FakeExecutor(1, delay_s=0.05), Settings(database_url=store.url, batch_size=2), 0.02)
+    job = store.create_job(**{**_JOB, "budget_trials": 400, "budget_seconds": 12.0})
+    store.add_job_seconds(job.id, 11.0)  # what earlier starts used
+    started = time.monotonic()
+    runner.start()
+    try:
+        wait_for(lambda: store.get_job(job.id).state == "done", timeout_s=20)
+    finally:
+        runner.stop()
+    took, done = time.monotonic() - started, store.get_job(job.id)
+    assert took < 6 and 0 < len(store.trials(job.id)) < 400  # stopped by the budget, not the trial count
+    assert 12.0 <= done.seconds_used < 12.0 + took  # this start's time was added

@@ -389,3 +389,25 @@ def test_stores_opened_together_on_a_new_database_migrate_it_once(db_url):
         assert store.list_jobs() == ([], 0)
     finally:
         store.close()
+
+
+def test_migration_0004_counts_running_time_and_keeps_jobs(store):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from kernelmill.service.db.models import Base
+    from kernelmill.service.db.store import downgrade, migrate
+
+    with store.engine.connect() as conn:  # the whole schema, as migrated, is the models'
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    job = new_job(store)
+    assert store.get_job(job.id).seconds_used == 0.0
+    store.add_job_seconds(job.id, 1.5)
+    store.add_job_seconds(job.id, 2.0)
+    store.add_job_seconds(job.id, -3.0)  # never counts back
+    assert store.get_job(job.id).seconds_used == pytest.approx(3.5)
+    downgrade(store.engine, "0003")
+    assert alembic_version(store) == ["0003"]
+    migrate(store.engine)
+    again = store.get_job(job.id)
+    assert again.op == "softmax" and again.seconds_used == 0.0  # a job from before 0004 has used nothing yet
