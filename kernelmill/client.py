@@ -244,5 +244,5 @@ def _no_local_database() -> bool:
     return (
         url.get_backend_name() == "sqlite"
         and url.database not in (None, "", ":memory:")
-        and not (Path(url.database).exists())
+        and not Path(url.database).exists()
     )

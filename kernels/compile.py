@@ -29,6 +29,16 @@ DEFAULT_ARCH = "sm_90"
 #: The oldest GPU the templates target (bf16, cp.async): sm_80. Families that need Hopper (clusters, TMA,
 #: wgmma) say so with an #error, or Family.target, on older targets.
 MIN_SM = 80
+
+
+def too_old(arch: str) -> str | None:
+    """Why GPU ``arch`` (e.g. "sm_75") cannot run kernelmill's kernels, or None."""
+    base = arch.rstrip("af")
+    if int(base.removeprefix("sm_")) < MIN_SM:
+        return f"kernelmill's kernels need sm_{MIN_SM} or newer, not {base}"
+    return None
+
+
 BASE_FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-lineinfo", "-Xptxas", "-v")
 
 

@@ -17,7 +17,7 @@ from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import strategy_class
-from kernelmill.kernels.compile import MIN_SM, normalize_arch
+from kernelmill.kernels.compile import normalize_arch, too_old
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
@@ -95,8 +95,8 @@ def _job_arch(arch: str) -> str:
         base = normalize_arch(arch).rstrip("af")
     except ValueError as exc:
         raise JobError(f"arch: {exc}, or auto (the worker's GPU)") from None
-    if int(base.removeprefix("sm_")) < MIN_SM:
-        raise JobError(f"arch: kernelmill's kernels need sm_{MIN_SM} or newer, not {base}")
+    if reason := too_old(base):
+        raise JobError(f"arch: {reason}")
     return base
 
 
