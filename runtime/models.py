@@ -997,7 +997,7 @@ def _torch_load(path: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError... for bad files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
-            f"{path} is not a PyTorch file that torch.load reads with weights_only=True ({first[:160]}); "
+            f"{path} is not a PyTorch file that torch.load reads with weights_only=True ({first}); "
             "expected an MLP state_dict (torch.save(module.state_dict(), path)) or a HuggingFace directory"
         ) from None
 
