@@ -140,13 +140,14 @@ class LocalEvaluator:
     def evaluate(self, op, shape, dtype, attrs, candidates):
         from kernelmill.kernels.compile import CompileError
         from kernelmill.kernels.evaluate import evaluate
+        from kernelmill.kernels.ops import get_op
         from kernelmill.kernels.ops.base import SpecError
         from kernelmill.kernels.variant import Variant
         from kernelmill.kernels.verify import fresh_seeds
 
         shape = tuple(shape)
         problem = (op, shape, dtype, tuple(sorted(attrs.items())))
-        seeds = self._problem_seeds.setdefault(problem, fresh_seeds(self.seeds))
+        seeds = self._problem_seeds.setdefault(problem, fresh_seeds(self.seeds, len(get_op(op).input_kinds)))
         variants = []
         for cand in candidates:
             try:
@@ -202,6 +203,9 @@ def _result(cand: Candidate, ev) -> TrialResult:
         res.verify = {
             "precision": ev.verification.precision,
             "tolerance": ev.verification.tolerance,
+            "rtol": ev.verification.rtol,
+            "atol_rms": ev.verification.atol_rms,
+            "allowance_used": ev.verification.allowance_used,
             "max_rel_err_per_seed": {str(k): v for k, v in ev.verification.per_seed().items()},
         }
     if ev.timing is not None:

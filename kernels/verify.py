@@ -1,12 +1,15 @@
 """Verification against float64 references (DESIGN.md, measurement rules).
 
-Fresh random inputs for several seeds, outputs poisoned with NaN before each
-launch, a tolerance set by the variant's arithmetic precision. NaN never
-passes. The result is data: per-seed errors and, on failure, why.
+Fresh random inputs for several seeds (at least one for each kind of input the
+op draws), outputs poisoned with NaN before each launch, a tolerance set by the
+variant's arithmetic precision and the op's shape (a relative norm, and a bound
+on each element: ops.base.Tolerance). NaN never passes. The result is data:
+per-seed errors and, on failure, why.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -15,33 +18,48 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kernelmill.kernels.device import Device, DeviceFault
-from kernelmill.kernels.ops.base import TOLERANCES, format_shape
+from kernelmill.kernels.ops.base import Tolerance, format_shape
 from kernelmill.kernels.variant import BoundVariant
 
 
 @dataclass
 class SeedCheck:
-    """One seed's comparison of one output tensor with its reference."""
+    """One seed's comparison of one output tensor with its reference, under a tolerance."""
 
+    tolerance: Tolerance
     seed: int
     output: str
     rel_err: float  # ||out - ref|| / ||ref||
     max_abs_rel_err: float  # max |out - ref| / max |ref|
     nan_count: int
     first_bad_index: tuple[int, ...] | None = None
+    #: max over elements of |out - ref| / (what the tolerance allows that element): above 1 fails
+    allowance_used: float = 0.0
+    worst_element: tuple[int, ...] | None = None  # where allowance_used is reached
+    worst_values: tuple[float, float] | None = None  # (out, ref) there
 
-    def failure(self, tolerance: float) -> str | None:
+    def failure(self) -> str | None:
+        """Why this output fails its tolerance, or None."""
+        tolerance = self.tolerance
+        norm = tolerance.norm
         if self.nan_count:
             return (
                 f"{self.output}: {self.nan_count} non-finite elements (unwritten or overflow), first at "
                 f"{self.first_bad_index} (seed {self.seed})"
             )
-        if not self.rel_err <= tolerance:
-            return f"{self.output}: relative error {self.rel_err:.3g} > tolerance {tolerance:g} (seed {self.seed})"
-        if not self.max_abs_rel_err <= tolerance:
+        if not self.rel_err <= norm:
+            return f"{self.output}: relative error {self.rel_err:.3g} > tolerance {norm:g} (seed {self.seed})"
+        if not self.max_abs_rel_err <= norm:
             return (
                 f"{self.output}: max elementwise error {self.max_abs_rel_err:.3g} of max|ref| > tolerance "
-                f"{tolerance:g}, worst at {self.first_bad_index} (seed {self.seed})"
+                f"{norm:g}, worst at {self.first_bad_index} (seed {self.seed})"
+            )
+        if not self.allowance_used <= 1.0:
+            got, want = self.worst_values or (float("nan"), float("nan"))
+            return (
+                f"{self.output}: element {self.worst_element} is {got:.6g} where {want:.6g} is right, "
+                f"{self.allowance_used:.3g}x the error allowed there ({tolerance.rtol:.2g} of itself + "
+                f"{tolerance.atol_rms:.2g} of the output's rms) (seed {self.seed})"
             )
         return None
 
@@ -51,11 +69,18 @@ class VerifyResult:
     ok: bool
     status: str  # "ok", "wrong_result", "fault" or "timeout" (evaluate's trial statuses)
     precision: str
-    tolerance: float
+    tolerance: float  # relative norm
     shape: tuple[int, ...]
     checks: list[SeedCheck] = field(default_factory=list)
     reason: str | None = None
     poisoned: bool = False  # a fault left the CUDA context unusable
+    rtol: float = 0.0  # per element: the share of its own size and of the output's rms allowed (Tolerance)
+    atol_rms: float = 0.0
+
+    @property
+    def allowance_used(self) -> float | None:
+        """The largest share of its per-element allowance any finite element used (above 1 fails)."""
+        return max((c.allowance_used for c in self.checks if math.isfinite(c.allowance_used)), default=None)
 
     @property
     def max_rel_err(self) -> float:
@@ -72,21 +97,27 @@ class VerifyResult:
         return {**asdict(self), "max_rel_err": self.max_rel_err}
 
 
-def compare(out: np.ndarray, ref: np.ndarray, seed: int, name: str) -> SeedCheck:
-    """Errors of ``out`` against the float64 ``ref`` (in place and BLAS-backed: outputs can be 100 M elements)."""
+#: Elements a chunk of the per-element check holds: its float64 temporaries stay at 128 MiB.
+_CHUNK = 1 << 24
+
+
+def compare(out: np.ndarray, ref: np.ndarray, seed: int, name: str, tolerance: Tolerance) -> SeedCheck:
+    """Errors of ``out`` against the float64 ``ref`` (in place and BLAS-backed: outputs can be 100 M elements),
+    and the share of ``tolerance``'s per-element allowance the worst element uses."""
     diff = out.astype(np.float64).reshape(-1)  # float64 checks are faster than float16 ones in NumPy
     bad = ~np.isfinite(diff)
     nan_count = int(np.count_nonzero(bad))
     if nan_count:
         first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), out.shape))
-        return SeedCheck(seed, name, float("nan"), float("nan"), nan_count, first)
+        return SeedCheck(tolerance, seed, name, float("nan"), float("nan"), nan_count, first, float("nan"))
     if ref.size == 0:
-        return SeedCheck(seed, name, 0.0, 0.0, 0)
+        return SeedCheck(tolerance, seed, name, 0.0, 0.0, 0)
     flat_ref = ref.reshape(-1)
     np.subtract(diff, flat_ref, out=diff)
     np.abs(diff, out=diff)
     diff_norm = float(np.sqrt(np.dot(diff, diff)))
     ref_norm = float(np.sqrt(np.dot(flat_ref, flat_ref)))
+    rms = ref_norm / math.sqrt(flat_ref.size)
     worst_flat = int(np.argmax(diff))
     worst_abs = float(diff[worst_flat])
     ref_max = float(max(flat_ref.max(), -flat_ref.min()))
@@ -97,7 +128,24 @@ def compare(out: np.ndarray, ref: np.ndarray, seed: int, name: str) -> SeedCheck
     rel = diff_norm / ref_norm if ref_norm > 0 else diff_norm
     max_abs_rel = worst_abs / ref_max if ref_max > 0 else worst_abs
     worst = tuple(int(i) for i in np.unravel_index(worst_flat, ref.shape))
-    return SeedCheck(seed, name, rel, max_abs_rel, 0, worst)
+    # Per element: rtol of its own size, atol_rms of the output's rms, and the format's smallest step near zero
+    # (float16's subnormal step; float32's smallest normal for the rest: kernels flush denormals).
+    floor = 2.0**-24 if out.dtype == np.float16 else float(np.finfo(np.float32).tiny)
+    atol = tolerance.atol_rms * rms + floor
+    used, used_at = 0.0, 0
+    for start in range(0, flat_ref.size, _CHUNK):
+        part = slice(start, start + _CHUNK)
+        allowed = np.abs(flat_ref[part])
+        allowed *= tolerance.rtol
+        allowed += atol
+        np.divide(diff[part], allowed, out=allowed)
+        at = int(np.argmax(allowed))
+        if allowed[at] > used:
+            used, used_at = float(allowed[at]), start + at
+    check = SeedCheck(tolerance, seed, name, rel, max_abs_rel, 0, worst, used)
+    check.worst_element = tuple(int(i) for i in np.unravel_index(used_at, ref.shape))
+    check.worst_values = (float(out.reshape(-1)[used_at]), float(flat_ref[used_at]))
+    return check
 
 
 class ReferenceCache:
@@ -129,9 +177,11 @@ class ReferenceCache:
         return inputs, reference
 
 
-def fresh_seeds(n: int) -> list[int]:
-    """New random seeds every call, recorded in the result so a failure can be replayed."""
-    return [secrets.randbits(31) for _ in range(n)]
+def fresh_seeds(n: int, kinds: int = 1) -> list[int]:
+    """New random seeds every call, recorded in the result so a failure can be replayed: at least one for each
+    of an op's ``kinds`` of input (OpSpec.input_kinds, drawn by seed % kinds), and ``n`` in all if more."""
+    seeds = [secrets.randbits(31) for _ in range(max(n, kinds))]
+    return [s - s % kinds + i % kinds for i, s in enumerate(seeds)]
 
 
 def verify(
@@ -139,16 +189,19 @@ def verify(
     bound: BoundVariant,
     seeds: Sequence[int] | int = 3,
     timeout_s: float = 10.0,
-    tolerance: float | None = None,
+    tolerance: Tolerance | None = None,
     cache: ReferenceCache | None = None,
 ) -> VerifyResult:
     """Run ``bound`` on fresh inputs per seed and compare every output with the float64 reference."""
     variant = bound.variant
     op, shape = variant.op, bound.shape
     precision = variant.precision
-    tol = tolerance if tolerance is not None else TOLERANCES[precision]
-    seed_list = fresh_seeds(seeds) if isinstance(seeds, int) else list(seeds)
-    result = VerifyResult(ok=True, status="ok", precision=precision, tolerance=tol, shape=shape)
+    tol = tolerance if tolerance is not None else op.tolerance(shape, precision)
+    seed_list = fresh_seeds(seeds, len(op.input_kinds)) if isinstance(seeds, int) else list(seeds)
+    result = VerifyResult(
+        ok=True, status="ok", precision=precision, tolerance=tol.norm, shape=shape, rtol=tol.rtol,
+        atol_rms=tol.atol_rms,
+    )  # fmt: skip
     for seed in seed_list:
         if cache is not None:
             inputs, reference = cache.get(op, shape, variant.dtype, variant.attrs, seed)
@@ -168,9 +221,9 @@ def verify(
             result.poisoned = exc.poisoned
             return result
         for name in op.outputs:
-            check = compare(outputs[name], reference[name], seed, name)
+            check = compare(outputs[name], reference[name], seed, name, tol)
             result.checks.append(check)
-            why = check.failure(tol)
+            why = check.failure()
             if why and result.ok:
                 result.ok, result.status = False, "wrong_result"
                 result.reason = f"wrong result at {format_shape(shape)}: {why}"

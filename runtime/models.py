@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.base import TOLERANCES, format_shape
+from kernelmill.kernels.ops.attention import MASK_MIN
+from kernelmill.kernels.ops.base import Tolerance, format_shape
 from kernelmill.kernels.verify import compare
 from kernelmill.runtime import ops
 from kernelmill.runtime.backend import on_device
@@ -50,9 +51,6 @@ from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor, numpy_dtype
 from kernelmill.settings import get_settings
 
 log = logging.getLogger(__name__)
-
-#: Additive value of a masked key, by dtype (HF uses the dtype's most negative finite number).
-MASK_MIN = {"float32": -3.4028234663852886e38, "float16": -65504.0, "bfloat16": -3.3895313892515355e38}
 
 
 # -- BERT -------------------------------------------------------------------------------------------------
@@ -761,8 +759,9 @@ class Model:
             nonlocal reference
             if reference is None:
                 reference = _host_output(graph, prepared)
-            diff = compare(_host_output(trial, prepared), reference, 0, "output").rel_err
-            if not diff <= TOLERANCES[self.dtype]:
+            tolerance = Tolerance.of(self.dtype)
+            diff = compare(_host_output(trial, prepared), reference, 0, "output", tolerance).rel_err
+            if not diff <= tolerance.norm:
                 log.warning("runtime: %s changed the forward's output by %.3g; not used", what, diff)
                 return False
             return True

@@ -37,6 +37,9 @@ import numpy as np
 from kernelmill.kernels.ops.base import MAX_SMEM_BYTES, Family, Launch, OpSpec, Param, cdiv
 
 MAX_GRID_YZ = 65535
+#: Additive mask value of a padded key, by dtype: the dtype's most negative finite number, as HF's BERT uses.
+MASK_MIN = {"float32": -3.4028234663852886e38, "float16": -65504.0, "bfloat16": -3.3895313892515355e38}
+
 #: Floats of running state a thread holds (accumulators + one tile's scores), so it does not spill.
 MAX_STATE_FLOATS = 96
 
@@ -341,6 +344,7 @@ def attention64(qkv: np.ndarray, mask: np.ndarray) -> np.ndarray:
 class Attention(OpSpec):
     name = "attention"
     matrix_bound = True
+    input_kinds = ("random", "zero", "padding")
     dims = ("batch", "heads", "seq", "head_dim")
     inputs = ("qkv", "mask")
     outputs = ("out",)
@@ -355,8 +359,29 @@ class Attention(OpSpec):
             "out": (batch, seq, heads, head_dim),
         }
 
+    def summed_terms(self, shape):
+        _batch, _heads, seq, head_dim = shape
+        return seq + head_dim  # a score's products, then the keys' weighted values
+
     def input_scale(self, name, shape):
         return 2.0  # peaked enough that the softmax is not nearly uniform
+
+    def make_inputs(self, shape, dtype, seed):
+        """Uniform inputs; the mask by the seed's kind: random in [-2, 2] (every key tile masked), all zero
+        (the path the mma and wgmma families take for tiles without a mask: BERT without padding), or BERT's
+        padding (0, then the dtype's lowest value on each sequence's last keys, at least one key kept)."""
+        out = super().make_inputs(shape, dtype, seed)
+        kind = self.input_kind(seed)
+        if kind != "random":
+            batch, _heads, seq, _head_dim = shape
+            mask = np.zeros((batch, seq), np.float32)
+            if kind == "padding":
+                rng = np.random.default_rng([seed, 1])
+                keep = rng.integers(1, seq + 1, size=batch)
+                keep[0] = max(1, seq // 2)  # one sequence padded for sure, wherever its keys' tiles split
+                mask[np.arange(seq)[None, :] >= keep[:, None]] = MASK_MIN[dtype]
+            out["mask"] = mask.astype(out["mask"].dtype)
+        return out
 
     def reference(self, inputs, attrs):
         return {"out": attention64(inputs["qkv"], inputs["mask"])}

@@ -39,6 +39,55 @@ TOLERANCES: dict[str, float] = {
     "bfloat16": 1e-2,
 }
 
+#: Unit roundoff of each arithmetic precision: the largest relative error of one rounding to it. Every
+#: family accumulates in float32, whose unit roundoff is the float32 entry.
+UNIT_ROUNDOFF: dict[str, float] = {
+    "float32": 2.0**-24,
+    "tf32": 2.0**-11,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What verification allows an output: a relative norm error, and per element
+
+        |out - ref| <= rtol * |ref| + atol_rms * rms(ref)
+
+    (plus the output format's smallest step near zero). The per-element bound is what catches a kernel that is
+    right in norm but wrong in detail: small values flushed, 16-bit accumulation, a dropped term of a sum.
+    """
+
+    norm: float
+    rtol: float
+    atol_rms: float
+
+    @classmethod
+    def of(cls, precision: str, summed: int = 1, cancels: bool = True, layers: int = 1) -> Tolerance:
+        """The tolerance of an output computed at ``precision`` from ``summed`` terms an element, through
+        ``layers`` that each round their output to the storage type.
+
+        A correct kernel rounds its output (half an ulp, at most ``u`` relative), may round intermediates
+        (a hidden layer, attention's probabilities) to the storage type, and sums in float32 (an error growing
+        like sqrt(summed) float32 ulps). Where terms of both signs are summed (``cancels``) an element can be
+        far smaller than the errors of its terms, so those errors are judged against the output's rms; the
+        roundings of chained layers add up like a random walk. The factors leave correct kernels at most ~1/3
+        of the allowance in NumPy simulations (fp16, bf16, tf32 in both roundings, sequential fp32 sums to
+        K = 16384, four MLP layers), and at most 0.45 in the GPU test suite on an H200 (bf16 attention; fp16's
+        subnormals take 0.5, half a step), while 16-bit accumulation, a dropped term of the sum and flushed
+        small probabilities exceed it (tests/unit/test_verify_compare.py, tests/gpu/test_families_gpu.py).
+        """
+        u = UNIT_ROUNDOFF[precision]
+        accumulated = 8 * UNIT_ROUNDOFF["float32"] * math.sqrt(max(summed, 1))
+        # float32 kernels use the MUFU's approximate exp and reciprocal (a few ulp, more for large arguments,
+        # and attention's online softmax rescales its sums once a key tile): no bound under float32's 1e-5.
+        floor = TOLERANCES["float32"]
+        rtol = max(4 * u, floor) + accumulated
+        atol_rms = max(8 * u * math.sqrt(layers), floor) + accumulated if cancels else 0.0
+        return cls(TOLERANCES[precision], rtol, atol_rms)
+
+
 #: Limits of an sm_90 SM that families size their blocks against: shared memory one block may use (227 KiB,
 #: opted in above the 48 KiB of static arrays) and the registers of the SM.
 MAX_SMEM_BYTES = 227 * 1024
@@ -273,6 +322,12 @@ class OpSpec(ABC):
     attributes: tuple[Param, ...] = ()
     #: True when the matrix units' rate bounds the op (its roofline has a compute term).
     matrix_bound: bool = False
+    #: False where every output element is a product of positive factors (softmax): each is then held to its
+    #: own size, not to the output's rms (Tolerance.of).
+    cancels: bool = True
+    #: Kinds of input make_inputs draws by seed (seed % len): values a kernel takes a separate path for, such as
+    #: attention's all-zero mask, get seeds of their own (fresh_seeds gives each kind one).
+    input_kinds: tuple[str, ...] = ("uniform",)
 
     @abstractmethod
     def tensor_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -285,6 +340,22 @@ class OpSpec(ABC):
     @abstractmethod
     def flops(self, shape: tuple[int, ...]) -> float:
         """Floating-point operations of one evaluation (for TFLOP/s and the compute floor)."""
+
+    def summed_terms(self, shape: tuple[int, ...]) -> int:
+        """Terms summed into one output element (K of a matmul): float32 rounding grows with their number."""
+        return 1
+
+    def layers(self, shape: tuple[int, ...]) -> int:
+        """Chained layers, each rounding its output to the storage type (mlp_stack's blocks)."""
+        return 1
+
+    def tolerance(self, shape: tuple[int, ...], precision: str) -> Tolerance:
+        """What verification allows this op's outputs at ``shape`` and arithmetic ``precision``."""
+        return Tolerance.of(precision, self.summed_terms(shape), self.cancels, self.layers(shape))
+
+    def input_kind(self, seed: int) -> str:
+        """The kind of inputs ``seed`` draws (one of input_kinds)."""
+        return self.input_kinds[seed % len(self.input_kinds)]
 
     def input_scale(self, name: str, shape: tuple[int, ...]) -> float:
         """Inputs are uniform in [-scale, scale]; ops override to keep values O(1)."""

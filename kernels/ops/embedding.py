@@ -96,6 +96,9 @@ class Embedding(OpSpec):
             "Y": (tokens, hidden),
         }
 
+    def summed_terms(self, shape):
+        return 3  # word, position and token type rows
+
     def make_inputs(self, shape, dtype, seed):
         batch, seq, hidden, vocab, type_vocab = shape
         rng = np.random.default_rng(seed)

@@ -453,6 +453,10 @@ class FusedMlp(OpSpec):
             "Y": (batch, d_out),
         }
 
+    def summed_terms(self, shape):
+        _batch, d_in, d_hidden, _d_out = shape
+        return d_in + d_hidden + 2  # both projections' products and biases
+
     def input_scale(self, name, shape):
         _batch, d_in, d_hidden, _d_out = shape
         # Uniform [-s, s] has variance s^2/3: these keep X @ W1 and H @ W2 of order one.

@@ -100,6 +100,9 @@ class Linear(OpSpec):
         M, N, K = shape  # noqa: N806
         return {"X": (M, K), "W": (K, N), "b": (N,), "Y": (M, N)}
 
+    def summed_terms(self, shape):
+        return shape[2] + 1  # K products and the bias
+
     def input_scale(self, name, shape):
         _m, _n, k = shape
         return {"W": (3.0 / k) ** 0.5 * 2.0, "b": 0.5}.get(name, 1.0)

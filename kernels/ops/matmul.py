@@ -639,6 +639,9 @@ class Matmul(OpSpec):
         M, N, K = shape  # noqa: N806
         return {"A": (M, K), "B": (K, N), "C": (M, N)}
 
+    def summed_terms(self, shape):
+        return shape[2]  # K
+
     def reference(self, inputs, attrs):
         return {"C": inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)}
 

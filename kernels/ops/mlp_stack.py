@@ -188,6 +188,13 @@ class MlpStack(OpSpec):
             "Y": (batch, d_model),
         }
 
+    def summed_terms(self, shape):
+        _batch, d_model, d_hidden, layers = shape
+        return (d_model + d_hidden + 2) * layers
+
+    def layers(self, shape):
+        return shape[3]
+
     def input_scale(self, name, shape):
         _batch, d_model, d_hidden, _layers = shape
         # Uniform [-s, s] has variance s^2 / 3: these keep every block's products of order one.

@@ -290,6 +290,8 @@ class SplitRow(Family):
 
 class Softmax(OpSpec):
     name = "softmax"
+    cancels = False  # each output a positive exp over a positive sum: held to its own size
+    input_kinds = ("uniform", "offset")
     dims = ("rows", "cols")
     inputs = ("x",)
     outputs = ("y",)
@@ -298,8 +300,23 @@ class Softmax(OpSpec):
     def tensor_shapes(self, shape):
         return {"x": shape, "y": shape}
 
+    def summed_terms(self, shape):
+        return shape[1]  # the row's exps
+
     def input_scale(self, name, shape):
         return 8.0  # a wide range so exp() and the max subtraction matter
+
+    def make_inputs(self, shape, dtype, seed):
+        """Uniform in [-8, 8]; on the "offset" kind's seeds each row moved by 100 to 2000 either way, where exp()
+        overflows or underflows float32 unless the row's max is subtracted first."""
+        out = super().make_inputs(shape, dtype, seed)
+        if self.input_kind(seed) == "offset":
+            rows = shape[0]
+            rng = np.random.default_rng([seed, 1])
+            offset = rng.uniform(100.0, 2000.0, size=(rows, 1)) * rng.choice([-1.0, 1.0], size=(rows, 1))
+            x = out["x"]
+            out["x"] = (x.astype(np.float32) + offset.astype(np.float32)).astype(x.dtype)
+        return out
 
     def reference(self, inputs, attrs):
         x = inputs["x"].astype(np.float64)

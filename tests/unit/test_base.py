@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kernelmill.kernels.ops import OPS, SpecError, get_op
+from kernelmill.kernels.ops.attention import MASK_MIN
 from kernelmill.kernels.ops.base import DTYPES, Param, numpy_dtype
 
 
@@ -62,16 +64,45 @@ def test_every_family_defaults_valid_and_space_consistent(op):
 @pytest.mark.parametrize("op", list(OPS.values()), ids=lambda o: o.name)
 def test_make_inputs_fresh_nonzero_and_seeded(op):
     shape = tuple(3 + i for i in range(len(op.dims)))
+    kinds = len(op.input_kinds)  # seeds of the first kind: the others may zero a mask on purpose
     for dtype in DTYPES:
-        a = op.make_inputs(shape, dtype, seed=1)
-        b = op.make_inputs(shape, dtype, seed=1)
-        c = op.make_inputs(shape, dtype, seed=2)
+        a = op.make_inputs(shape, dtype, seed=kinds)
+        b = op.make_inputs(shape, dtype, seed=kinds)
+        c = op.make_inputs(shape, dtype, seed=2 * kinds)
         for name in op.inputs:
             assert a[name].dtype == numpy_dtype(dtype)
             assert a[name].shape == op.tensor_shapes(shape)[name]
             assert (a[name].astype("float64") != 0).mean() > 0.9
             assert (a[name] == b[name]).all()
             assert not (a[name] == c[name]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["attention", "sdpa"])
+def test_attention_inputs_take_the_production_mask_paths_by_seed(op, dtype):
+    spec = OPS[op]
+    shape = (3, 2, 40, 16)
+    masks = {spec.input_kind(seed): spec.make_inputs(shape, dtype, seed)["mask"].astype("float64") for seed in range(3)}
+    assert set(masks) == {"random", "zero", "padding"}
+    assert (masks["random"] != 0).mean() > 0.9
+    assert (masks["zero"] == 0).all()
+    padded = masks["padding"] == MASK_MIN[dtype]  # BERT's padding value, finite
+    assert padded.any() and (masks["padding"][~padded] == 0).all() and not padded.all(axis=1).any()
+    assert padded[0].sum() == 20  # batch 0 loses its second half, whatever the seed
+    for seed in range(3):
+        assert np.isfinite(spec.reference(spec.make_inputs(shape, dtype, seed), {})["out"]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_offset_inputs_overflow_exp_without_the_max(dtype):
+    spec = OPS["softmax"]
+    x = spec.make_inputs((64, 100), dtype, seed=1)["x"].astype("float64")
+    assert spec.input_kind(1) == "offset"
+    row_max = np.abs(x).max(axis=1)
+    assert (row_max > 90).all()  # exp() of those is past float32's range (88.7), or 0 below -103
+    assert (x.max(axis=1) > 90).any() and (x.max(axis=1) < -90).any()
+    ref = spec.reference({"x": x}, {})["y"]
+    assert np.isfinite(ref).all() and np.allclose(ref.sum(axis=1), 1.0)
 
 
 @pytest.mark.parametrize("op", list(OPS.values()), ids=lambda o: o.name)

@@ -1,15 +1,23 @@
+import math
+
+import ml_dtypes
 import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 
 from kernelmill.kernels.bench import Timing
-from kernelmill.kernels.ops.base import TOLERANCES
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import UNIT_ROUNDOFF, Tolerance
 from kernelmill.kernels.verify import compare, fresh_seeds
+
+FP32, FP16 = Tolerance.of("float32"), Tolerance.of("float16")
+STORAGE = {"float16": np.float16, "bfloat16": bfloat16}
 
 
 def test_exact_output_passes():
     ref = np.random.default_rng(0).standard_normal((8, 9))
-    check = compare(ref.astype(np.float32), ref, seed=1, name="y")
-    assert check.failure(TOLERANCES["float32"]) is None
+    check = compare(ref.astype(np.float32), ref, 1, "y", FP32)
+    assert check.failure() is None
     assert check.rel_err < 1e-7
 
 
@@ -17,40 +25,184 @@ def test_nan_never_passes_and_is_located():
     ref = np.ones((4, 5))
     out = ref.astype(np.float16)
     out[2, 3] = np.nan
-    check = compare(out, ref, seed=7, name="y")
+    check = compare(out, ref, 7, "y", Tolerance(1.0, 1.0, 1.0))
     assert check.nan_count == 1 and check.first_bad_index == (2, 3)
-    assert "non-finite" in check.failure(1.0)
+    assert "non-finite" in check.failure()
 
 
 def test_small_norm_error_but_one_wrong_element_fails():
     ref = np.random.default_rng(1).uniform(0.5, 1.0, size=(256, 256))
     out = ref.copy()
     out[100, 7] += 0.5  # one element 50% off: tiny in norm, gross elementwise
-    check = compare(out, ref, seed=0, name="C")
+    check = compare(out, ref, 0, "C", Tolerance(1e-2, 1.0, 1.0))
     assert check.rel_err < 1e-2
-    assert "max elementwise" in check.failure(1e-2)
+    assert "max elementwise" in check.failure()
     assert check.first_bad_index == (100, 7)
+
+
+def test_element_over_its_allowance_is_named_with_its_values():
+    ref = np.random.default_rng(1).uniform(0.5, 1.0, size=(64, 64))
+    out = ref.astype(np.float16)
+    out[3, 5] = np.float16(ref[3, 5] * 1.01)  # 1%: inside the norm and max checks, 5x float16's 4 ulps
+    check = compare(out, ref, 9, "C", FP16)
+    assert check.rel_err < FP16.norm and check.max_abs_rel_err < FP16.norm
+    why = check.failure()
+    assert why and "element (3, 5)" in why and "seed 9" in why
+    assert check.worst_element == (3, 5) and check.allowance_used > 1
 
 
 def test_fp16_rounding_within_tolerance():
     ref = np.random.default_rng(2).standard_normal((64, 64))
-    check = compare(ref.astype(np.float16), ref, 0, "y")
-    assert check.failure(TOLERANCES["float16"]) is None
-    assert check.failure(TOLERANCES["float32"]) is not None
+    check = compare(ref.astype(np.float16), ref, 0, "y", FP16)
+    assert check.failure() is None
+    assert compare(ref.astype(np.float16), ref, 0, "y", FP32).failure() is not None
 
 
 def test_fp16_output_below_its_normal_range_is_judged_against_that_range():
     ref = np.array([[-2.6e-6]])  # a GELU of about -5: a float16 subnormal, stored with 6e-8 steps
-    check = compare(ref.astype(np.float16), ref, 0, "y")
-    assert check.failure(TOLERANCES["float16"]) is None
+    check = compare(ref.astype(np.float16), ref, 0, "y", FP16)
+    assert check.failure() is None
     wrong = np.array([[-2.0e-5]], dtype=np.float16)  # off by more than the format's resolution
-    assert compare(wrong, ref, 0, "y").failure(TOLERANCES["float16"]) is not None
+    assert compare(wrong, ref, 0, "y", FP16).failure() is not None
     # float32 keeps relative precision there: no floor.
-    assert compare(np.array([[-2.7e-6]], dtype=np.float32), ref, 0, "y").failure(TOLERANCES["float32"]) is not None
+    assert compare(np.array([[-2.7e-6]], dtype=np.float32), ref, 0, "y", FP32).failure() is not None
+
+
+def test_tolerance_grows_with_summed_terms_and_layers_only_where_it_must():
+    assert Tolerance.of("float32", 4096).atol_rms > Tolerance.of("float32", 64).atol_rms
+    assert Tolerance.of("float16", 1, layers=4).atol_rms == pytest.approx(2 * Tolerance.of("float16").atol_rms, 1e-3)
+    assert Tolerance.of("float16", cancels=False).atol_rms == 0.0
+    assert get_op("softmax").tolerance((4, 1000), "float16").atol_rms == 0.0
+    assert get_op("matmul").tolerance((8, 8, 4096), "float32") == Tolerance.of("float32", 4096)
+
+
+# -- The tolerance against simulated kernels: float32 accumulation, the storage type's rounding where kernels
+# round (outputs, a hidden layer, attention's probabilities). Correct ones must keep a margin; the faults the
+# norm check let through must fail.
+
+
+def _round(x, dtype):
+    return x.astype(np.float32).astype(STORAGE[dtype]).astype(np.float64)
+
+
+def _used(out, ref, tolerance, dtype="float16"):
+    check = compare(out.astype(np.float32).astype(STORAGE.get(dtype, np.float32)), ref, 0, "y", tolerance)
+    return check.allowance_used, check.failure()
+
+
+def _gemm(dtype, m=64, k=4096, n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    a, b = (_round(rng.uniform(-1, 1, size), dtype) for size in ((m, k), (k, n)))
+    return a, b, a @ b
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_correct_16bit_gemm_and_its_faults(dtype):
+    a, b, ref = _gemm(dtype)
+    tol = get_op("matmul").tolerance((64, 256, 4096), dtype)
+    used, why = _used(ref, ref, tol, dtype)
+    assert why is None and used < 0.34
+    # A term of the sum dropped (the last k): within 1e-2 in norm, far outside per element.
+    used, why = _used(a[:, :-1] @ b[:-1], ref, tol, dtype)
+    assert why is not None and used > 1
+    # Accumulated in the storage type, 16 products at a time (tensor cores with 16-bit accumulators).
+    acc = np.zeros_like(ref)
+    for k0 in range(0, a.shape[1], 16):
+        acc = _round(acc + a[:, k0 : k0 + 16] @ b[k0 : k0 + 16], dtype)
+    used, why = _used(acc, ref, tol, dtype)
+    if dtype == "float16":  # what the norm check alone let through
+        assert np.linalg.norm(acc - ref) / np.linalg.norm(ref) < tol.norm
+    assert why is not None and used > 2
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_correct_mlp_stack_rounding_each_layer_passes(dtype):
+    batch, d_model, d_hidden, layers = 32, 512, 1408, 4
+    rng = np.random.default_rng(3)
+    x = _round(rng.uniform(-1, 1, (batch, d_model)), dtype)
+    ref, out = x, x
+    for _ in range(layers):
+        w1 = _round(rng.uniform(-1, 1, (d_model, d_hidden)) * math.sqrt(3 / d_model), dtype)
+        w2 = _round(rng.uniform(-1, 1, (d_hidden, d_model)) * math.sqrt(3 / d_hidden), dtype)
+        b1, b2 = _round(rng.uniform(-0.5, 0.5, d_hidden), dtype), _round(rng.uniform(-0.5, 0.5, d_model), dtype)
+        ref = _gelu(ref @ w1 + b1) @ w2 + b2
+        out = _round(_round(_gelu(out @ w1 + b1), dtype) @ w2 + b2, dtype)
+    used, why = _used(out, ref, get_op("mlp_stack").tolerance((batch, d_model, d_hidden, layers), dtype), dtype)
+    assert why is None and used < 0.34
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_correct_attention_rounding_probabilities_passes(dtype):
+    b, h, s, d = 2, 2, 256, 64
+    rng = np.random.default_rng(4)
+    q, k, v = (_round(rng.uniform(-2, 2, (b, h, s, d)), dtype) for _ in range(3))
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ v
+    out = (_round(p, dtype) @ v) / p.sum(-1, keepdims=True)  # flash attention: P in the storage type
+    used, why = _used(out, ref, get_op("sdpa").tolerance((b, h, s, d), dtype), dtype)
+    assert why is None and used < 0.34
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_softmax_flushing_small_probabilities_fails(dtype):
+    rng = np.random.default_rng(5)
+    x = _round(rng.uniform(-8, 8, (256, 2048)), dtype)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    ref = e / e.sum(-1, keepdims=True)
+    tol = get_op("softmax").tolerance((256, 2048), dtype)
+    used, why = _used(ref, ref, tol, dtype)
+    assert why is None and used < 0.51  # float16's subnormals: rounding takes half the floor of one step
+    flushed = np.where(e < 1e-3, 0.0, e)
+    fake = flushed / flushed.sum(-1, keepdims=True)
+    assert np.linalg.norm(fake - ref) / np.linalg.norm(ref) < tol.norm  # what the norm check alone let through
+    used, why = _used(fake, ref, tol, dtype)
+    assert why is not None and used > 4
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "truncate"])
+def test_correct_tf32_gemm_passes_in_either_rounding(rounding):
+    rng = np.random.default_rng(6)
+    a, b = (rng.uniform(-1, 1, size).astype(np.float32) for size in ((64, 4096), (4096, 256)))
+    ref = a.astype(np.float64) @ b
+
+    def tf32(x):
+        bits = x.view(np.uint32) + (np.uint32(1 << 12) if rounding == "nearest" else np.uint32(0))
+        return (bits & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+    used, why = _used(tf32(a) @ tf32(b), ref, get_op("matmul").tolerance((64, 256, 4096), "tf32"), "float32")
+    assert why is None and used < 0.34
+
+
+@pytest.mark.parametrize("k", [64, 4096])
+def test_correct_float32_sequential_sum_passes(k):
+    rng = np.random.default_rng(7)
+    a, b = (rng.uniform(-1, 1, size).astype(np.float32) for size in ((32, k), (k, 64)))
+    acc = np.zeros((32, 64), np.float32)
+    for i in range(k):  # one FMA chain a thread, the worst order for rounding
+        acc += np.outer(a[:, i], b[i])
+    used, why = _used(acc, a.astype(np.float64) @ b, get_op("matmul").tolerance((32, 64, k), "float32"), "float32")
+    assert why is None and used < 0.34
+
+
+def test_unit_roundoff_is_half_an_ulp_of_each_format():
+    assert UNIT_ROUNDOFF["float16"] == np.finfo(np.float16).eps / 2
+    assert UNIT_ROUNDOFF["float32"] == np.finfo(np.float32).eps / 2
+    assert UNIT_ROUNDOFF["bfloat16"] == float(ml_dtypes.finfo(bfloat16).eps) / 2
 
 
 def test_fresh_seeds_differ():
     assert fresh_seeds(4) != fresh_seeds(4)
+
+
+def test_fresh_seeds_give_each_input_kind_one():
+    assert sorted(s % 3 for s in fresh_seeds(3, kinds=3)) == [0, 1, 2]
+    assert len(fresh_seeds(1, kinds=3)) == 3  # at least one a kind, whatever was asked
+    assert all(0 <= s < 2**31 for s in fresh_seeds(50, kinds=3))
 
 
 def test_timing_from_samples():
