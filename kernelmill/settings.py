@@ -25,7 +25,9 @@ class Settings(BaseSettings):
     nvcc: str = Field("nvcc", description="nvcc executable")
     compile_timeout_s: float = Field(120.0, gt=0, description="nvcc wall-clock limit per variant")
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
-    verify_seeds: int = Field(3, ge=1, description="random input sets per verification (at least one per kind of input an op draws)")
+    verify_seeds: int = Field(
+        3, ge=1, description="random input sets per verification (at least one per kind of input an op draws)"
+    )
     bench_warmup: int = Field(5, ge=0)
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
     kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
