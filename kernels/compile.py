@@ -31,9 +31,14 @@ DEFAULT_ARCH = "sm_90"
 MIN_SM = 80
 
 
+def base_arch(arch: str) -> str:
+    """The GPU an nvcc target is for, without its arch-specific ("sm_90a") or family ("sm_100f") suffix."""
+    return arch.rstrip("af")
+
+
 def too_old(arch: str) -> str | None:
     """Why GPU ``arch`` (e.g. "sm_75") cannot run kernelmill's kernels, or None."""
-    base = arch.rstrip("af")
+    base = base_arch(arch)
     if int(base.removeprefix("sm_")) < MIN_SM:
         return f"kernelmill's kernels need sm_{MIN_SM} or newer, not {base}"
     return None

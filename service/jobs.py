@@ -17,7 +17,7 @@ from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import strategy_class
-from kernelmill.kernels.compile import normalize_arch, too_old
+from kernelmill.kernels.compile import base_arch, normalize_arch, too_old
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
@@ -92,7 +92,7 @@ def _job_arch(arch: str) -> str:
     if arch == "auto":
         return arch
     try:
-        base = normalize_arch(arch).rstrip("af")
+        base = base_arch(normalize_arch(arch))
     except ValueError as exc:
         raise JobError(f"arch: {exc}, or auto (the worker's GPU)") from None
     if reason := too_old(base):
@@ -104,7 +104,7 @@ def runs_on(job_arch: str | None, worker_arch: str | None) -> bool:
     """Whether a job for ``job_arch`` may run on a worker whose GPU is ``worker_arch`` (None: not known yet)."""
     if job_arch in (None, "auto"):
         return True
-    return worker_arch is not None and worker_arch.rstrip("af") == job_arch.rstrip("af")
+    return worker_arch is not None and base_arch(worker_arch) == base_arch(job_arch)
 
 
 class StoreRecorder:
@@ -146,7 +146,7 @@ class StoreRecorder:
         count most, then other dtypes, then other GPUs of the same arch."""
         job = self.store.get_job(self.job_id)
         want = [int(v) for v in shape.split("x")]
-        arch = (job.arch or "auto").rstrip("a")
+        arch = base_arch(job.arch or "auto")
 
         def distance(trial, other) -> float:
             dims = [int(v) for v in trial.shape_key.split("x")]
@@ -158,7 +158,7 @@ class StoreRecorder:
         found = [
             (distance(t, o), t, o)
             for t, o in self.store.best_trials_elsewhere(job)
-            if arch == "auto" or (t.arch or "").rstrip("a") == arch
+            if arch == "auto" or base_arch(t.arch or "") == arch
         ]
         out, seen = [], set()
         for _, trial, other in sorted(found, key=lambda f: f[0]):
@@ -258,7 +258,7 @@ class JobRunner:
             thread.start()
         if not workers or any(w.arch is None for w in workers):
             return  # a worker's GPU is not known yet
-        archs = sorted({w.arch.rstrip("af") for w in workers})
+        archs = sorted({base_arch(w.arch) for w in workers})
         for job in queued:  # said once a job; GET /api/workers lists the workers and their archs
             if job.id not in self._said_waiting and not any(runs_on(job.arch, a) for a in archs):
                 self._said_waiting.add(job.id)

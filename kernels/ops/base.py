@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kernelmill.kernels.compile import too_old
+from kernelmill.kernels.compile import base_arch, too_old
 
 try:  # ml_dtypes gives NumPy a real bfloat16 (the JAX project's package)
     from ml_dtypes import bfloat16 as _np_bfloat16
@@ -222,7 +222,7 @@ class Family(ABC):
 
         Arch-specific (``a``) instructions such as wgmma exist on sm_90 alone, so such a family has no target
         on any other GPU: SpecError says so, rather than nvcc failing on a target like compute_80a."""
-        base = arch.rstrip("af")
+        base = base_arch(arch)
         if reason := too_old(base):
             raise SpecError(reason)
         if not self.arch_suffix:

@@ -1,6 +1,6 @@
 import pytest
 
-from kernelmill.kernels.compile import CompileError, arch_flags, normalize_arch, parse_ptxas
+from kernelmill.kernels.compile import CompileError, arch_flags, base_arch, normalize_arch, parse_ptxas, too_old
 
 LOG = (
     "ptxas info    : 0 bytes gmem\n"
@@ -30,6 +30,16 @@ def test_parse_ptxas_per_entry():
 )
 def test_normalize_arch(given, want):
     assert normalize_arch(given) == want
+
+
+@pytest.mark.parametrize(("given", "want"), [("sm_90a", "sm_90"), ("sm_100f", "sm_100"), ("sm_80", "sm_80")])
+def test_base_arch_drops_the_target_suffix(given, want):
+    assert base_arch(given) == want
+
+
+def test_too_old_judges_the_base_arch():
+    assert too_old("sm_90a") is None and too_old("sm_80") is None
+    assert "sm_80 or newer, not sm_75" in too_old("sm_75")
 
 
 def test_normalize_arch_rejects_garbage():
