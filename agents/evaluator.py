@@ -65,8 +65,11 @@ class Evaluator(Protocol):
         """The GPU this evaluator runs on."""
         ...
 
-    def baseline_ms(self, op: str, shape: Sequence[int], dtype: str, attrs: Mapping[str, Any]) -> float | None:
-        """PyTorch's median time for the problem on this GPU, or None where torch is absent."""
+    def baseline_ms(
+        self, op: str, shape: Sequence[int], dtype: str, attrs: Mapping[str, Any], precision: str | None = None
+    ) -> float | None:
+        """PyTorch's median time for the problem on this GPU, computing in ``precision`` (the search's: "tf32"
+        lets PyTorch's float32 matmuls use TF32 too), or None where torch is absent."""
         ...
 
     def evaluate(
@@ -128,13 +131,15 @@ class LocalEvaluator:
 
         return get_op(op).family(family)
 
-    def baseline_ms(self, op, shape, dtype, attrs):
+    def baseline_ms(self, op, shape, dtype, attrs, precision=None):
         from kernelmill.kernels.bench import time_torch
         from kernelmill.kernels.ops import get_op
 
         spec = get_op(op)
         inputs = spec.make_inputs(tuple(shape), dtype, seed=0)
-        timing = time_torch(self.device, spec, inputs, spec.resolve_attrs(attrs), self.flusher, reps=self.reps)
+        timing = time_torch(
+            self.device, spec, inputs, spec.resolve_attrs(attrs), self.flusher, reps=self.reps, precision=precision
+        )
         return timing.median_ms if timing else None
 
     def evaluate(self, op, shape, dtype, attrs, candidates):
@@ -228,7 +233,7 @@ class FakeEvaluator:
     def facts(self) -> DeviceFacts:
         return DeviceFacts(self.name, self.arch, {"fake": True})
 
-    def baseline_ms(self, op, shape, dtype, attrs):
+    def baseline_ms(self, op, shape, dtype, attrs, precision=None):
         return 1.0
 
     def profile(self, op, shape, dtype, attrs, candidate):

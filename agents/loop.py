@@ -156,7 +156,7 @@ def run_job(
         history = histories[key]
         measured, baseline = recorder.baseline(key)
         if not measured:
-            baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs)
+            baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs, space.precision)
             recorder.record_baseline(key, baseline, facts.name)
         strategy = get_strategy(plan.strategy, seed=plan.job_id)
         shape_space = space.for_shape(tuple(shape))

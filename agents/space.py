@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernelmill.kernels.ops.base import OpSpec
+from kernelmill.kernels.ops.base import Family, OpSpec, SpecError
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,36 @@ class Observation:
         return self.status == "ok" and self.median_ms is not None
 
 
+def default_families(op: OpSpec, dtype: str) -> list[Family]:
+    """The families a search of ``op`` in ``dtype`` covers unless it names its own: those that support the
+    dtype and compute in it. A float32 search is IEEE float32; a family computing float32 as TF32 is searched
+    only when named (and then compared with PyTorch in TF32)."""
+    return [f for f in op.families.values() if dtype in f.dtypes and f.precision(dtype) == dtype]
+
+
+def search_precision(op: OpSpec, dtype: str, families: Iterable[str] | None = None) -> str:
+    """The one arithmetic precision the families of a search compute ``dtype`` in; SpecError if they differ
+    (their kernels could not be compared with one PyTorch baseline)."""
+    if not families:
+        return dtype
+    by_family = {name: op.family(name).precision(dtype) for name in families}
+    if len(set(by_family.values())) > 1:
+        shown = ", ".join(f"{name} as {precision}" for name, precision in by_family.items())
+        raise SpecError(
+            f"families compute {dtype} in different precisions ({shown}): search them in separate jobs, so that "
+            "each is compared with PyTorch in its own precision"
+        )
+    return next(iter(by_family.values()))
+
+
 class Space:
     """Valid candidates of ``op`` for ``dtype``, with each family's knobs for mutation."""
 
     def __init__(self, op: OpSpec, dtype: str, families: Iterable[str] | None = None) -> None:
         self.op = op
         self.dtype = dtype
-        names = list(families) if families else [f.name for f in op.families.values() if dtype in f.dtypes]
+        names = list(families) if families else [f.name for f in default_families(op, dtype)]
+        self.precision = search_precision(op, dtype, names)
         self.families = {name: op.family(name) for name in names}
         self.candidates: list[Candidate] = [
             Candidate.of(name, params) for name, fam in self.families.items() for params in fam.space(dtype)
@@ -66,7 +89,7 @@ class Space:
         """The candidates whose family accepts ``shape`` (``Family.check_shape``): the rest could only be
         recorded as unsupported trials, so a search at one shape never spends its budget on them."""
         view = object.__new__(Space)
-        view.op, view.dtype, view.families = self.op, self.dtype, self.families
+        view.op, view.dtype, view.families, view.precision = self.op, self.dtype, self.families, self.precision
         view.candidates = [
             c for c in self.candidates if self.families[c.family].check_shape(shape, c.params, self.dtype) is None
         ]
@@ -79,9 +102,7 @@ class Space:
         first variant's reason. Walks the families' spaces only until one accepts, building no Space (a whole
         matmul space takes a quarter of a second)."""
         first = None
-        for fam in op.families.values():
-            if dtype not in fam.dtypes:
-                continue
+        for fam in default_families(op, dtype):
             for params in fam.space(dtype):
                 reason = fam.check_shape(shape, params, dtype)
                 if reason is None:

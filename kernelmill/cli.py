@@ -258,9 +258,13 @@ def bench(
         if ev.poisoned:
             break
     inputs = spec.make_inputs(dims, dtype, seed=0)
-    with console.status("PyTorch baseline"):
-        torch_timing = time_torch(device, spec, inputs, variants[0].attrs, flusher, reps=reps)
-    report = _bench_report(spec, dims, dtype, device.info.name, ceil, floor_ms, rows, torch_timing)
+    torch_timings = {}  # by precision: a TF32 variant is compared with PyTorch in TF32
+    for precision in sorted({v.precision for v in variants}, key=lambda p: p != dtype):
+        with console.status(f"PyTorch baseline ({precision})"):
+            torch_timings[precision] = time_torch(
+                device, spec, inputs, variants[0].attrs, flusher, reps=reps, precision=precision
+            )
+    report = _bench_report(spec, dims, dtype, device.info.name, ceil, floor_ms, rows, torch_timings)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
@@ -269,9 +273,9 @@ def bench(
         raise typer.Exit(1)
 
 
-def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_timing) -> dict[str, Any]:
+def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_timings) -> dict[str, Any]:
     nbytes, flops = spec.min_bytes(dims, dtype), spec.flops(dims)
-    torch_ms = torch_timing.median_ms if torch_timing else None
+    torch_timing = torch_timings.get(dtype)
     out = {
         "op": spec.name,
         "shape": format_shape(dims),
@@ -281,6 +285,8 @@ def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_ti
         "matrix_tflops": {k: round(v, 1) for k, v in ceil.matrix_tflops.items()},
         "floor_ms": floor_ms,
         "torch": torch_timing.to_dict() if torch_timing else None,
+        # PyTorch in each precision a variant computes in (float32 and, for TF32 variants, TF32)
+        "torch_by_precision": {p: t.to_dict() for p, t in torch_timings.items() if t},
         "variants": [],
     }
     for ev in rows:
@@ -296,6 +302,8 @@ def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_ti
             entry["max_rel_err_per_seed"] = {str(k): v for k, v in ev.verification.per_seed().items()}
         if ev.timing:
             ms = ev.timing.median_ms
+            baseline = torch_timings.get(ev.variant.precision)
+            torch_ms = baseline.median_ms if baseline else None
             entry.update(
                 timing=ev.timing.to_dict(),
                 gbps=nbytes / (ms * 1e-3) / 1e9,
@@ -330,10 +338,9 @@ def _print_bench(report: dict[str, Any]) -> None:
             f"{v['pct_of_floor']:.0f}%",
             f"{speedup:.2f}x" if speedup else "n/a",
         )
-    torch_t = report["torch"]
-    if torch_t:
+    for precision, torch_t in report["torch_by_precision"].items():
         table.add_row(
-            "torch",
+            "torch" if precision == report["dtype"] else f"torch ({precision})",
             "baseline",
             "",
             f"{torch_t['median_ms'] * 1e3:.1f}",
@@ -344,6 +351,8 @@ def _print_bench(report: dict[str, Any]) -> None:
             "1.00x",
         )
     console.print(table)
+    if len(report["torch_by_precision"]) > 1:
+        console.print("each variant is compared with PyTorch in the precision it computes in")
     ceilings = f"copy {report['copy_gbps']:.0f} GB/s"
     if report["matrix_tflops"]:
         ceilings += ", matrix " + ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in report["matrix_tflops"].items())

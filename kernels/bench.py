@@ -7,9 +7,10 @@ on the same stream of the same context, in the same process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -202,12 +203,28 @@ def time_torch(
     flusher: L2Flusher | None,
     warmup: int = 5,
     reps: int = 50,
+    precision: str | None = None,
 ) -> Timing | None:
-    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent."""
-    if _torch() is None:
+    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent. With ``precision``
+    "tf32", PyTorch may compute float32 matmuls in TF32 as well (``torch.set_float32_matmul_precision("high")``),
+    so that a TF32 kernel is compared with PyTorch in the same precision."""
+    torch = _torch()
+    if torch is None:
         return None
     tensors = {name: to_torch(arr) for name, arr in inputs.items()}
     thunk = op.torch_reference(tensors, attrs)
     if thunk is None:
         return None
-    return time_it(device, thunk, warmup, reps, flusher)
+    with allow_tf32(torch, precision == "tf32"):
+        return time_it(device, thunk, warmup, reps, flusher)
+
+
+@contextlib.contextmanager
+def allow_tf32(torch, allowed: bool) -> Iterator[None]:
+    """PyTorch's float32 matmuls in TF32 (``allowed``) or IEEE float32 for the block, then as they were."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if allowed else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)

@@ -153,8 +153,10 @@ def task_facts() -> dict[str, Any]:
     return {"name": facts.name, "arch": facts.arch, "extra": facts.extra}
 
 
-def task_baseline(op: str, shape: list[int], dtype: str, attrs: dict[str, Any]) -> float | None:
-    return _local_evaluator().baseline_ms(op, shape, dtype, attrs)
+def task_baseline(
+    op: str, shape: list[int], dtype: str, attrs: dict[str, Any], precision: str | None = None
+) -> float | None:
+    return _local_evaluator().baseline_ms(op, shape, dtype, attrs, precision)
 
 
 def task_profile(op, shape, dtype, attrs, family: str, params_json: str) -> dict[str, Any]:
@@ -182,10 +184,9 @@ class DaskEvaluator:
         data = self.executor.facts(self.worker)
         return DeviceFacts(data["name"], data["arch"], data.get("extra", {}))
 
-    def baseline_ms(self, op, shape, dtype, attrs):
-        return self._result(
-            task_baseline, op, list(shape), dtype, dict(attrs), timeout=self.executor.settings.worker_answer_timeout_s
-        )
+    def baseline_ms(self, op, shape, dtype, attrs, precision=None):
+        timeout = self.executor.settings.worker_answer_timeout_s
+        return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
 
     def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
         try:

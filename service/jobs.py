@@ -15,7 +15,7 @@ from typing import Any
 
 from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
-from kernelmill.agents.space import Candidate, Observation, Space
+from kernelmill.agents.space import Candidate, Observation, Space, default_families
 from kernelmill.agents.strategies import strategy_class
 from kernelmill.kernels.compile import base_arch, normalize_arch, too_old
 from kernelmill.kernels.device import GpuUnavailable
@@ -68,7 +68,7 @@ def validate_submission(
         raise JobError(f"budget.trials must be in 1..{settings.max_budget_trials}, got {budget_trials}")
     if not 0 < budget_seconds <= settings.max_budget_seconds:
         raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
-    if not any(dtype in f.dtypes for f in spec.families.values()):
+    if not default_families(spec, dtype):
         raise JobError(f"no {op} family supports {dtype}")
     for shape in parsed:  # a shape no variant accepts would finish "done" with no trial
         reason = Space.refuses(spec, dtype, tuple(shape))

@@ -7,6 +7,7 @@ from kernelmill.agents.loop import JobPlan, run_job
 from kernelmill.agents.space import Observation, Space
 from kernelmill.agents.strategies import STRATEGIES, get_strategy
 from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import SpecError
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +229,34 @@ def test_guided_memory_bound_profile_asks_for_more_in_flight():
     assert first.note.startswith("memory-bound at 55%")
     knob = next(k for k in base.params if base.params[k] != first.params[k])
     assert knob in {"vec", "unroll"} and first.params[knob] > base.params[knob]
+
+
+class PrecisionRecorder(FakeEvaluator):
+    """A fake GPU that remembers the precision each PyTorch baseline was asked in."""
+
+    def __init__(self):
+        super().__init__(fail_every=0)
+        self.baseline_precisions = []
+
+    def baseline_ms(self, op, shape, dtype, attrs, precision=None):
+        self.baseline_precisions.append(precision)
+        return 1.0
+
+
+def test_float32_searches_are_ieee_unless_a_tf32_family_is_named():
+    spec = get_op("matmul")
+    default = Space(spec, "float32")
+    assert default.precision == "float32" and "tensorcore" not in default.families and "simt" in default.families
+    assert Space(spec, "float16").precision == "float16" and "tensorcore" in Space(spec, "float16").families
+    assert Space(spec, "float32", ["tensorcore"]).precision == "tf32"
+    with pytest.raises(SpecError, match=r"simt as float32, tensorcore as tf32.*separate jobs"):
+        Space(spec, "float32", ["simt", "tensorcore"])
+
+
+@pytest.mark.parametrize(("families", "want"), [(None, "float32"), (["tensorcore"], "tf32")])
+def test_the_baseline_is_timed_in_the_searchs_precision(families, want):
+    evaluator = PrecisionRecorder()
+    job = plan(op="matmul", dtype="float32", shapes=[(64, 64, 64)], budget_trials=4, families=families)
+    run_job(job, evaluator, MemoryRecorder())
+    assert evaluator.baseline_precisions == [want]
+    assert Space.refuses(get_op("matmul"), "float32", (64, 64, 64)) is None
