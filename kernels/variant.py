@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernelmill.kernels.compile import CompiledKernel, Compiler, normalize_arch
+from kernelmill.kernels.device import Buffer
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, OpSpec, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import render
 
 if TYPE_CHECKING:
-    from kernelmill.kernels.device import Buffer, Device
+    from kernelmill.kernels.device import Device
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +69,16 @@ class Variant:
         return f"{self.op.name}/{self.family.name} {self.dtype} {knobs}"
 
 
+#: Bytes kept on either side of every buffer of a bound variant, filled with GUARD_BYTE: a launch that changes
+#: them wrote out of bounds (a write past an output would otherwise land unseen in the pool's free memory).
+#: A multiple of 1024, so the buffers keep the pool's alignment.
+GUARD_BYTES = 1024
+GUARD_BYTE = 0xA5
+
+
 class BoundVariant:
-    """A compiled variant with device buffers for one shape, ready to launch."""
+    """A compiled variant with device buffers for one shape, ready to launch; every buffer has guard bytes on
+    either side (``out_of_bounds`` says whether a launch wrote to them)."""
 
     def __init__(self, device: Device, variant: Variant, compiled: CompiledKernel, shape: tuple[int, ...]) -> None:
         reason = variant.check_shape(shape)
@@ -83,11 +92,12 @@ class BoundVariant:
         self.np_dtype = numpy_dtype(variant.dtype)
         item = self.np_dtype.itemsize
         self.buffers: dict[str, Buffer] = {}
+        self._guarded: dict[str, Buffer] = {}  # each buffer with its guards (keeps the allocation alive)
         for name in (*op.inputs, *op.outputs):
-            self.buffers[name] = device.alloc(math.prod(self.tensor_shapes[name]) * item)
+            self.buffers[name] = self._alloc(name, math.prod(self.tensor_shapes[name]) * item)
         self.workspace_names = []
         for name, nbytes in fam.workspace(shape, variant.params, variant.dtype).items():
-            self.buffers[name] = device.alloc(nbytes)
+            self.buffers[name] = self._alloc(name, nbytes)
             if name in fam.counter_workspaces:
                 device.fill(self.buffers[name], 0)  # once: the kernels leave their counts zero
             else:
@@ -98,6 +108,27 @@ class BoundVariant:
         for launch in self.launches:
             args = [self.buffers[a] if isinstance(a, str) else a for a in launch.args]
             self._calls.append((module.kernel(launch.entry), launch, args))
+
+    def _alloc(self, name: str, nbytes: int) -> Buffer:
+        raw = self.device.alloc(nbytes + 2 * GUARD_BYTES)
+        self.device.fill(raw, GUARD_BYTE)
+        self._guarded[name] = raw
+        return Buffer(raw.ptr + GUARD_BYTES, nbytes)
+
+    def out_of_bounds(self) -> str | None:
+        """Which buffer's guard bytes a launch changed, and where, or None (synchronizes with the device)."""
+        for name, raw in self._guarded.items():
+            inner = self.buffers[name].nbytes
+            for side, offset in (("before", 0), ("after", GUARD_BYTES + inner)):
+                guard = self.device.download(Buffer(raw.ptr + offset, GUARD_BYTES), (GUARD_BYTES,), np.uint8)
+                changed = np.flatnonzero(guard != GUARD_BYTE)
+                if changed.size:
+                    farthest = GUARD_BYTES - int(changed[0]) if side == "before" else int(changed[-1]) + 1
+                    return (
+                        f"wrote out of bounds: {changed.size} of the {GUARD_BYTES} guard bytes {side} {name} changed, "
+                        f"the farthest {farthest} bytes {side} it"
+                    )
+        return None
 
     def set_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
         for name in self.variant.op.inputs:

@@ -214,11 +214,16 @@ def verify(
             bound.run()
             device.synchronize(timeout_s)
             outputs = bound.outputs()
+            out_of_bounds = bound.out_of_bounds()
         except DeviceFault as exc:
             result.ok = False
             result.status = "timeout" if exc.timed_out else "fault"
             result.reason = f"device fault at {format_shape(shape)}: {exc.reason}"
             result.poisoned = exc.poisoned
+            return result
+        if out_of_bounds:
+            result.ok, result.status = False, "wrong_result"
+            result.reason = f"{out_of_bounds} at {format_shape(shape)} (seed {seed})"
             return result
         for name in op.outputs:
             check = compare(outputs[name], reference[name], seed, name, tol)

@@ -333,6 +333,18 @@ def test_planted_wrong_kernel_is_rejected(device, compiler):
     assert "relative error" in result.reason
 
 
+@pytest.mark.parametrize(("write", "where"), [("y[(long long)rows * cols + 3]", "after y"), ("y[-1]", "before y")])
+def test_a_write_just_out_of_bounds_is_rejected(device, compiler, write, where):
+    # Within the allocation pool's memory, so no fault: only the guard bytes around each buffer see it.
+    variant = _planted(
+        "if (row >= rows) return;", f"if (row >= rows) return;\n  if (row == 0 && lane == 0) {write} = 1.0f;"
+    )
+    bound = BoundVariant(device, variant, variant.compile(compiler), (64, 1000))
+    result = verify(device, bound, seeds=2)
+    assert not result.ok and result.status == "wrong_result", result.reason
+    assert f"guard bytes {where} changed" in result.reason, result.reason
+
+
 def test_kernel_leaving_output_unwritten_is_rejected(device, compiler):
     variant = _planted("if (row >= rows) return;", "if (row >= rows || row % 13 == 5) return;")
     bound = BoundVariant(device, variant, variant.compile(compiler), (64, 1000))

@@ -17,3 +17,82 @@ def test_buffers_are_tracked_by_identity_and_drop_out_when_released():
     del a
     gc.collect()
     assert list(live) == [b]
+
+
+class HostMemory:
+    """A stand-in for kernels.device.Device over one host byte array: enough for BoundVariant's buffers."""
+
+    def __init__(self, nbytes: int = 1 << 20) -> None:
+        import numpy as np
+
+        self.mem, self.next = np.zeros(nbytes, np.uint8), 4096
+
+    def alloc(self, nbytes):
+        buf = Buffer(self.next, nbytes)
+        self.next += (nbytes + 4095) // 4096 * 4096 + 4096
+        return buf
+
+    def fill(self, buf, byte, stream=None):
+        self.mem[buf.ptr : buf.ptr + buf.nbytes] = byte
+
+    def copy_in(self, buf, array):
+        raw = array.reshape(-1).view("uint8")
+        self.mem[buf.ptr : buf.ptr + raw.size] = raw
+
+    def download(self, buf, shape, dtype):
+
+        return self.mem[buf.ptr : buf.ptr + buf.nbytes].view(dtype).reshape(shape).copy()
+
+    def synchronize(self, timeout_s=None):
+        pass
+
+    def load(self, cubin, key):
+        return type("Module", (), {"kernel": lambda self, entry: None})()
+
+
+def test_guard_bytes_around_every_buffer_see_writes_just_out_of_bounds():
+    import numpy as np
+
+    from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.variant import GUARD_BYTES, BoundVariant, Variant
+
+    memory = HostMemory()
+    variant = Variant.create("softmax", "warp_row", "float32")
+    bound = BoundVariant(memory, variant, CompiledKernel(b"", "sm_90", key="k"), (4, 10))
+    bound.set_inputs({"x": np.ones((4, 10), np.float32)})
+    bound.poison()
+    assert bound.out_of_bounds() is None  # filling and poisoning stay inside
+    y = bound.buffers["y"]
+    assert y.nbytes == 160 and all(b.ptr % GUARD_BYTES == 0 for b in bound.buffers.values())
+    memory.mem[y.ptr + y.nbytes + 5] = 0  # 6 bytes past the end
+    assert bound.out_of_bounds() == (
+        f"wrote out of bounds: 1 of the {GUARD_BYTES} guard bytes after y changed, the farthest 6 bytes after it"
+    )
+    memory.mem[y.ptr + y.nbytes + 5] = 0xA5
+    memory.mem[bound.buffers["x"].ptr - 4 : bound.buffers["x"].ptr] = 0  # one float before x
+    assert "4 of the 1024 guard bytes before x changed, the farthest 4 bytes before it" in bound.out_of_bounds()
+
+
+def test_verify_fails_a_right_answer_written_with_a_stray_byte_out_of_bounds():
+    from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.variant import BoundVariant, Variant
+    from kernelmill.kernels.verify import verify
+
+    memory = HostMemory()
+    bound = BoundVariant(
+        memory, Variant.create("softmax", "warp_row", "float32"), CompiledKernel(b"", "sm_90", "k"), (4, 10)
+    )
+    y = bound.buffers["y"]
+
+    def run(stray: bool):
+        x = memory.download(bound.buffers["x"], (4, 10), "float32")
+        memory.copy_in(y, get_op("softmax").reference({"x": x}, {})["y"].astype("float32"))
+        if stray:
+            memory.mem[y.ptr + y.nbytes] = 1
+
+    bound.run = lambda: run(False)
+    assert verify(memory, bound, seeds=2).ok
+    bound.run = lambda: run(True)
+    result = verify(memory, bound, seeds=2)
+    assert result.status == "wrong_result" and "guard bytes after y changed" in result.reason
