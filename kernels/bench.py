@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -103,11 +104,20 @@ def time_it(
     warmup: int = 5,
     reps: int = 50,
     flusher: L2Flusher | None = None,
+    timeout_s: float | None = None,
 ) -> Timing:
-    """Median of ``reps`` event-timed runs of ``enqueue`` on the default stream."""
-    for _ in range(warmup):
+    """Median of ``reps`` event-timed runs of ``enqueue`` on the default stream.
+
+    With ``timeout_s`` a run that hangs is a DeviceFault (timed out, poisoned) instead of a wait for ever: the
+    first warm-up run gets ``timeout_s``, the rest together ``timeout_s`` plus three times that run's wall
+    time for each of them (a kernel that only hangs when run again, say on counters it left set)."""
+    started = time.perf_counter()
+    if warmup:
         enqueue()
-    device.synchronize()
+        device.synchronize(timeout_s)
+    once = time.perf_counter() - started
+    for _ in range(warmup - 1):
+        enqueue()
     events = [(device.event(), device.event()) for _ in range(reps)]
     for start, end in events:
         if flusher is not None:
@@ -115,8 +125,7 @@ def time_it(
         start.record()
         enqueue()
         end.record()
-    events[-1][1].synchronize()
-    device.synchronize()
+    device.synchronize(None if timeout_s is None else timeout_s + 3 * once * (warmup + reps))
     return Timing.from_samples([end.time_since(start) for start, end in events])
 
 

@@ -81,11 +81,12 @@ def evaluate(
         return result
     if timed:
         try:
-            result.timing = time_it(device, bound.run, warmup, reps, flusher)
+            result.timing = time_it(device, bound.run, warmup, reps, flusher, timeout_s)
             # The timed launches ran on inputs and outputs left from verification: one that wrote out of
             # bounds there (a race, say) is as wrong as one that did while verified.
             if why := bound.out_of_bounds():
                 result.status, result.reason = WRONG_RESULT, f"{why} while timed"
         except DeviceFault as exc:
-            result.status, result.reason, result.poisoned = FAULT, exc.reason, exc.poisoned
+            status = TIMEOUT if exc.timed_out else FAULT
+            result.status, result.reason, result.poisoned = status, f"{exc.reason} while timed", exc.poisoned
     return result

@@ -34,3 +34,58 @@ def test_bench_compares_each_variant_with_pytorch_in_its_own_precision():
     speedups = {v["family"]: v["speedup_vs_torch"] for v in report["variants"]}
     assert speedups == {"simt": pytest.approx(1.5), "tensorcore": pytest.approx(0.5)}  # not 3.0 against IEEE
     assert report["torch"]["median_ms"] == 3.0 and set(report["torch_by_precision"]) == {"float32", "tf32"}
+
+
+class HangingDevice:
+    """A stand-in device whose queued work never finishes once ``hang_after`` launches have run."""
+
+    def __init__(self, hang_after: int) -> None:
+        self.launches, self.hang_after, self.waits = 0, hang_after, []
+
+    def launch(self):
+        self.launches += 1
+
+    def event(self):
+        return SimpleNamespace(record=lambda: None, time_since=lambda other: 1.0)
+
+    def synchronize(self, timeout_s=None):
+        from kernelmill.kernels.device import DeviceFault
+
+        self.waits.append(timeout_s)
+        if self.launches > self.hang_after:
+            if timeout_s is None:
+                raise AssertionError("a wait without a timeout on a hung kernel never returns")
+            raise DeviceFault(f"kernel still running after {timeout_s:.1f} s (hang)", poisoned=True, timed_out=True)
+
+
+def test_timing_bounds_its_waits_so_a_kernel_hanging_on_a_later_run_is_a_timeout():
+    from kernelmill.kernels.bench import time_it
+    from kernelmill.kernels.device import DeviceFault
+
+    fine = HangingDevice(hang_after=10**6)
+    timing = time_it(fine, fine.launch, warmup=3, reps=5, timeout_s=2.0)
+    assert timing.median_ms == 1.0 and fine.launches == 8
+    assert fine.waits[0] == 2.0 and 2.0 <= fine.waits[-1] < 3.0  # 2 s, plus 3x the first run's time for each
+
+    hangs = HangingDevice(hang_after=2)  # right in verification, hung from the third run on
+    with pytest.raises(DeviceFault) as caught:
+        time_it(hangs, hangs.launch, warmup=3, reps=5, timeout_s=2.0)
+    assert caught.value.timed_out and caught.value.poisoned
+
+
+def test_a_hang_while_timed_is_recorded_as_a_timeout_of_that_trial(monkeypatch):
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.kernels.device import DeviceFault
+    from kernelmill.kernels.variant import Variant
+    from kernelmill.kernels.verify import VerifyResult
+
+    def hang(*args, **kwargs):
+        raise DeviceFault("kernel still running after 9.0 s (hang)", poisoned=True, timed_out=True)
+
+    monkeypatch.setattr(Variant, "compile", lambda self, compiler=None, arch=None: "cubin")
+    monkeypatch.setattr(ev, "BoundVariant", lambda *args: SimpleNamespace(run=None, out_of_bounds=lambda: None))
+    monkeypatch.setattr(ev, "verify", lambda *args, **kwargs: VerifyResult(True, "ok", "float32", 1e-5, (4, 10)))
+    monkeypatch.setattr(ev, "time_it", hang)
+    result = ev.evaluate(Variant.create("softmax", "warp_row", "float32"), (4, 10), device=None)
+    assert (result.status, result.poisoned) == ("timeout", True)
+    assert result.reason == "kernel still running after 9.0 s (hang) while timed"
