@@ -108,7 +108,7 @@ class LocalEvaluator:
         """This GPU's measured copy bandwidth and matrix rates (once per process)."""
         from kernelmill.kernels.bench import ceilings
 
-        return ceilings(self.device, ("float32", "float16", "bfloat16"))
+        return ceilings(self.device, ("float32", "tf32", "float16", "bfloat16"))
 
     def facts(self) -> DeviceFacts:
         info = self.device.info
@@ -191,7 +191,7 @@ class LocalEvaluator:
                 continue
             res = _result(cand, ev)
             if res.median_ms:
-                floor_ms = self.ceilings().floor_ms(variant.op, shape, dtype)
+                floor_ms = self.ceilings().floor_ms(variant.op, shape, dtype, variant.precision)
                 res.roofline_pct = 100.0 * floor_ms / res.median_ms
             results.append(res)
             poisoned = ev.poisoned

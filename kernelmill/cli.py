@@ -248,7 +248,8 @@ def bench(
     variants = [_variant(op, name, dtype, param, attr, dims, device.info.sm_count) for name in names]
     compiler = Compiler()
     flusher = L2Flusher(device)
-    ceil = ceilings(device, (dtype,) if spec.matrix_bound else ())
+    precisions = tuple(sorted({v.precision for v in variants} | {dtype}))
+    ceil = ceilings(device, precisions if spec.matrix_bound else ())
     floor_ms = ceil.floor_ms(spec, dims, dtype)
     rows = []
     for variant in variants:
@@ -308,7 +309,7 @@ def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_ti
                 timing=ev.timing.to_dict(),
                 gbps=nbytes / (ms * 1e-3) / 1e9,
                 tflops=flops / (ms * 1e-3) / 1e12,
-                pct_of_floor=100.0 * floor_ms / ms,
+                pct_of_floor=100.0 * ceil.floor_ms(spec, dims, dtype, ev.variant.precision) / ms,
                 speedup_vs_torch=(torch_ms / ms) if torch_ms else None,
             )
         out["variants"].append(entry)

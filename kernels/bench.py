@@ -134,18 +134,20 @@ def time_it(
 
 @dataclass
 class Ceilings:
-    """Measured limits of one device: copy bandwidth and matrix rate per dtype."""
+    """Measured limits of one device: copy bandwidth and matrix rate per precision ("tf32" as well as dtypes)."""
 
     device_name: str
     copy_gbps: float
     matrix_tflops: dict[str, float]
 
-    def floor_ms(self, op: OpSpec, shape: tuple[int, ...], dtype: str) -> float:
-        """Roofline floor: the larger of bytes / copy bandwidth and flops / matrix rate."""
+    def floor_ms(self, op: OpSpec, shape: tuple[int, ...], dtype: str, precision: str | None = None) -> float:
+        """Roofline floor: the larger of bytes / copy bandwidth and flops / the matrix rate of ``precision``
+        (the dtype's where not given; a TF32 kernel against the TF32 rate)."""
         memory_ms = op.min_bytes(shape, dtype) / (self.copy_gbps * 1e9) * 1e3
         compute_ms = 0.0
-        if op.matrix_bound and dtype in self.matrix_tflops:
-            compute_ms = op.flops(shape) / (self.matrix_tflops[dtype] * 1e12) * 1e3
+        rate = self.matrix_tflops.get(precision or dtype)
+        if op.matrix_bound and rate:
+            compute_ms = op.flops(shape) / (rate * 1e12) * 1e3
         return max(memory_ms, compute_ms)
 
 
@@ -157,15 +159,17 @@ def measure_copy_gbps(device: Device, nbytes: int = 1 << 30, reps: int = 20) -> 
     return 2 * nbytes / (timing.median_ms * 1e-3) / 1e9
 
 
-def measure_matrix_tflops(device: Device, dtype: str, n: int = 8192, reps: int = 10) -> float | None:
-    """Dense matrix rate through PyTorch (cuBLAS) on random data; None without torch."""
+def measure_matrix_tflops(device: Device, precision: str, n: int = 8192, reps: int = 10) -> float | None:
+    """Dense matrix rate through PyTorch (cuBLAS) on random data, in a dtype or "tf32" (float32 data, TF32
+    arithmetic; float32 itself is IEEE); None without torch."""
     torch = _torch()
     if torch is None:
         return None
-    tdtype = getattr(torch, dtype)
+    tdtype = torch.float32 if precision == "tf32" else getattr(torch, precision)
     a = torch.randn(n, n, device="cuda", dtype=tdtype)
     b = torch.randn(n, n, device="cuda", dtype=tdtype)
-    timing = time_it(device, lambda: torch.matmul(a, b), warmup=3, reps=reps)
+    with allow_tf32(torch, precision == "tf32"):
+        timing = time_it(device, lambda: torch.matmul(a, b), warmup=3, reps=reps)
     return 2 * n**3 / (timing.median_ms * 1e-3) / 1e12
 
 
@@ -173,7 +177,7 @@ _ceilings: dict[tuple[int, tuple[str, ...]], Ceilings] = {}
 
 
 def ceilings(device: Device, dtypes: tuple[str, ...] = ()) -> Ceilings:
-    """Measured once per process and device (and per set of matrix dtypes)."""
+    """Measured once per process and device (and per set of matrix precisions: dtypes, "tf32")."""
     key = (device.ordinal, tuple(sorted(dtypes)))
     if key not in _ceilings:
         rates = {}

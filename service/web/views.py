@@ -362,7 +362,9 @@ def kernel_page(store: Store, kernel_id: int) -> dict[str, Any] | None:
     trial = store.trial(kernel.trial_id) if kernel.trial_id is not None else None
     device = match_device(store.devices(), kernel.device_name, kernel.arch)
     copy_gbps = device.copy_gbps if device else None
-    peak = (device.matrix_tflops or {}).get(kernel.dtype) if device else None
+    # The matrix rate of the precision the kernel computes in (a float32 kernel on TF32 tensor cores: TF32's).
+    precision = ((trial.verify or {}).get("precision") if trial else None) or kernel.dtype
+    peak = ((device.matrix_tflops or {}) if device else {}).get(precision)
 
     flops = min_bytes = None
     spec = OPS.get(kernel.op)
@@ -372,7 +374,7 @@ def kernel_page(store: Store, kernel_id: int) -> dict[str, Any] | None:
             min_bytes = float(spec.min_bytes(tuple(kernel.shape), kernel.dtype))
         except Exception:  # noqa: BLE001 - a shape the current spec rejects still shows its page
             flops = min_bytes = None
-    roof: dict[str, Any] = {"copy_gbps": copy_gbps, "peak_tflops": peak, "device": device}
+    roof: dict[str, Any] = {"copy_gbps": copy_gbps, "peak_tflops": peak, "precision": precision, "device": device}
     if flops and min_bytes and kernel.median_ms:
         ai = flops / min_bytes
         tflops = flops / (kernel.median_ms * 1e-3) / 1e12

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 import pytest
 
 from kernelmill.cli import _bench_report
-from kernelmill.kernels.bench import Timing, allow_tf32
+from kernelmill.kernels.bench import Ceilings, Timing, allow_tf32
 from kernelmill.kernels.ops import get_op
 
 
@@ -27,13 +27,17 @@ def _row(family, precision, ms):
 
 def test_bench_compares_each_variant_with_pytorch_in_its_own_precision():
     spec = get_op("matmul")
-    ceil = SimpleNamespace(copy_gbps=3000.0, matrix_tflops={"float32": 50.0})
+    ceil = Ceilings("GPU", copy_gbps=1e6, matrix_tflops={"float32": 50.0, "tf32": 400.0})
     rows = [_row("simt", "float32", 2.0), _row("tensorcore", "tf32", 1.0)]
     torch = {"float32": Timing.from_samples([3.0] * 3), "tf32": Timing.from_samples([0.5] * 3)}
     report = _bench_report(spec, (512, 512, 512), "float32", "GPU", ceil, 0.1, rows, torch)
     speedups = {v["family"]: v["speedup_vs_torch"] for v in report["variants"]}
     assert speedups == {"simt": pytest.approx(1.5), "tensorcore": pytest.approx(0.5)}  # not 3.0 against IEEE
     assert report["torch"]["median_ms"] == 3.0 and set(report["torch_by_precision"]) == {"float32", "tf32"}
+    # Each against the matrix rate of its own precision: 2 * 512^3 flops at 50 and at 400 TFLOP/s.
+    pct = {v["family"]: v["pct_of_floor"] for v in report["variants"]}
+    assert pct == {"simt": pytest.approx(100 * 2 * 512**3 / 50e12 * 1e3 / 2.0),
+                   "tensorcore": pytest.approx(100 * 2 * 512**3 / 400e12 * 1e3 / 1.0)}  # fmt: skip
 
 
 class HangingDevice:

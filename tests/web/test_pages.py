@@ -263,3 +263,27 @@ def test_compare_grid(seeded):
     assert "/jobs/new?op=softmax&amp;shapes=4096x4096&amp;dtype=float32" in html
     assert "attr.fused_mlp.act=gelu_tanh" in html
     assert "No kernel served for sm_75" in _text(seeded.get("/compare?arch=sm_75").text)
+
+
+def test_a_tf32_kernels_roofline_uses_the_tf32_matrix_rate(tmp_path):
+    from kernelmill.service.db.models import Trial
+    from tests.web.conftest import make_client
+    from tests.web.seed import DEVICE, WORKER
+
+    url = f"sqlite:///{tmp_path}/web.db"
+    store = Store(url)
+    try:
+        store.upsert_device(WORKER, name=DEVICE, arch="sm_90", sm_count=132, copy_gbps=3000.0,
+                            matrix_tflops={"float32": 50.0, "tf32": 400.0})  # fmt: skip
+        add_job(store, "matmul", [[2048, 2048, 2048]], "float32", trials_per_shape=4, seed=5)
+        kernel = store.list_kernels()[0][0]
+        with store.session() as session:
+            trial = session.get(Trial, kernel.trial_id)
+            trial.verify = {**trial.verify, "precision": "tf32"}
+            session.commit()
+    finally:
+        store.close()
+    client, _ = make_client(tmp_path, seed=False)
+    with client:
+        text = _text(client.get(f"/kernels/{kernel.id}").text)
+    assert "tf32 matrix 400 TFLOP/s" in text and "float32 matrix" not in text
