@@ -469,9 +469,23 @@ class Device:
 
     def _raise(self, exc: Exception, what: str) -> DeviceFault:
         fault = _fault(exc, what)
+        # The message names the known sticky errors; the context itself says whether it still works (a driver
+        # whose wording differs, an error this list lacks): an event that can no longer be recorded or queried.
+        if not fault.poisoned and not self._context_usable():
+            fault.poisoned = True
         if fault.poisoned:
             self.poisoned = True
         return fault
+
+    def _context_usable(self) -> bool:
+        """Whether the context still takes work, without waiting for any (a hung kernel may still run)."""
+        try:
+            probe = self.cuda.Event()
+            probe.record()
+            probe.query()
+        except self.cuda.Error:
+            return False
+        return True
 
     @contextlib.contextmanager
     def activated(self):

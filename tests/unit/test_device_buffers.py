@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from kernelmill.kernels.device import Buffer
 
 
@@ -96,3 +98,41 @@ def test_verify_fails_a_right_answer_written_with_a_stray_byte_out_of_bounds():
     bound.run = lambda: run(True)
     result = verify(memory, bound, seeds=2)
     assert result.status == "wrong_result" and "guard bytes after y changed" in result.reason
+
+
+class FakeDriver:
+    """pycuda.driver's Error and Event, with a context that is broken or not."""
+
+    class Error(Exception):
+        pass
+
+    def __init__(self, broken: bool) -> None:
+        driver = self
+
+        class Event:
+            def record(self):
+                if driver.broken:
+                    raise driver.Error("cuEventRecord failed: unspecified launch failure")
+
+            def query(self):
+                return True
+
+        self.broken, self.Event = broken, Event
+
+
+@pytest.mark.parametrize(
+    ("message", "broken", "poisoned"),
+    [
+        ("cuLaunchKernel failed: an illegal memory access was encountered", True, True),  # named: sticky
+        ("cuMemAlloc failed: out of memory", False, False),  # the context still works
+        ("cuLaunchKernel failed: a new kind of failure", True, True),  # unnamed, but the context is gone
+    ],
+)
+def test_a_fault_poisons_the_device_when_its_context_no_longer_takes_work(message, broken, poisoned):
+    from kernelmill.kernels.device import Device
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FakeDriver(broken), False
+    fault = device._raise(device.cuda.Error(message), "launch")
+    assert (fault.poisoned, device.poisoned) == (poisoned, poisoned)
+    assert fault.reason == f"launch: {message}"
