@@ -422,7 +422,9 @@ class Store:
     # -- served kernels --------------------------------------------------------------
 
     def publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
-        """Serve ``trial`` for its problem unless a faster kernel is already served."""
+        """Serve ``trial`` for its problem unless a better kernel is already served: a faster one measured on
+        the same GPU model, or, measured on another model of the arch, one with a higher speedup over PyTorch
+        on its own GPU (an H200's times say nothing of an H100's)."""
         with self._publish_lock:
             try:
                 return self._publish(job, trial, fields)
@@ -445,8 +447,16 @@ class Store:
                 )
                 .with_for_update()
             )
-            if current is not None and current.median_ms <= trial.median_ms and current.trial_id != trial.id:
-                return current
+            if current is not None and current.trial_id != trial.id:
+                baseline_ms = fields.get("baseline_ms")
+                speedup = baseline_ms / trial.median_ms if baseline_ms and trial.median_ms else None
+                elsewhere = job.device_name and current.device_name and job.device_name != current.device_name
+                if elsewhere and speedup is not None and current.speedup is not None:
+                    better = speedup > current.speedup
+                else:
+                    better = trial.median_ms < current.median_ms
+                if not better:
+                    return current
             kernel = current or Kernel(op=job.op, shape_key=trial.shape_key, dtype=job.dtype, arch=trial.arch)
             kernel.shape = [int(v) for v in trial.shape_key.split("x")]
             kernel.attrs, kernel.attrs_key = dict(job.attrs or {}), key

@@ -265,6 +265,26 @@ def test_publish_keeps_the_faster_kernel(store):
     assert store.list_kernels(arch="sm_80")[1] == 0
 
 
+def test_publish_across_gpu_models_of_one_arch_compares_speedups_not_times(store):
+    h200 = new_job(store)
+    store.start_job(h200.id, "w1", "NVIDIA H200")
+    served_h200 = publish(store, store.get_job(h200.id), (1024, 1024), 1.0)  # 2.0x its PyTorch (2.0 ms)
+    # An H100 job: slower in time (its GPU is), but 2.5x its own PyTorch: it is served.
+    h100 = new_job(store)
+    store.start_job(h100.id, "w2", "NVIDIA H100 80GB HBM3")
+    trial = store.record_trials(h100.id, "1024x1024", [row("warp", ms=1.6, BLOCK=7)])[0]
+    fields = {**served("// warp 1.6"), "baseline_ms": 4.0}
+    replaced = store.publish(store.get_job(h100.id), trial, fields)
+    assert replaced.id == served_h200.id and replaced.device_name == "NVIDIA H100 80GB HBM3"
+    assert replaced.speedup == pytest.approx(2.5)
+    # Another H200 job at 1.2x is not: against the served H100 kernel, speedups are compared.
+    again = new_job(store)
+    store.start_job(again.id, "w1", "NVIDIA H200")
+    trial = store.record_trials(again.id, "1024x1024", [row("warp", ms=0.9, BLOCK=8)])[0]
+    kept = store.publish(store.get_job(again.id), trial, {**served(), "baseline_ms": 1.08})
+    assert kept.device_name == "NVIDIA H100 80GB HBM3" and kept.median_ms == 1.6
+
+
 def test_concurrent_publishes_serve_the_fastest(store):
     """Jobs for one problem finishing together: one served row, the fastest trial.
 
