@@ -20,7 +20,7 @@ def test_allow_tf32_sets_pytorchs_matmul_precision_for_the_block_only():
 def _row(family, precision, ms):
     variant = SimpleNamespace(describe=lambda: family, family=SimpleNamespace(name=family), params={},
                               precision=precision)  # fmt: skip
-    verification = SimpleNamespace(precision=precision, per_seed=lambda: {1: 1e-4})
+    verification = SimpleNamespace(precision=precision, per_seed=lambda: {1: 1e-4}, allowance_used=None)
     return SimpleNamespace(variant=variant, status="ok", reason=None, verification=verification,
                            timing=Timing.from_samples([ms] * 3))  # fmt: skip
 
@@ -93,3 +93,19 @@ def test_a_hang_while_timed_is_recorded_as_a_timeout_of_that_trial(monkeypatch):
     result = ev.evaluate(Variant.create("softmax", "warp_row", "float32"), (4, 10), device=None)
     assert (result.status, result.poisoned) == ("timeout", True)
     assert result.reason == "kernel still running after 9.0 s (hang) while timed"
+
+
+def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys):
+    from kernelmill.cli import _print_bench
+
+    spec = get_op("matmul")
+    ceil = Ceilings("GPU", copy_gbps=3000.0, matrix_tflops={"float32": 50.0})
+    row = _row("simt", "float32", 2.0)
+    row.verification.allowance_used = 0.31
+    report = _bench_report(
+        spec, (512, 512, 512), "float32", "GPU", ceil, 0.1, [row], {"float32": Timing.from_samples([3.0] * 3)}
+    )
+    assert report["variants"][0]["allowance_used"] == 0.31
+    _print_bench(report)
+    out = capsys.readouterr().out
+    assert "worst elem" in out and "31%" in out and "1.50x" in out
