@@ -250,8 +250,10 @@ def bench(
     variants = [_variant(op, name, dtype, param, attr, dims, device.info.sm_count) for name in names]
     compiler = Compiler()
     flusher = L2Flusher(device)
-    precisions = tuple(sorted({v.precision for v in variants} | {dtype}))
-    ceil = ceilings(device, precisions if spec.matrix_bound else ())
+    # The precisions the variants compute in (float32 and, for TF32 variants, TF32): a matrix rate and a
+    # PyTorch baseline each.
+    precisions = sorted({v.precision for v in variants}, key=lambda p: p != dtype)
+    ceil = ceilings(device, tuple(sorted({*precisions, dtype})) if spec.matrix_bound else ())
     floor_ms = ceil.floor_ms(spec, dims, dtype)
     rows = []
     for variant in variants:
@@ -262,7 +264,7 @@ def bench(
             break
     inputs = spec.make_inputs(dims, dtype, seed=0)
     torch_timings = {}  # by precision: a TF32 variant is compared with PyTorch in TF32
-    for precision in sorted({v.precision for v in variants}, key=lambda p: p != dtype):
+    for precision in precisions:
         with console.status(f"PyTorch baseline ({precision})"):
             torch_timings[precision] = time_torch(
                 device, spec, inputs, variants[0].attrs, flusher, reps=reps, precision=precision
