@@ -54,6 +54,14 @@ class Settings(BaseSettings):
         "shape defaults only)",
     )
 
+    runtime_check: bool = Field(
+        True,
+        description="the runtime verifies each kernel no tuning job verified at its shape (nearest-shape, default, "
+        "rebuilt, runners-up) against a float64 reference on the GPU before its first launch, and passes over one "
+        "that fails; outcomes are recorded per GPU model under cache_dir/verified (KERNELMILL_RUNTIME_CHECK=false: "
+        "off)",
+    )
+
     max_graphs: int = Field(
         16,
         ge=1,

@@ -182,6 +182,11 @@ class Backend:
             self._work.append(AllocRecord(buf.ptr, nbytes))
         return buf
 
+    @property
+    def capturing_graph(self) -> bool:
+        """Whether a CUDA graph is being captured (nothing may synchronize the device meanwhile)."""
+        return self._arena is not None
+
     @contextlib.contextmanager
     def capture_arena(self):
         """Inside the block allocations come from a new CaptureArena (yielded), which the graph keeps."""

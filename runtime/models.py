@@ -902,8 +902,9 @@ class Model:
 
     def kernel_report(self) -> list[dict[str, Any]]:
         """One row per problem this model met: op, shape, dtype, attrs, family, params, source
-        (tuned / nearest / default; "numpy" on the CPU), the speedup the service recorded, and how its
-        graphs launch it ("launch": early / plain, None where no graph has a choice to make)."""
+        (tuned / nearest / default; "numpy" on the CPU), the speedup the service recorded, who verified it at
+        its shape ("checked": KernelEntry.verified_by) and how its graphs launch it ("launch": early / plain,
+        None where no graph has a choice to make)."""
         modes = self._launch_modes()
         rows = []
         by_key = {}
@@ -933,6 +934,7 @@ class Model:
                         "kernel_id": None,
                         "speedup": None,
                         "calls": None,
+                        "checked": None,
                         "note": "nothing tuned: ran as its two linears" if split else "",
                         "launch": None,
                     }
@@ -942,7 +944,7 @@ class Model:
     def format_kernel_report(self) -> str:
         """The report as a text table."""
         rows = self.kernel_report()
-        header = ("op", "shape", "dtype", "source", "family", "speedup", "launch", "note")
+        header = ("op", "shape", "dtype", "source", "family", "speedup", "checked", "launch", "note")
         lines = [
             (
                 r["op"] + "".join(f" {k}={v}" for k, v in sorted((r["attrs"] or {}).items())),
@@ -951,6 +953,7 @@ class Model:
                 r["source"],
                 r["family"] or "-",
                 f"{r['speedup']:.2f}x" if r.get("speedup") else "-",
+                r.get("checked") or "-",
                 r.get("launch") or "-",
                 r.get("note") or "",
             )

@@ -36,10 +36,9 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, 
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
 from kernelmill.kernels.render import RenderError, render
+from kernelmill.runtime.check import Check, FirstUseChecks, NoVerifiedKernel, gpu_folder, write_atomically
 from kernelmill.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -64,15 +64,6 @@ def _file_stem(shape, dtype: str, arch: str, attrs: Mapping[str, Any]) -> str:
     """A problem's file name in the kernel cache, without suffix: shape, dtype, arch and a digest of its attrs."""
     digest = hashlib.sha256(attrs_key(attrs).encode()).hexdigest()[:12]
     return f"{format_shape(shape)}-{dtype}-{arch}-{digest}"
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path`` (readers never see half a
-    file; another process writing the same path replaces it whole). Raises OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _same_attrs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -106,6 +97,8 @@ class KernelEntry:
     rebuilt: bool = False
     #: Picked over the shape default by timing the forward on this GPU (``Model.tune_kernels``).
     chosen: bool = False
+    #: Its first-use check on this GPU (runtime/check.py), where it had one: no tuning job verified it at its shape.
+    checked: Check | None = None
     #: Its kernels wait for the previous grid (Family.pdl): a graph may launch them early.
     pdl: bool = False
     #: Tensors its kernels read before that wait (Family.pdl_early_reads): early only where they are constants.
@@ -155,8 +148,17 @@ class KernelEntry:
             "kernel_id": self.kernel_id,
             "speedup": self.speedup,
             "calls": self.calls,
+            "checked": self.verified_by(),
             "note": self.note,
         }
+
+    def verified_by(self) -> str | None:
+        """Who verified this kernel at its shape: "tuning job" (a tuned kernel, as served), its first-use check
+        ("here 0.31": passed on this GPU, the largest share of its error allowance an element used; "recorded
+        0.31": by an earlier process on this GPU model), or None (not checked: no GPU, or checks off)."""
+        if self.source == TUNED and not self.rebuilt:
+            return "tuning job"
+        return self.checked.describe() if self.checked is not None else None
 
 
 def code_digest(source: str) -> str:
@@ -203,6 +205,7 @@ class KernelRegistry:
         allow_tf32: bool = False,
         use_service: bool = True,
         use_local_cache: bool = True,
+        check: bool | None = None,
     ) -> None:
         self.server = (server if server is not None else os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
         self.backend = backend
@@ -212,6 +215,10 @@ class KernelRegistry:
         root = Path(cache_dir) if cache_dir else Path(get_settings().cache_dir)
         self.served_dir = root / "served"
         self.chosen_dir = root / "chosen"
+        self.checked_dir = root / "verified"
+        #: Verify kernels at their shape before their first launch where no tuning job did (runtime/check.py).
+        self.check = get_settings().runtime_check if check is None else check
+        self._checks: FirstUseChecks | None = None
         self.compiler = compiler or Compiler(cache_dir=root if cache_dir else None)
         self.timeout_s = timeout_s
         self.allow_tf32 = allow_tf32
@@ -308,7 +315,7 @@ class KernelRegistry:
             if key in self._untuned:
                 return None
             entry = self._lookup(spec, shape, dtype, attrs, [])
-            if entry is None:
+            if entry is None or not self._passes(entry):
                 self._untuned.add(key)
                 return None
             self._entries[key] = entry
@@ -337,16 +344,54 @@ class KernelRegistry:
         notes: list[str] = []
         entry = self._lookup(spec, shape, dtype, attrs, notes)
         if entry is not None:
-            return entry
-        entry = self._default(spec, shape, dtype, attrs)
+            if self._passes(entry):
+                return entry
+            notes.append(f"{entry.source} kernel #{entry.kernel_id} {entry.family} failed its first-use check")
+        entry = self._default(spec, shape, dtype, attrs, notes)
         entry.note = "; ".join(notes)
         return entry
+
+    def _passes(self, entry: KernelEntry) -> bool:
+        """Whether ``entry`` may run: verified on this GPU at its shape before its first launch where no tuning
+        job verified it there (nearest, default, rebuilt; ``FirstUseChecks``). Without a GPU, with checks off, or
+        met inside a graph capture (which nothing may synchronize) it runs unchecked, the last with a warning.
+        Raises KernelCheckFault where the check's fault lost the CUDA context."""
+        if not self.check or self.backend is None or entry.verified_by() == "tuning job":
+            return True
+        if self.backend.capturing_graph:
+            log.warning(
+                "runtime: %s %s: %s kernel first met inside a CUDA graph capture: not checked",
+                entry.op,
+                format_shape(entry.shape),
+                entry.source,
+            )
+            return True
+        if self._checks is None:
+            settings = get_settings()
+            device = self.backend.device
+            self._checks = FirstUseChecks(device, self.checked_dir, settings.verify_seeds, settings.kernel_timeout_s)
+        entry.checked = self._checks.check(entry)
+        if not entry.checked.ok:
+            knobs = " ".join(f"{k}={v}" for k, v in entry.params.items())
+            log.warning(
+                "runtime: %s %s %s: %s kernel %s %s not used: it failed its first-use check (%s)",
+                entry.op,
+                format_shape(entry.shape),
+                entry.dtype,
+                entry.source,
+                entry.family,
+                knobs,
+                entry.checked.reason,
+            )
+        return entry.checked.ok
 
     def _log(self, entry: KernelEntry) -> None:
         what = f"{entry.op} {format_shape(entry.shape)} {entry.dtype}"
         if entry.attrs:
             what += " " + " ".join(f"{k}={v}" for k, v in sorted(entry.attrs.items()))
         knobs = " ".join(f"{k}={v}" for k, v in entry.params.items())
+        if entry.checked is not None:
+            knobs += f", checked at first use: {entry.checked.describe()}"
         if entry.source == DEFAULT:
             why = f" ({entry.note})" if entry.note else ""
             log.info("runtime: %s: default %s %s%s", what, entry.family, knobs, why)
@@ -516,8 +561,8 @@ class KernelRegistry:
             "rebuilt": entry.rebuilt,
         }
         try:
-            _write_atomically(cubin_path, entry.cubin)
-            _write_atomically(meta_path, json.dumps(meta).encode())
+            write_atomically(cubin_path, entry.cubin)
+            write_atomically(meta_path, json.dumps(meta).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
             log.warning("runtime: could not write the kernel cache at %s: %s", self.served_dir, exc)
 
@@ -645,7 +690,12 @@ class KernelRegistry:
     # defaults ---------------------------------------------------------------------------
 
     def default_choice(self, spec, shape, dtype, attrs) -> tuple[Family, dict[str, Any]]:
-        """The family and parameters a problem gets without a tuned kernel."""
+        """The family and parameters a problem gets without a tuned kernel (SpecError where none can run it)."""
+        return next(self.default_choices(spec, shape, dtype, attrs))
+
+    def default_choices(self, spec, shape, dtype, attrs) -> Iterator[tuple[Family, dict[str, Any]]]:
+        """Each family that can run the problem, best first (``default_rank``), with its default parameters;
+        SpecError where none can."""
         # Arch-specific families (sm_90a: wgmma) only where the target is that arch.
         families = [
             f
@@ -653,7 +703,7 @@ class KernelRegistry:
             if dtype in f.dtypes and (not f.arch_suffix or self.target_arch == "sm_90")
         ]
         families.sort(key=lambda f: default_rank(f, shape, dtype))
-        reasons = []
+        reasons, yielded = [], False
         for fam in families:
             why = self._family_ok(fam, dtype)
             if why:
@@ -662,9 +712,12 @@ class KernelRegistry:
             params = default_params(spec, fam, shape, dtype, self._sm_count())
             why = fam.check_shape(shape, params, dtype)
             if why is None:
-                return fam, params
-            reasons.append(f"{fam.name}: {why}")
-        raise SpecError(f"no {spec.name} family can run {format_shape(shape)} {dtype}: {'; '.join(reasons)}")
+                yielded = True
+                yield fam, params
+            else:
+                reasons.append(f"{fam.name}: {why}")
+        if not yielded:
+            raise SpecError(f"no {spec.name} family can run {format_shape(shape)} {dtype}: {'; '.join(reasons)}")
 
     def alternatives(self, entry: KernelEntry, limit: int = 4) -> list[KernelEntry]:
         """Compiled stand-ins for a default kernel, to time against it where its problem runs (``Model``'s
@@ -732,20 +785,10 @@ class KernelRegistry:
                     result,
                 )
                 continue
-            found.append(
-                self._build(
-                    spec,
-                    entry.shape,
-                    entry.dtype,
-                    entry.attrs,
-                    fam.name,
-                    params,
-                    DEFAULT,
-                    result.cubin,
-                    result.key,
-                    entry.arch,
-                )
-            )
+            problem = (spec, entry.shape, entry.dtype, entry.attrs)
+            stand_in = self._build(*problem, fam.name, params, DEFAULT, result.cubin, result.key, entry.arch)
+            if self._passes(stand_in):
+                found.append(stand_in)
         return found
 
     # choices made at capture on this GPU (Model.tune_kernels) ------------------------------
@@ -755,7 +798,7 @@ class KernelRegistry:
         so a choice holds for the GPU model it was timed on."""
         if self.backend is None:
             return None
-        return self.chosen_dir / (re.sub(r"[^a-z0-9]+", "-", self.backend.device.info.name.lower()).strip("-") or "gpu")
+        return self.chosen_dir / gpu_folder(self.backend.device.info.name)
 
     def _choice_path(self, entry: KernelEntry) -> Path | None:
         """``<cache_dir>/chosen/<GPU name>/<op>/<shape>-<dtype>-<arch>-<attrs digest>.json``."""
@@ -799,7 +842,7 @@ class KernelRegistry:
         record = {**record, "device": self.backend.device.info.name}
         record["at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
-            _write_atomically(path, json.dumps(record).encode())
+            write_atomically(path, json.dumps(record).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
             log.warning("runtime: could not record %s at %s: %s", what, self.chosen_dir, exc)
 
@@ -842,11 +885,23 @@ class KernelRegistry:
             return self.backend.device.info.sm_count
         return DEFAULT_SM_COUNT
 
-    def _default(self, spec, shape, dtype, attrs) -> KernelEntry:
-        fam, params = self.default_choice(spec, shape, dtype, attrs)
-        arch = self.target_arch + fam.arch_suffix
-        compiled = self.compiler.compile(render(fam, params, dtype, attrs), arch)
-        return self._build(spec, shape, dtype, attrs, fam.name, params, DEFAULT, compiled.cubin, compiled.key, arch)
+    def _default(self, spec, shape, dtype, attrs, notes: list[str]) -> KernelEntry:
+        """The first default (``default_choices``) that compiles and passes its first-use check; the defaults
+        that failed theirs are added to ``notes``. NoVerifiedKernel where every default failed."""
+        failed = []
+        for fam, params in self.default_choices(spec, shape, dtype, attrs):
+            arch = self.target_arch + fam.arch_suffix
+            compiled = self.compiler.compile(render(fam, params, dtype, attrs), arch)
+            cubin, key = compiled.cubin, compiled.key
+            entry = self._build(spec, shape, dtype, attrs, fam.name, params, DEFAULT, cubin, key, arch)
+            if self._passes(entry):
+                notes.extend(f"default {name} failed its first-use check" for name, _ in failed)
+                return entry
+            failed.append((fam.name, entry.checked.reason))
+        raise NoVerifiedKernel(
+            f"no kernel for {spec.name} {format_shape(shape)} {dtype} passed its first-use check on this GPU: "
+            + "; ".join(f"{name}: {why}" for name, why in failed)
+        )
 
 
 #: The fields of a /api/kernels/best answer and of a local cache entry that the registry reads without a default,

@@ -94,7 +94,10 @@ class StubCompiler:
 def fake(monkeypatch, tmp_path):
     backend = FakeBackend()
     monkeypatch.setattr(backend_module, "get_backend", lambda ordinal=0: backend)
-    registry = KernelRegistry(backend=backend, use_service=False, compiler=StubCompiler(), cache_dir=tmp_path)
+    # Its kernels compute nothing, so they are not checked at first use (tests/runtime/test_check.py is).
+    registry = KernelRegistry(
+        backend=backend, use_service=False, compiler=StubCompiler(), cache_dir=tmp_path, check=False
+    )
     with ops.using_registry(registry):
         yield backend, registry
 

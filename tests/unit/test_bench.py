@@ -95,9 +95,14 @@ def test_a_hang_while_timed_is_recorded_as_a_timeout_of_that_trial(monkeypatch):
     assert result.reason == "kernel still running after 9.0 s (hang) while timed"
 
 
-def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys):
+def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys, monkeypatch):
+    from rich.console import Console
+
+    from kernelmill import cli
     from kernelmill.cli import _print_bench
 
+    # As wide as a piped table, whatever COLUMNS the test runner has (at 80 the table is cut).
+    monkeypatch.setattr(cli, "console", Console(width=cli.PIPED_WIDTH))
     spec = get_op("matmul")
     ceil = Ceilings("GPU", copy_gbps=3000.0, matrix_tflops={"float32": 50.0})
     row = _row("simt", "float32", 2.0)

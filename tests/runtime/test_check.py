@@ -1,0 +1,235 @@
+"""First-use checks (runtime/check.py) without a GPU: a fake device whose "kernels" compute softmax on host
+memory, rightly or wrongly as the test decides, so the registry's choices can be followed: a kernel that fails
+its check is passed over, outcomes are recorded per GPU model, a fault is recorded before it is raised."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+
+from kernelmill.kernels.compile import CompiledKernel
+from kernelmill.kernels.device import Buffer, DeviceFault
+from kernelmill.runtime.check import KernelCheckFault, NoVerifiedKernel
+from kernelmill.runtime.registry import DEFAULT, NEAREST, TUNED, KernelRegistry
+
+SHAPE = (64, 512)
+
+
+class SoftmaxKernel:
+    """Computes a row softmax of its first buffer into its second (rows, cols: its last two ints): rightly,
+    off by 1% ("wrong"), or faulting ("fault")."""
+
+    def __init__(self, device, behaviour, entry):
+        self.device, self.behaviour, self.entry = device, behaviour, entry
+
+    def launch(self, grid, block, smem, args, stream=None):
+        self.device.launches.append(self.entry)
+        if self.behaviour == "fault":
+            raise DeviceFault("an illegal memory access was encountered", poisoned=True)
+        if self.entry == "softmax_split_stats":  # the two-pass family: its second launch writes y
+            return
+        buffers = [a for a in args if isinstance(a, Buffer)]
+        rows, cols = [a for a in args if isinstance(a, int)][-2:]
+        x = self.device.download(buffers[0], (rows, cols), np.float32).astype(np.float64)
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        y = e / e.sum(axis=1, keepdims=True) * (1.01 if self.behaviour == "wrong" else 1.0)
+        self.device.copy_in(buffers[1], y.astype(np.float32))
+
+
+class FakeDevice:
+    """Host memory standing in for a GPU's; a cubin's behaviour is what ``behaviour(cubin)`` says."""
+
+    def __init__(self, behaviour, name="NVIDIA Fake H0"):
+        self.mem, self.next = np.zeros(1 << 24, np.uint8), 4096
+        self.behaviour = behaviour
+        self.launches: list[str] = []
+        self.info = SimpleNamespace(arch="sm_90", sm_count=132, name=name)
+
+    def alloc(self, nbytes):
+        buf = Buffer(self.next, nbytes)
+        self.next += (nbytes + 4095) // 4096 * 4096 + 4096
+        assert self.next < self.mem.size
+        return buf
+
+    def fill(self, buf, byte, stream=None):
+        self.mem[buf.ptr : buf.ptr + buf.nbytes] = byte
+
+    def copy_in(self, buf, array):
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.mem[buf.ptr : buf.ptr + raw.size] = raw
+
+    def download(self, buf, shape, dtype):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.mem[buf.ptr : buf.ptr + nbytes].view(dtype).reshape(shape).copy()
+
+    def synchronize(self, timeout_s=None):
+        pass
+
+    def load(self, cubin, key):
+        behaviour = self.behaviour(cubin)
+        return SimpleNamespace(kernel=lambda entry: SoftmaxKernel(self, behaviour, entry))
+
+
+class Backend:
+    def __init__(self, device):
+        self.device, self.arch, self.capturing_graph = device, "sm_90", False
+
+
+class FirstLineCompiler:
+    """ "Compiles" a source to its first line, which names the family's template and its parameters."""
+
+    def compile(self, source, arch):
+        first = source.partition("\n")[0]
+        return CompiledKernel(first.encode(), arch, key=first)
+
+    def compile_many(self, sources, arch):
+        return [self.compile(source, arch) for source in sources]
+
+
+def wrong_for(*templates: str, fault: tuple[str, ...] = ()):
+    """A behaviour: "fault" for cubins of these templates, "wrong" for those, "right" otherwise."""
+
+    def behaviour(cubin: bytes) -> str:
+        text = cubin.decode(errors="replace")
+        if any(t in text for t in fault):
+            return "fault"
+        return "wrong" if any(t in text for t in templates) else "right"
+
+    return behaviour
+
+
+def _registry(tmp_path, behaviour, **kw):
+    device = FakeDevice(behaviour)
+    kw.setdefault("use_service", False)
+    reg = KernelRegistry(backend=Backend(device), compiler=FirstLineCompiler(), cache_dir=tmp_path / "cache", **kw)
+    return reg, device
+
+
+def test_a_default_is_checked_at_first_use_and_the_outcome_recorded_per_gpu_model(tmp_path, caplog):
+    reg, device = _registry(tmp_path, wrong_for())
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime"):
+        entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.source == DEFAULT and entry.family == "warp_row"
+    assert entry.checked.ok and not entry.checked.recorded and 0 < entry.checked.allowance_used < 1
+    assert device.launches == ["softmax_warp_row"] * 3  # one launch per seed (settings.verify_seeds)
+    assert "checked at first use" in caplog.text
+    row = reg.report()[0]
+    assert row["checked"].startswith("here ")
+    (record,) = (tmp_path / "cache" / "verified" / "nvidia-fake-h0" / "softmax").glob("*.json")
+    assert json.loads(record.read_text())["ok"] is True
+
+    # Another process on the same GPU model reads the outcome instead of checking again; another model checks.
+    again, device = _registry(tmp_path, wrong_for())
+    entry = again.get("softmax", SHAPE, "float32")
+    assert entry.checked.ok and entry.checked.recorded and device.launches == []
+    assert again.report()[0]["checked"].startswith("recorded ")
+    other = KernelRegistry(
+        backend=Backend(FakeDevice(wrong_for(), name="NVIDIA Fake H1")),
+        compiler=FirstLineCompiler(),
+        cache_dir=tmp_path / "cache",
+        use_service=False,
+    )
+    assert not other.get("softmax", SHAPE, "float32").checked.recorded
+
+
+def test_a_default_that_fails_gives_way_to_the_next_family(tmp_path, caplog):
+    reg, device = _registry(tmp_path, wrong_for("softmax/warp_row"))
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime"):
+        entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.family == "block_row" and entry.checked.ok
+    assert "default warp_row failed its first-use check" in entry.note
+    assert "warp_row" in caplog.text and "failed its first-use check (wrong result" in caplog.text
+    assert "softmax_warp_row" in device.launches  # it was run, and then passed over
+
+
+def test_when_every_default_fails_the_forward_gets_an_error_naming_each(tmp_path):
+    reg, _ = _registry(tmp_path, wrong_for("softmax/"))
+    with pytest.raises(NoVerifiedKernel, match=r"no kernel for softmax 64x512 float32 passed.*warp_row: wrong"):
+        reg.get("softmax", SHAPE, "float32")
+
+
+def test_a_fault_is_recorded_before_it_is_raised_and_the_next_process_passes_the_kernel_over(tmp_path):
+    reg, _ = _registry(tmp_path, wrong_for(fault=("softmax/warp_row",)))
+    with pytest.raises(KernelCheckFault, match="the CUDA context is lost"):
+        reg.get("softmax", SHAPE, "float32")
+    later, device = _registry(tmp_path, wrong_for(fault=("softmax/warp_row",)))
+    entry = later.get("softmax", SHAPE, "float32")
+    assert entry.family == "block_row" and "softmax_warp_row" not in device.launches
+
+
+def _served(kernel: dict, cubin: bytes) -> httpx.Client:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
+            return httpx.Response(200, json=kernel)
+        if request.url.path == f"/api/kernels/{kernel['id']}/cubin":
+            return httpx.Response(200, content=cubin)
+        return httpx.Response(404, json={"detail": "none"})
+
+    return httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+
+
+def _softmax_kernel(exact: bool) -> dict:
+    return {
+        "id": 3,
+        "family": "block_row",
+        "params": {"vec": 4, "unroll": 4, "threads": 128, "fast_exp": False},
+        "shape": list(SHAPE) if exact else [64, 384],
+        "arch": "sm_90",
+        "exact": exact,
+        "speedup": 1.4,
+        "median_ms": 0.004,
+    }
+
+
+def test_a_nearest_kernel_that_fails_gives_way_to_the_default(tmp_path):
+    client = _served(_softmax_kernel(exact=False), b"served nearest")
+    reg, _ = _registry(tmp_path, wrong_for("served"), client=client, use_service=True)
+    entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.source == DEFAULT and entry.family == "warp_row"
+    assert "nearest kernel #3 block_row failed its first-use check" in entry.note
+    # find() (how ops choose between a fused kernel and its parts) does not offer it either.
+    fresh, _ = _registry(tmp_path / "f", wrong_for("served"), client=client, use_service=True)
+    assert fresh.find("softmax", SHAPE, "float32") is None
+
+    good, device = _registry(tmp_path / "g", wrong_for(), client=client, use_service=True)
+    near = good.get("softmax", SHAPE, "float32")
+    assert near.source == NEAREST and near.checked.ok and device.launches
+
+
+def test_a_tuned_kernel_is_not_checked_again_but_one_rebuilt_from_this_template_is(tmp_path):
+    client = _served(_softmax_kernel(exact=True), b"served tuned")
+    reg, device = _registry(tmp_path, wrong_for("served"), client=client, use_service=True)
+    entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.source == TUNED and entry.checked is None and device.launches == []
+    assert reg.report()[0]["checked"] == "tuning job"
+
+    rebuilt = {**_softmax_kernel(exact=True), "source": "// another version's code\n"}
+    reg, device = _registry(tmp_path / "r", wrong_for(), client=_served(rebuilt, b"served"), use_service=True)
+    entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.source == TUNED and entry.rebuilt and entry.checked.ok and device.launches
+
+
+def test_stand_ins_that_fail_are_not_offered(tmp_path):
+    reg, _ = _registry(tmp_path, wrong_for("threads=128"))
+    entry = reg.get("softmax", SHAPE, "float32")
+    params = {"vec": 4, "unroll": 8, "rows_per_block": 8, "fast_exp": False}
+    assert reg.stand_in(entry, params).checked.ok
+    wrong = _registry(tmp_path / "w", wrong_for("rows_per_block=2"))[0]
+    assert wrong.stand_in(wrong.get("softmax", SHAPE, "float32"), {**params, "rows_per_block": 2}) is None
+
+
+def test_checks_off_or_inside_a_capture_run_nothing(tmp_path, caplog):
+    reg, device = _registry(tmp_path, wrong_for("softmax/"), check=False)
+    assert reg.get("softmax", SHAPE, "float32").checked is None and device.launches == []
+    assert reg.report()[0]["checked"] is None
+
+    reg, device = _registry(tmp_path / "c", wrong_for("softmax/"))
+    reg.backend.capturing_graph = True
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime"):
+        assert reg.get("softmax", SHAPE, "float32").checked is None
+    assert "first met inside a CUDA graph capture: not checked" in caplog.text and device.launches == []
