@@ -21,7 +21,8 @@ py="python3"
 km() { (cd /tmp && "$py" -m kernelmill "$@"); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 parallel=(tests/gpu/test_families_gpu.py tests/gpu/test_wgmma_gpu.py tests/gpu/test_softmax_gpu.py
-  tests/gpu/test_mlp_stack_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_bench_gpu.py)
+  tests/gpu/test_mlp_stack_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_check_gpu.py
+  tests/gpu/test_bench_gpu.py)
 serial=(test_faults_gpu test_profile_gpu test_profile_forward_gpu test_service_gpu test_multi_gpu)
 xdist=()
 $py -c "import xdist" 2> /dev/null && xdist=(-n "${NW:-8}")
