@@ -588,7 +588,7 @@ def kernels(
     op: str | None = None,
     dtype: str | None = None,
 ) -> None:
-    """List served kernels: the best verified one per op, shape, dtype and arch."""
+    """List served kernels: the best verified one per op, shape, dtype, precision and arch."""
     from kernelmill.client import fetch_kernels
 
     if op is not None:
@@ -611,7 +611,7 @@ def kernels(
             str(k["id"]),
             k["op"],
             "x".join(map(str, k["shape"])),
-            k["dtype"],
+            k["dtype"] + (f" ({k['precision']})" if k.get("precision", k["dtype"]) != k["dtype"] else ""),
             k["arch"],
             k["family"],
             f"{k['median_ms'] * 1e3:.1f}",

@@ -471,13 +471,29 @@ class KernelRegistry:
 
     # local cache of served kernels -----------------------------------------------------
 
-    def _local_paths(self, op: str, shape, dtype: str, attrs) -> tuple[Path, Path]:
+    def _precisions(self, spec, dtype: str) -> list[str]:
+        """The precisions this registry takes kernels of for ``dtype``: the dtype itself, and tf32 for float32
+        where ``allow_tf32`` and some family of the op computes it so."""
+        tf32 = self.allow_tf32 and any(
+            dtype in f.dtypes and f.precision(dtype) == "tf32" for f in spec.families.values()
+        )
+        return [dtype, "tf32"] if tf32 else [dtype]
+
+    def _local_paths(self, op: str, shape, dtype: str, attrs, precision: str | None = None) -> tuple[Path, Path]:
         stem = _file_stem(shape, dtype, self.target_arch, attrs)
+        if precision and precision != dtype:  # a TF32 kernel never takes the IEEE kernel's place
+            stem += f"-{precision}"
         folder = self.served_dir / op
         return folder / f"{stem}.json", folder / f"{stem}.cubin"
 
     def _from_local(self, spec, shape, dtype, attrs, notes) -> KernelEntry | None:
-        meta_path, cubin_path = self._local_paths(spec.name, shape, dtype, attrs)
+        """The local cache's kernel for the problem, of each precision this registry takes the fastest."""
+        found = [self._from_local_in(spec, shape, dtype, attrs, notes, p) for p in self._precisions(spec, dtype)]
+        found = [entry for entry in found if entry is not None]
+        return min(found, key=lambda e: e.median_ms or math.inf) if found else None
+
+    def _from_local_in(self, spec, shape, dtype, attrs, notes, precision: str) -> KernelEntry | None:
+        meta_path, cubin_path = self._local_paths(spec.name, shape, dtype, attrs, precision)
         try:
             meta = json.loads(meta_path.read_text())
             cubin = cubin_path.read_bytes()
@@ -545,7 +561,8 @@ class KernelRegistry:
         return True
 
     def _store_local(self, entry: KernelEntry, served_attrs) -> None:
-        meta_path, cubin_path = self._local_paths(entry.op, entry.shape, entry.dtype, entry.attrs)
+        precision = get_op(entry.op).family(entry.family).precision(entry.dtype)
+        meta_path, cubin_path = self._local_paths(entry.op, entry.shape, entry.dtype, entry.attrs, precision)
         meta = {
             "family": entry.family,
             "params": entry.params,
@@ -603,8 +620,12 @@ class KernelRegistry:
         # Families built for the arch-specific target (sm_90a: wgmma) are served under that arch name.
         arches = [self.target_arch] + ([self.target_arch + "a"] if self.target_arch[-1].isdigit() else [])
         answers = []
-        for arch in arches:
-            resp = self._get("/api/kernels/best", **query, arch=arch)
+        # A kernel of another precision (tf32) is served only when asked for by name; older services take
+        # no precision, so the dtype's own is asked for without it.
+        asks = [{"arch": arch} for arch in arches]
+        asks += [{"arch": arch, "precision": p} for p in self._precisions(spec, dtype)[1:] for arch in arches]
+        for ask in asks:
+            resp = self._get("/api/kernels/best", **query, **ask)
             if resp is None:
                 notes.append("service unreachable")
                 return None

@@ -41,10 +41,11 @@ def list_kernels(
     op: str | None = None,
     dtype: str | None = None,
     arch: str | None = None,
+    precision: str | None = None,
     limit: int = Query(100, ge=1, le=1000),
     offset: Offset = 0,
 ) -> Page[KernelSummary]:
-    rows, total = store.list_kernels(op, dtype, arch, limit, offset)
+    rows, total = store.list_kernels(op, dtype, arch, limit, offset, precision=precision)
     return Page[KernelSummary](
         items=[KernelSummary.model_validate(k) for k in rows], total=total, limit=limit, offset=offset
     )
@@ -53,7 +54,7 @@ def list_kernels(
 BEST_PATH = "/api/kernels/best"
 #: The query parameters of GET /api/kernels/best; any other is refused (422), so that an attribute given
 #: under its own name (``eps=1e-05``) is never silently ignored and answered with another attribute's kernel.
-BEST_QUERY = frozenset({"op", "shape", "dtype", "arch", "attr", "act"})
+BEST_QUERY = frozenset({"op", "shape", "dtype", "arch", "attr", "act", "precision"})
 
 
 class BestCache:
@@ -193,6 +194,8 @@ def _warm_up_scope(kernel: Kernel | None) -> Scope:
     if kernel is not None:
         query: dict[str, Any] = {"op": kernel.op, "shape": kernel.shape_key, "dtype": kernel.dtype, "arch": kernel.arch}
         query["attr"] = [f"{name}:{value}" for name, value in sorted((kernel.attrs or {}).items())]
+        if kernel.precision != kernel.dtype:
+            query["precision"] = kernel.precision
     else:
         query = {"op": "softmax", "shape": "1x1", "dtype": "float16"}
     return {
@@ -228,6 +231,11 @@ async def best_kernel(
         "attributes not given take the op's defaults (`kernelmill ops --json` lists them)",
     ),
     act: str | None = Query(None, description="shorthand for attr=act:VALUE (fused_mlp, linear, bias_act)"),
+    precision: str | None = Query(
+        None,
+        description="the arithmetic the kernel computes the dtype in: the dtype itself (the default), or tf32 for "
+        "a float32 kernel on tensor cores; kernels of other precisions are never served in its place",
+    ),
     store: Store = Depends(get_store),
 ) -> Response:
     # Cache hits never get here (BestKernelFastPath answers them). Async: checking the query is cheap, and
@@ -240,14 +248,15 @@ async def best_kernel(
         spec.check_dtype(dtype)
         dims = spec.parse_shape(shape)
         attrs = spec.resolve_attrs(query_attrs(attr, act))
+        precision = served_precision(spec, dtype, precision)
     except SpecError as exc:
         raise HTTPException(422, detail=str(exc)) from None
     cache = best_cache(store)
     generation = await cache.refresh(store)
-    problem = (op, dtype, arch or None, attrs_key(attrs))
+    problem = (op, dtype, arch or None, attrs_key(attrs), precision)
     served = cache.get(cache.problems, problem)
     if served is None:
-        served = await run_in_threadpool(store.served_shapes, op, dtype, arch, attrs)
+        served = await run_in_threadpool(store.served_shapes, op, dtype, arch, attrs, precision)
         cache.put(store, generation, cache.problems, problem, served)
     found = nearest_shape(served, dims)
     out = cache.get(cache.kernels, found[0]) if found else None
@@ -258,14 +267,26 @@ async def best_kernel(
     if out is None:  # none served (or, never in practice, deleted since its shape was read)
         where = f" for {arch}" if arch else ""
         given = f" with {' '.join(f'{k}={v}' for k, v in sorted(attrs.items()))}" if attrs else ""
+        computed = f" computed in {precision}" if precision != dtype else ""
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
-            detail=f"no tuned {op} kernel for {dtype}{where}{given} at any shape; submit a job to tune one",
+            detail=f"no tuned {op} kernel for {dtype}{computed}{where}{given} at any shape; submit a job to tune one",
         )
     answer = BestKernelOut.model_construct(**dict(out), exact=found[1], requested_shape=list(dims))
     body = answer.model_dump_json().encode()
     cache.put(store, generation, cache.answers, request.scope["query_string"], body)
     return Response(body, media_type="application/json")
+
+
+def served_precision(spec, dtype: str, precision: str | None) -> str:
+    """The precision a best-kernel query asks for: the dtype itself unless named; SpecError where no family of
+    the op computes ``dtype`` in it."""
+    if precision is None:
+        return dtype
+    known = sorted({f.precision(dtype) for f in spec.families.values() if dtype in f.dtypes})
+    if precision not in known:
+        raise SpecError(f"{spec.name} computes {dtype} in {', '.join(known)}, not in {precision!r}")
+    return precision
 
 
 def query_attrs(attr: list[str], act: str | None) -> dict[str, str]:

@@ -145,6 +145,7 @@ class KernelSummary(BaseModel):
     op: str
     shape: list[int]
     dtype: str
+    precision: str = Field(description="what its family computes the dtype in: the dtype itself, or tf32 (float32)")
     arch: str
     attrs: dict[str, Any]
     family: str

@@ -118,15 +118,19 @@ class Baseline(Base):
 
 
 class Kernel(Base):
-    """The best verified trial per (op, shape, dtype, arch, attrs): what is served."""
+    """The best verified trial per (op, shape, dtype, arch, attrs, precision): what is served."""
 
     __tablename__ = "kernels"
-    __table_args__ = (UniqueConstraint("op", "shape_key", "dtype", "arch", "attrs_key", name="uq_kernel_problem"),)
+    __table_args__ = (
+        UniqueConstraint("op", "shape_key", "dtype", "arch", "attrs_key", "precision", name="uq_kernel_problem"),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     op: Mapped[str] = mapped_column(String(32), index=True)
     shape: Mapped[list[Any]] = mapped_column()
     shape_key: Mapped[str] = mapped_column(String(64))
     dtype: Mapped[str] = mapped_column(String(16))
+    #: The arithmetic its family computes the dtype in: the dtype itself, or tf32 for float32 on tensor cores.
+    precision: Mapped[str] = mapped_column(String(16))
     arch: Mapped[str] = mapped_column(String(16))
     attrs: Mapped[dict[str, Any]] = mapped_column(default=dict)
     attrs_key: Mapped[str] = mapped_column(String(256), default="{}")

@@ -21,6 +21,8 @@ from sqlalchemy import Engine, create_engine, event, func, select, text, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import SpecError
 from kernelmill.service.db.models import Baseline, DeviceRow, ForwardProfileRow, Job, Kernel, Trial, utcnow
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,21 @@ def nearest_shape(served: Iterable[tuple[int, Sequence[int]]], shape: Sequence[i
     return None if best_id is None else (best_id, False)
 
 
-def _problem(op: str, dtype: str, arch: str | None, attrs: dict[str, Any] | None) -> list:
-    """The WHERE clauses of the kernels served for one problem (any arch when ``arch`` is None)."""
+def _problem(op: str, dtype: str, arch: str | None, attrs: dict[str, Any] | None, precision: str | None = None) -> list:
+    """The WHERE clauses of the kernels served for one problem (any arch when ``arch`` is None), computing in
+    ``precision`` (default: the dtype itself)."""
     clauses = [Kernel.op == op, Kernel.dtype == dtype, Kernel.attrs_key == attrs_key(attrs)]
+    clauses.append(Kernel.precision == (precision or dtype))
     return clauses + [Kernel.arch == arch] if arch else clauses
+
+
+def family_precision(op: str, family: str, dtype: str) -> str:
+    """The arithmetic ``family`` of ``op`` computes ``dtype`` in (tf32 for float32 on tensor cores); the dtype
+    itself where the op or family is not known here (a plugin this process has not loaded)."""
+    try:
+        return get_op(op).family(family).precision(dtype)
+    except SpecError:
+        return dtype
 
 
 def make_engine(url: str) -> Engine:
@@ -435,6 +448,7 @@ class Store:
 
     def _publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
         key = attrs_key(job.attrs)
+        precision = family_precision(job.op, trial.family, job.dtype)
         with self.session() as s, s.begin():
             current = s.scalar(
                 select(Kernel)
@@ -444,6 +458,7 @@ class Store:
                     Kernel.dtype == job.dtype,
                     Kernel.arch == trial.arch,
                     Kernel.attrs_key == key,
+                    Kernel.precision == precision,
                 )
                 .with_for_update()
             )
@@ -457,7 +472,9 @@ class Store:
                     better = trial.median_ms < current.median_ms
                 if not better:
                     return current
-            kernel = current or Kernel(op=job.op, shape_key=trial.shape_key, dtype=job.dtype, arch=trial.arch)
+            kernel = current or Kernel(
+                op=job.op, shape_key=trial.shape_key, dtype=job.dtype, arch=trial.arch, precision=precision
+            )
             kernel.shape = [int(v) for v in trial.shape_key.split("x")]
             kernel.attrs, kernel.attrs_key = dict(job.attrs or {}), key
             kernel.family, kernel.params = trial.family, trial.params
@@ -477,9 +494,11 @@ class Store:
         arch: str | None = None,
         limit: int = 100,
         offset: int = 0,
+        precision: str | None = None,
     ) -> tuple[list[Kernel], int]:
         query = select(Kernel)
-        for column, value in ((Kernel.op, op), (Kernel.dtype, dtype), (Kernel.arch, arch)):
+        filters = ((Kernel.op, op), (Kernel.dtype, dtype), (Kernel.arch, arch), (Kernel.precision, precision))
+        for column, value in filters:
             if value:
                 query = query.where(column == value)
         with self.session() as s:
@@ -500,24 +519,36 @@ class Store:
             return s.get(Kernel, kernel_id, options=opts)
 
     def served_shapes(
-        self, op: str, dtype: str, arch: str | None, attrs: dict[str, Any] | None = None
+        self,
+        op: str,
+        dtype: str,
+        arch: str | None,
+        attrs: dict[str, Any] | None = None,
+        precision: str | None = None,
     ) -> list[tuple[int, list[int]]]:
-        """(id, shape) of every kernel served for a problem, in id order; of any arch when ``arch`` is None."""
+        """(id, shape) of every kernel served for a problem, in id order; of any arch when ``arch`` is None;
+        computing in ``precision`` (default: the dtype itself)."""
+        problem = _problem(op, dtype, arch, attrs, precision)
         with self.session() as s:
-            rows = s.execute(
-                select(Kernel.id, Kernel.shape).where(*_problem(op, dtype, arch, attrs)).order_by(Kernel.id)
-            )
+            rows = s.execute(select(Kernel.id, Kernel.shape).where(*problem).order_by(Kernel.id))
             return [(kernel_id, list(shape)) for kernel_id, shape in rows]
 
     def best_kernel(
-        self, op: str, shape: Sequence[int], dtype: str, arch: str | None, attrs: dict[str, Any] | None = None
+        self,
+        op: str,
+        shape: Sequence[int],
+        dtype: str,
+        arch: str | None,
+        attrs: dict[str, Any] | None = None,
+        precision: str | None = None,
     ) -> tuple[Kernel, bool] | None:
-        """The kernel for exactly this shape, else the nearest tuned shape (``nearest_shape``), with ``exact``.
+        """The kernel for exactly this shape, else the nearest tuned shape (``nearest_shape``), with ``exact``;
+        computing in ``precision`` (default: the dtype itself).
 
         The exact shape is one indexed lookup; only when it misses are the candidates' shapes (not their
         rows) read to find the nearest, whose row alone is then loaded.
         """
-        problem = _problem(op, dtype, arch, attrs)
+        problem = _problem(op, dtype, arch, attrs, precision)
         with self.session() as s:
             exact = s.scalars(
                 select(Kernel).where(*problem, Kernel.shape_key == shape_key([max(int(v), 1) for v in shape]))

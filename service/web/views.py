@@ -363,7 +363,7 @@ def kernel_page(store: Store, kernel_id: int) -> dict[str, Any] | None:
     device = match_device(store.devices(), kernel.device_name, kernel.arch)
     copy_gbps = device.copy_gbps if device else None
     # The matrix rate of the precision the kernel computes in (a float32 kernel on TF32 tensor cores: TF32's).
-    precision = ((trial.verify or {}).get("precision") if trial else None) or kernel.dtype
+    precision = kernel.precision or kernel.dtype
     peak = ((device.matrix_tflops or {}) if device else {}).get(precision)
 
     flops = min_bytes = None

@@ -111,6 +111,26 @@ def test_the_cache_sees_what_other_processes_publish(client, monkeypatch):
         other.close()
 
 
+def test_a_tf32_kernel_is_served_only_to_who_asks_for_tf32(client):
+    store = client.app.state.store
+    shape = (256, 256, 256)
+    for family, ms in (("simt", 1.0), ("tensorcore", 0.2)):
+        job = new_job(store, op="matmul", shapes=[shape], dtype="float32", state="done")
+        publish(store, job, shape, ms, family=family)
+    query = "op=matmul&shape=256x256x256&dtype=float32"
+    ieee = best(client, query).json()
+    assert (ieee["family"], ieee["precision"]) == ("simt", "float32")
+    assert best(client, query + "&precision=float32").json()["id"] == ieee["id"]
+    tf32 = best(client, query + "&precision=tf32").json()
+    assert (tf32["family"], tf32["precision"]) == ("tensorcore", "tf32")
+    wrong = best(client, query + "&precision=float16")
+    assert wrong.status_code == 422 and "matmul computes float32 in float32, tf32, not in 'float16'" in wrong.text
+    none = best(client, "op=matmul&shape=64x64x64&dtype=float16&precision=float16")
+    assert none.status_code == 404
+    listed = client.get("/api/kernels", params={"op": "matmul", "precision": "tf32"}).json()
+    assert [k["family"] for k in listed["items"]] == ["tensorcore"]
+
+
 def test_start_up_warms_the_lookup_of_a_served_kernel(tmp_path):
     from tests.api.conftest import make_client
 

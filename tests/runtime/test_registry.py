@@ -333,6 +333,34 @@ def test_served_arch_specific_kernels_and_tf32_policy(tmp_path):
     assert entry.source == TUNED and entry.arch == "sm_90a"
 
 
+def test_tf32_kernels_are_asked_for_by_name_and_cached_apart(tmp_path):
+    ieee = _fused_kernel(op="matmul", shape=[64, 64, 64], attrs={}, family="simt", dtype="float32", exact=True)
+    ieee.update(params=get_op("matmul").family("simt").defaults("float32"), median_ms=0.05)
+    tf32 = {**ieee, "id": 8, "family": "tensorcore", "params": TensorCoreCore().defaults("float32"), "median_ms": 0.01}
+    calls: list = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.params.get("precision"))
+        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
+            return httpx.Response(200, json=tf32 if request.url.params.get("precision") == "tf32" else ieee)
+        if request.url.path.endswith("/cubin"):
+            return httpx.Response(200, content=request.url.path.encode())
+        return httpx.Response(404, json={"detail": "none"})
+
+    def registry(**kw):
+        client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+        return KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, **kw)
+
+    assert registry().get("matmul", (64, 64, 64), "float32").family == "simt"
+    assert set(calls) == {None}  # IEEE only: no precision asked for (older services know no such parameter)
+    faster = registry(allow_tf32=True).get("matmul", (64, 64, 64), "float32")
+    assert faster.family == "tensorcore" and "tf32" in calls
+    # Both are now in the local cache, apart: offline, each registry finds its own.
+    offline = {"use_service": False, "compiler": _NoCompile()}
+    assert registry(**offline).get("matmul", (64, 64, 64), "float32").family == "simt"
+    assert registry(allow_tf32=True, **offline).get("matmul", (64, 64, 64), "float32").family == "tensorcore"
+
+
 def test_unreachable_service_is_logged_once_and_skipped(tmp_path, caplog):
     reg = KernelRegistry("http://127.0.0.1:9", arch="sm_90", cache_dir=tmp_path, timeout_s=0.5, compiler=_NoCompile())
     with caplog.at_level(logging.WARNING), pytest.raises(_Compiled):

@@ -431,3 +431,42 @@ def test_migration_0004_counts_running_time_and_keeps_jobs(store):
     migrate(store.engine)
     again = store.get_job(job.id)
     assert again.op == "softmax" and again.seconds_used == 0.0  # a job from before 0004 has used nothing yet
+
+
+def test_tf32_and_ieee_kernels_are_served_apart(store):
+    """A float32 matmul tuned on tensor cores computes in TF32: it is served as precision tf32, beside (never in
+    place of) the IEEE float32 kernel, however much faster it is."""
+    shape = (256, 256, 256)
+    ieee = publish(store, new_job(store, op="matmul", shapes=[shape], dtype="float32"), shape, 1.0, family="simt")
+    tf32 = publish(store, new_job(store, op="matmul", shapes=[shape], dtype="float32"), shape, 0.2, "tensorcore")
+    assert (ieee.precision, tf32.precision) == ("float32", "tf32") and ieee.id != tf32.id
+    kernel, exact = store.best_kernel("matmul", shape, "float32", None)
+    assert exact and kernel.family == "simt"
+    kernel, _ = store.best_kernel("matmul", (200, 256, 256), "float32", None, precision="tf32")
+    assert kernel.family == "tensorcore"
+    assert [k.family for k in store.list_kernels(op="matmul", precision="tf32")[0]] == ["tensorcore"]
+
+
+def test_migration_0005_gives_served_kernels_their_precision(store):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from kernelmill.service.db.models import Base
+
+    shape = (256, 256, 256)
+    publish(store, new_job(store, op="matmul", shapes=[shape], dtype="float32"), shape, 1.0, family="simt")
+    publish(store, new_job(store, op="matmul", shapes=[shape], dtype="float32"), shape, 0.2, "tensorcore")
+    publish(store, new_job(store), (1024, 1024), 1.0)
+    # Back to 0004, where a problem has one served kernel: the IEEE one stays.
+    downgrade(store.engine, "0004")
+    with store.engine.connect() as conn:
+        rows = conn.execute(text("SELECT op, family FROM kernels ORDER BY op")).all()
+    assert [tuple(r) for r in rows] == [("matmul", "simt"), ("softmax", "rowwise")]
+    with store.engine.begin() as conn:  # a TF32 kernel served before 0005 (in the float32 slot)
+        conn.execute(text("UPDATE kernels SET family = 'tensorcore' WHERE op = 'matmul'"))
+    migrate(store.engine)
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    precisions = {k.op: k.precision for k in store.list_kernels()[0]}
+    assert precisions == {"matmul": "tf32", "softmax": "float16"}  # an unknown family: its dtype
+    assert store.best_kernel("matmul", shape, "float32", None) is None  # no longer served as IEEE
