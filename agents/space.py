@@ -97,12 +97,13 @@ class Space:
         return view
 
     @staticmethod
-    def refuses(op: OpSpec, dtype: str, shape: tuple[int, ...]) -> str | None:
-        """None where some variant of ``op`` in ``dtype`` accepts ``shape`` (what ``for_shape`` keeps), else the
-        first variant's reason. Walks the families' spaces only until one accepts, building no Space (a whole
-        matmul space takes a quarter of a second)."""
+    def refuses(op: OpSpec, dtype: str, shape: tuple[int, ...], families: Iterable[str] | None = None) -> str | None:
+        """None where some variant of ``op`` in ``dtype`` (of ``families``, default the defaults) accepts
+        ``shape`` (what ``for_shape`` keeps), else the first variant's reason. Walks the families' spaces only
+        until one accepts, building no Space (a whole matmul space takes a quarter of a second)."""
         first = None
-        for fam in default_families(op, dtype):
+        searched = [op.family(name) for name in families] if families else default_families(op, dtype)
+        for fam in searched:
             for params in fam.space(dtype):
                 reason = fam.check_shape(shape, params, dtype)
                 if reason is None:

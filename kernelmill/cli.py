@@ -518,6 +518,15 @@ def tune(
     budget: Annotated[int, typer.Option(help="trials over all shapes")] = 64,
     seconds: Annotated[float, typer.Option(help="wall-clock budget")] = 3600.0,
     attr: AttrOpt = None,
+    family: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--family",
+            "-f",
+            help="repeatable: search only these template families (`kernelmill ops` lists them); default: every "
+            "family computing in the dtype itself (matmul's tensorcore family, float32 as TF32, only when named)",
+        ),
+    ] = None,
     server: ServerOpt = None,
 ) -> None:
     """Tune a kernel: submit a job to a server, or run it here on this GPU when no server is given."""
@@ -527,7 +536,7 @@ def tune(
     settings = get_settings()
     attrs = parse_pairs(attr, "--attr")
     try:
-        fields = validate_submission(settings, op, shape, dtype, strategy, budget, seconds, attrs)
+        fields = validate_submission(settings, op, shape, dtype, strategy, budget, seconds, attrs, families=family)
     except JobError as exc:
         raise fail(str(exc)) from None
     if server:

@@ -84,6 +84,8 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
         "attrs": {k: str(v) for k, v in fields["attrs"].items()},
         "budget": {"trials": fields["budget_trials"], "seconds": fields["budget_seconds"]},
     }
+    if fields.get("families"):  # only when named: a service from before families refuses the field
+        body["families"] = fields["families"]
     job = _request("POST", f"{base}/api/jobs", json=body, expect=JobOut)
     console.print(f"job {job['id']} submitted to {base}")
     return follow_jobs(base, [job], console, poll_s)[0]
@@ -179,6 +181,7 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
         job.budget_trials,
         job.budget_seconds,
         batch_size=settings.batch_size,
+        families=job.families,
     )
     console.print(f"job {job.id} on {facts.name} ({facts.arch}), recorded in {settings.database_url}")
     with _progress(console) as bar:

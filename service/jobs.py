@@ -15,7 +15,7 @@ from typing import Any
 
 from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
-from kernelmill.agents.space import Candidate, Observation, Space, default_families
+from kernelmill.agents.space import Candidate, Observation, Space, default_families, search_precision
 from kernelmill.agents.strategies import strategy_class
 from kernelmill.kernels.compile import base_arch, normalize_arch, too_old
 from kernelmill.kernels.device import GpuUnavailable
@@ -43,6 +43,7 @@ def validate_submission(
     budget_seconds: float,
     attrs: dict[str, Any] | None = None,
     arch: str = "auto",
+    families: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Normalized job fields, or JobError saying what is wrong."""
     job_arch = _job_arch(arch)
@@ -58,6 +59,7 @@ def validate_submission(
         if twice is not None:
             raise JobError(f"shapes: {format_shape(tuple(twice))} is given twice")
         resolved_attrs = spec.resolve_attrs(attrs or {})
+        families = _families(spec, dtype, families)
     except SpecError as exc:
         raise JobError(str(exc)) from None
     try:
@@ -68,10 +70,10 @@ def validate_submission(
         raise JobError(f"budget.trials must be in 1..{settings.max_budget_trials}, got {budget_trials}")
     if not 0 < budget_seconds <= settings.max_budget_seconds:
         raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
-    if not default_families(spec, dtype):
+    if not families and not default_families(spec, dtype):
         raise JobError(f"no {op} family supports {dtype}")
     for shape in parsed:  # a shape no variant accepts would finish "done" with no trial
-        reason = Space.refuses(spec, dtype, tuple(shape))
+        reason = Space.refuses(spec, dtype, tuple(shape), families)
         if reason is not None:
             shown = format_shape(tuple(shape))
             raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} (the first: {reason})")
@@ -81,10 +83,27 @@ def validate_submission(
         "shapes": parsed,
         "dtype": dtype,
         "attrs": resolved_attrs,
+        "families": families,
         "strategy": strategy,
         "budget_trials": budget_trials,
         "budget_seconds": budget_seconds,
     }
+
+
+def _families(spec, dtype: str, families: Sequence[str] | None) -> list[str] | None:
+    """The families a job names, checked (each known, supporting ``dtype``, named once, all computing in one
+    precision: a TF32 family is searched apart from the IEEE ones); None for the defaults. SpecError."""
+    if not families:
+        return None
+    names = list(families)
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise SpecError(f"families: {twice} is given twice")
+    for name in names:
+        if dtype not in spec.family(name).dtypes:
+            raise SpecError(f"families: {spec.name} family {name} does not support {dtype}")
+    search_precision(spec, dtype, names)
+    return names
 
 
 def _job_arch(arch: str) -> str:
@@ -289,6 +308,7 @@ class JobRunner:
                 job.budget_trials,
                 max(0.0, job.budget_seconds - (job.seconds_used or 0.0)),  # what earlier starts left
                 batch_size=self.settings.batch_size,
+                families=list(job.families) if job.families else None,
             )
             recorder = StoreRecorder(self.store, job.id, self._stop)
             try:

@@ -6,6 +6,9 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, status
 
+from kernelmill.agents.space import search_precision
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import SpecError
 from kernelmill.service.api.deps import get_settings_dep, get_store, require_writer
 from kernelmill.service.api.schemas import (
     Budget,
@@ -30,6 +33,14 @@ router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 MAX_JOBS_PAGE = 500
 
 
+def _precision(job: Job) -> str:
+    """What the job's families compute its dtype in (the dtype where the op is unknown here: a plugin)."""
+    try:
+        return search_precision(get_op(job.op), job.dtype, job.families)
+    except SpecError:
+        return job.dtype
+
+
 def job_out(store: Store, job: Job) -> JobOut:
     per_shape = [ShapeProgress(**s.__dict__, speedup=s.speedup) for s in store.summary(job)]
     done = sum(s.trials for s in per_shape)
@@ -46,6 +57,8 @@ def job_out(store: Store, job: Job) -> JobOut:
         dtype=job.dtype,
         arch=job.arch,
         attrs=job.attrs or {},
+        families=job.families,
+        precision=_precision(job),
         strategy=job.strategy,
         budget=Budget(trials=job.budget_trials, seconds=job.budget_seconds),
         state=job.state,
@@ -90,6 +103,7 @@ def create_job(
             body.budget.seconds,
             body.attrs,
             body.arch,
+            body.families,
         )
     except JobError as exc:
         raise HTTPException(422, detail=str(exc)) from None

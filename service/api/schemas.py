@@ -71,6 +71,14 @@ class JobCreate(BaseModel):
     attrs: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="op attributes, e.g. {'act': 'relu'} or {'eps': 1e-05}"
     )
+    families: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="template families to search (`kernelmill ops --json` lists them); default: every family that "
+        "computes in the dtype itself. Families computing in another precision (matmul's tensorcore family: "
+        "float32 as tf32) are searched only when named, never beside IEEE ones, against PyTorch in that precision",
+        examples=[["tensorcore"]],
+    )
     budget: Budget = Field(default_factory=Budget)
 
 
@@ -91,6 +99,8 @@ class JobOut(BaseModel):
     dtype: str
     arch: str
     attrs: dict[str, Any]
+    families: list[str] | None = Field(None, description="the families searched; None: the defaults")
+    precision: str = Field(description="what the searched families compute the dtype in (tf32: float32 as TF32)")
     strategy: str
     budget: Budget
     state: str

@@ -53,6 +53,8 @@ class Job(Base):
     dtype: Mapped[str] = mapped_column(String(16))
     attrs: Mapped[dict[str, Any]] = mapped_column(default=dict)
     arch: Mapped[str] = mapped_column(String(16), default="auto")
+    #: The template families searched; None: the defaults (agents.space.default_families).
+    families: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     strategy: Mapped[str] = mapped_column(String(32))
     budget_trials: Mapped[int] = mapped_column(Integer)
     budget_seconds: Mapped[float] = mapped_column(Float)

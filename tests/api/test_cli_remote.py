@@ -52,6 +52,18 @@ def test_tune_against_a_server_follows_the_job_to_its_summary(serve, monkeypatch
     assert "no GPU worker" not in result.output
 
 
+def test_tune_names_its_families_and_a_bad_one_is_one_line(serve, monkeypatch):
+    tc = serve(workers=1)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    result = CliRunner().invoke(app, [*TUNE, "--family", "warp_row", "-f", "block_row"])
+    assert result.exit_code == 0, result.output
+    job = tc.get("/api/jobs/1").json()
+    assert job["families"] == ["warp_row", "block_row"]
+    assert {t["family"] for t in tc.get("/api/jobs/1/trials").json()["items"]} <= {"warp_row", "block_row"}
+    bad = CliRunner().invoke(app, [*TUNE, "--family", "nope"])
+    assert bad.exit_code == 2 and "no family 'nope'" in bad.output and "Traceback" not in bad.output
+
+
 def test_a_job_queued_on_a_server_without_gpu_workers_says_why(serve, monkeypatch):
     tc = serve(workers=0)
     sleeps = []

@@ -158,7 +158,8 @@ CUDA = 'extern "C" __global__ void pwn(float* x) { x[threadIdx.x] = 0; }'
 
 
 def test_the_schema_has_no_field_for_source(client):
-    """Request bodies name an op, shapes, a dtype, a strategy, attributes and a budget; nothing else."""
+    """Request bodies name an op, shapes, a dtype, a strategy, attributes, families (names of registered
+    templates) and a budget; nothing else."""
     spec = client.app.openapi()
     schemas = spec["components"]["schemas"]
     bodies = []
@@ -168,7 +169,7 @@ def test_the_schema_has_no_field_for_source(client):
             bodies += [media["schema"]["$ref"].rsplit("/", 1)[1] for media in content.values()]
     assert bodies == ["JobCreate"]
     job = schemas["JobCreate"]
-    assert set(job["properties"]) == {"op", "shapes", "dtype", "arch", "strategy", "attrs", "budget"}
+    assert set(job["properties"]) == {"op", "shapes", "dtype", "arch", "strategy", "attrs", "families", "budget"}
     assert job["additionalProperties"] is False and schemas["Budget"]["additionalProperties"] is False
     scalars = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}]
     assert job["properties"]["attrs"]["additionalProperties"] == {"anyOf": scalars}  # values, never objects

@@ -87,6 +87,18 @@ def test_cancel(client):
         ({"shapes": [[1024, 1024], [4096, 512], [1024, 1024]]}, "shapes: 1024x1024 is given twice"),
         ({"shapes": [[1024, 1024], "1024x1024"]}, "shapes: 1024x1024 is given twice"),
         ({"surprise": 1}, "surprise"),
+        ({"families": []}, "families"),
+        ({"families": ["hand_written"]}, "no family 'hand_written'"),
+        ({"families": ["warp_row", "warp_row"]}, "families: warp_row is given twice"),
+        (
+            {"op": "matmul", "shapes": [[64, 64, 64]], "dtype": "float32", "families": ["simt", "tensorcore"]},
+            "different precisions",
+        ),
+        (
+            {"op": "matmul", "shapes": [[64, 64, 64]], "dtype": "float32", "families": ["wgmma"]},
+            "matmul family wgmma does not support float32",
+        ),
+        ({"op": "matmul", "shapes": [[64, 60, 64]], "families": ["wgmma"]}, "no matmul variant accepts 64x60x64"),
     ],
 )
 def test_submission_errors_are_422_with_reason(client, change, message):
@@ -211,3 +223,21 @@ def test_a_shape_no_variant_accepts_is_422_at_submission(client):
     r = client.post("/api/jobs", json=job)
     assert r.status_code == 422 and "no mlp_stack variant accepts 64x64x64x2 in float16" in r.json()["detail"], r.text
     assert client.post("/api/jobs", json={**job, "shapes": [[4, 64, 64, 2]]}).status_code == 201
+
+
+def test_a_job_naming_a_tf32_family_is_served_as_tf32_beside_the_ieee_kernel(client):
+    matmul = {"op": "matmul", "shapes": [[256, 256, 256]], "dtype": "float32", "strategy": "random",
+              "budget": {"trials": 4, "seconds": 60}}  # fmt: skip
+    ieee = client.post("/api/jobs", json=matmul).json()
+    assert ieee["families"] is None and ieee["precision"] == "float32"
+    tf32 = client.post("/api/jobs", json={**matmul, "families": ["tensorcore"]}).json()
+    assert tf32["families"] == ["tensorcore"] and tf32["precision"] == "tf32"
+    for job in (ieee, tf32):
+        assert wait_state(client, job["id"])["state"] == "done"
+    trials = client.get(f"/api/jobs/{tf32['id']}/trials", params={"limit": 100}).json()["items"]
+    assert {t["family"] for t in trials} == {"tensorcore"}
+    query = {"op": "matmul", "shape": "256x256x256", "dtype": "float32"}
+    served = client.get("/api/kernels/best", params=query).json()
+    assert served["precision"] == "float32" and served["family"] != "tensorcore"
+    served = client.get("/api/kernels/best", params={**query, "precision": "tf32"}).json()
+    assert served["precision"] == "tf32" and served["family"] == "tensorcore" and served["job_id"] == tf32["id"]
