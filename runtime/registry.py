@@ -615,6 +615,8 @@ class KernelRegistry:
             notes.append("service unreachable")
             return None
         query: dict[str, Any] = {"op": spec.name, "shape": format_shape(shape), "dtype": dtype}
+        if self.backend is not None:  # the kernel tuned on this GPU model, where the service has one
+            query["device"] = self.backend.device.info.name
         if attrs:  # all of the op's attributes, defaults included (attr=eps:1e-12): served for exactly these
             query["attr"] = [f"{name}:{value}" for name, value in sorted(attrs.items())]
         # Families built for the arch-specific target (sm_90a: wgmma) are served under that arch name.

@@ -54,7 +54,7 @@ def list_kernels(
 BEST_PATH = "/api/kernels/best"
 #: The query parameters of GET /api/kernels/best; any other is refused (422), so that an attribute given
 #: under its own name (``eps=1e-05``) is never silently ignored and answered with another attribute's kernel.
-BEST_QUERY = frozenset({"op", "shape", "dtype", "arch", "attr", "act", "precision"})
+BEST_QUERY = frozenset({"op", "shape", "dtype", "arch", "attr", "act", "precision", "device"})
 
 
 class BestCache:
@@ -236,6 +236,12 @@ async def best_kernel(
         description="the arithmetic the kernel computes the dtype in: the dtype itself (the default), or tf32 for "
         "a float32 kernel on tensor cores; kernels of other precisions are never served in its place",
     ),
+    device: str | None = Query(
+        None,
+        max_length=128,
+        description="the asker's GPU model (e.g. 'NVIDIA H200'): of the kernels served for the shape, the one tuned "
+        "on that model is preferred; otherwise (or without it) the highest speedup over its own GPU's PyTorch",
+    ),
     store: Store = Depends(get_store),
 ) -> Response:
     # Cache hits never get here (BestKernelFastPath answers them). Async: checking the query is cheap, and
@@ -258,7 +264,7 @@ async def best_kernel(
     if served is None:
         served = await run_in_threadpool(store.served_shapes, op, dtype, arch, attrs, precision)
         cache.put(store, generation, cache.problems, problem, served)
-    found = nearest_shape(served, dims)
+    found = nearest_shape(served, dims, device)
     out = cache.get(cache.kernels, found[0]) if found else None
     if found and out is None:
         out = await run_in_threadpool(_kernel_out_or_none, store, found[0])

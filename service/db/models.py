@@ -120,11 +120,13 @@ class Baseline(Base):
 
 
 class Kernel(Base):
-    """The best verified trial per (op, shape, dtype, arch, attrs, precision): what is served."""
+    """The best verified trial per (op, shape, dtype, arch, attrs, precision) and GPU model: what is served."""
 
     __tablename__ = "kernels"
     __table_args__ = (
-        UniqueConstraint("op", "shape_key", "dtype", "arch", "attrs_key", "precision", name="uq_kernel_problem"),
+        UniqueConstraint(
+            "op", "shape_key", "dtype", "arch", "attrs_key", "precision", "device_key", name="uq_kernel_problem"
+        ),
     )
     id: Mapped[int] = mapped_column(primary_key=True)
     op: Mapped[str] = mapped_column(String(32), index=True)
@@ -148,6 +150,9 @@ class Kernel(Base):
     speedup: Mapped[float | None] = mapped_column(Float)
     max_rel_err: Mapped[float | None] = mapped_column(Float)
     device_name: Mapped[str | None] = mapped_column(String(128))
+    #: The GPU model it is served for in the unique key: device_name, "" where that is not known (NULLs would
+    #: never collide in a unique constraint).
+    device_key: Mapped[str] = mapped_column(String(128), default="", server_default="")
     trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id", ondelete="SET NULL"))
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

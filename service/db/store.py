@@ -38,20 +38,44 @@ def attrs_key(attrs: dict[str, Any] | None) -> str:
     return json.dumps(attrs or {}, sort_keys=True)
 
 
-def nearest_shape(served: Iterable[tuple[int, Sequence[int]]], shape: Sequence[int]) -> tuple[int, bool] | None:
-    """Of served ``(id, shape)`` pairs in id order: the first with exactly ``shape``, else the nearest shape of
-    the same rank (the sum over dims of |log(tuned / wanted)|; the first of equals), as ``(id, exact)``."""
+@dataclass(frozen=True)
+class Served:
+    """What choosing among a problem's served kernels reads of each: not the row itself."""
+
+    id: int
+    shape: list[int]
+    device_name: str | None = None
+    speedup: float | None = None
+
+
+def nearest_shape(
+    served: Iterable[Served | tuple[int, Sequence[int]]], shape: Sequence[int], device: str | None = None
+) -> tuple[int, bool] | None:
+    """Of a problem's served kernels in id order: those with exactly ``shape``, else those of the nearest shape
+    of the same rank (the sum over dims of |log(tuned / wanted)|); among those, the one tuned on ``device`` (a
+    GPU model: an H100's best tiles are not an H200's), else the highest speedup over its own GPU's PyTorch,
+    else the first. Returns ``(id, exact)``."""
     want = [max(int(v), 1) for v in shape]
-    best_id, best_distance = None, math.inf
-    for kernel_id, tuned in served:
-        if len(tuned) != len(want):
+    best: list[Served] = []
+    best_distance = math.inf
+    for item in served:
+        row = item if isinstance(item, Served) else Served(item[0], list(item[1]))
+        if len(row.shape) != len(want):
             continue
-        if list(tuned) == want:
-            return kernel_id, True
-        distance = sum(abs(math.log(max(a, 1) / b)) for a, b in zip(tuned, want, strict=True))
+        distance = (
+            0.0
+            if list(row.shape) == want
+            else sum(abs(math.log(max(a, 1) / b)) for a, b in zip(row.shape, want, strict=True))
+        )
         if distance < best_distance:
-            best_id, best_distance = kernel_id, distance
-    return None if best_id is None else (best_id, False)
+            best, best_distance = [row], distance
+        elif distance == best_distance and row.shape == best[0].shape:
+            best.append(row)
+    if not best:
+        return None
+    same = [row for row in best if device and row.device_name == device]
+    pick = same[0] if same else max(best, key=lambda r: r.speedup if r.speedup is not None else -math.inf)
+    return pick.id, list(pick.shape) == want
 
 
 def _problem(op: str, dtype: str, arch: str | None, attrs: dict[str, Any] | None, precision: str | None = None) -> list:
@@ -435,9 +459,9 @@ class Store:
     # -- served kernels --------------------------------------------------------------
 
     def publish(self, job: Job, trial: Trial, fields: dict[str, Any]) -> Kernel | None:
-        """Serve ``trial`` for its problem unless a better kernel is already served: a faster one measured on
-        the same GPU model, or, measured on another model of the arch, one with a higher speedup over PyTorch
-        on its own GPU (an H200's times say nothing of an H100's)."""
+        """Serve ``trial`` for its problem on its job's GPU model unless a faster kernel is already served for
+        it there. Each GPU model of an arch has its own (an H100's best tiles are not an H200's): lookups
+        prefer the asker's model and otherwise take the highest speedup over each GPU's own PyTorch."""
         with self._publish_lock:
             try:
                 return self._publish(job, trial, fields)
@@ -459,21 +483,19 @@ class Store:
                     Kernel.arch == trial.arch,
                     Kernel.attrs_key == key,
                     Kernel.precision == precision,
+                    Kernel.device_key == (job.device_name or ""),
                 )
                 .with_for_update()
             )
-            if current is not None and current.trial_id != trial.id:
-                baseline_ms = fields.get("baseline_ms")
-                speedup = baseline_ms / trial.median_ms if baseline_ms and trial.median_ms else None
-                elsewhere = job.device_name and current.device_name and job.device_name != current.device_name
-                if elsewhere and speedup is not None and current.speedup is not None:
-                    better = speedup > current.speedup
-                else:
-                    better = trial.median_ms < current.median_ms
-                if not better:
-                    return current
+            if current is not None and current.trial_id != trial.id and not trial.median_ms < current.median_ms:
+                return current
             kernel = current or Kernel(
-                op=job.op, shape_key=trial.shape_key, dtype=job.dtype, arch=trial.arch, precision=precision
+                op=job.op,
+                shape_key=trial.shape_key,
+                dtype=job.dtype,
+                arch=trial.arch,
+                precision=precision,
+                device_key=job.device_name or "",
             )
             kernel.shape = [int(v) for v in trial.shape_key.split("x")]
             kernel.attrs, kernel.attrs_key = dict(job.attrs or {}), key
@@ -525,13 +547,14 @@ class Store:
         arch: str | None,
         attrs: dict[str, Any] | None = None,
         precision: str | None = None,
-    ) -> list[tuple[int, list[int]]]:
-        """(id, shape) of every kernel served for a problem, in id order; of any arch when ``arch`` is None;
-        computing in ``precision`` (default: the dtype itself)."""
+    ) -> list[Served]:
+        """Every kernel served for a problem (id, shape, GPU model, speedup), in id order; of any arch when
+        ``arch`` is None; computing in ``precision`` (default: the dtype itself)."""
         problem = _problem(op, dtype, arch, attrs, precision)
+        columns = (Kernel.id, Kernel.shape, Kernel.device_name, Kernel.speedup)
         with self.session() as s:
-            rows = s.execute(select(Kernel.id, Kernel.shape).where(*problem).order_by(Kernel.id))
-            return [(kernel_id, list(shape)) for kernel_id, shape in rows]
+            rows = s.execute(select(*columns).where(*problem).order_by(Kernel.id))
+            return [Served(kernel_id, list(shape), device, speedup) for kernel_id, shape, device, speedup in rows]
 
     def best_kernel(
         self,
@@ -541,24 +564,17 @@ class Store:
         arch: str | None,
         attrs: dict[str, Any] | None = None,
         precision: str | None = None,
+        device: str | None = None,
     ) -> tuple[Kernel, bool] | None:
-        """The kernel for exactly this shape, else the nearest tuned shape (``nearest_shape``), with ``exact``;
-        computing in ``precision`` (default: the dtype itself).
-
-        The exact shape is one indexed lookup; only when it misses are the candidates' shapes (not their
-        rows) read to find the nearest, whose row alone is then loaded.
-        """
-        problem = _problem(op, dtype, arch, attrs, precision)
+        """The kernel for exactly this shape, else the nearest tuned shape, with ``exact``; of those, the one
+        tuned on ``device`` where there is one (``nearest_shape``); computing in ``precision`` (default: the
+        dtype itself). Only the chosen kernel's row is loaded."""
+        found = nearest_shape(self.served_shapes(op, dtype, arch, attrs, precision), shape, device)
+        if found is None:
+            return None
         with self.session() as s:
-            exact = s.scalars(
-                select(Kernel).where(*problem, Kernel.shape_key == shape_key([max(int(v), 1) for v in shape]))
-                .order_by(Kernel.id).limit(1)
-            ).first()  # fmt: skip
-            if exact is not None:
-                return exact, True
-            shapes = s.execute(select(Kernel.id, Kernel.shape).where(*problem).order_by(Kernel.id)).all()
-            found = nearest_shape(shapes, shape)
-            return None if found is None else (s.get(Kernel, found[0]), found[1])
+            kernel = s.get(Kernel, found[0])
+        return None if kernel is None else (kernel, found[1])
 
     # -- devices ---------------------------------------------------------------------
 

@@ -131,6 +131,20 @@ def test_a_tf32_kernel_is_served_only_to_who_asks_for_tf32(client):
     assert [k["family"] for k in listed["items"]] == ["tensorcore"]
 
 
+def test_the_askers_gpu_model_gets_the_kernel_tuned_on_it(client):
+    store = client.app.state.store
+    for device, ms in (("NVIDIA H200", 1.0), ("NVIDIA H100 80GB HBM3", 1.6)):
+        job = new_job(store, state="done", device_name=device)  # done: not for the app's job runner
+        publish(store, job, (1024, 1024), ms)
+    query = "op=softmax&shape=1000x1000&dtype=float16"
+    assert best(client, query + "&device=NVIDIA%20H200").json()["device_name"] == "NVIDIA H200"
+    h100 = best(client, query + "&device=NVIDIA%20H100%2080GB%20HBM3").json()
+    assert h100["device_name"] == "NVIDIA H100 80GB HBM3" and h100["exact"] is False
+    # No model named, or one with no kernel of its own: the higher speedup over its own GPU's PyTorch.
+    others = [best(client, query).json(), best(client, query + "&device=NVIDIA%20A100").json()]
+    assert {k["speedup"] for k in others} == {max(k["speedup"] for k in (h100, *others))}
+
+
 def test_start_up_warms_the_lookup_of_a_served_kernel(tmp_path):
     from tests.api.conftest import make_client
 

@@ -164,6 +164,8 @@ def test_a_fault_is_recorded_before_it_is_raised_and_the_next_process_passes_the
 
 def _served(kernel: dict, cubin: bytes) -> httpx.Client:
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best":  # the kernel tuned on this GPU model is asked for
+            assert request.url.params.get("device") == "NVIDIA Fake H0"
         if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
             return httpx.Response(200, json=kernel)
         if request.url.path == f"/api/kernels/{kernel['id']}/cubin":

@@ -265,24 +265,29 @@ def test_publish_keeps_the_faster_kernel(store):
     assert store.list_kernels(arch="sm_80")[1] == 0
 
 
-def test_publish_across_gpu_models_of_one_arch_compares_speedups_not_times(store):
+def test_each_gpu_model_of_an_arch_keeps_its_own_served_kernel(store):
     h200 = new_job(store)
     store.start_job(h200.id, "w1", "NVIDIA H200")
     served_h200 = publish(store, store.get_job(h200.id), (1024, 1024), 1.0)  # 2.0x its PyTorch (2.0 ms)
-    # An H100 job: slower in time (its GPU is), but 2.5x its own PyTorch: it is served.
+    # An H100 job: slower in time (its GPU is), 2.5x its own PyTorch: served for the H100, beside the H200's.
     h100 = new_job(store)
     store.start_job(h100.id, "w2", "NVIDIA H100 80GB HBM3")
     trial = store.record_trials(h100.id, "1024x1024", [row("warp", ms=1.6, BLOCK=7)])[0]
-    fields = {**served("// warp 1.6"), "baseline_ms": 4.0}
-    replaced = store.publish(store.get_job(h100.id), trial, fields)
-    assert replaced.id == served_h200.id and replaced.device_name == "NVIDIA H100 80GB HBM3"
-    assert replaced.speedup == pytest.approx(2.5)
-    # Another H200 job at 1.2x is not: against the served H100 kernel, speedups are compared.
+    served_h100 = store.publish(store.get_job(h100.id), trial, {**served("// warp 1.6"), "baseline_ms": 4.0})
+    assert served_h100.id != served_h200.id and served_h100.speedup == pytest.approx(2.5)
+    # Another H200 job compares times with the H200's kernel only: 0.9 ms beats 1.0 ms there.
     again = new_job(store)
     store.start_job(again.id, "w1", "NVIDIA H200")
     trial = store.record_trials(again.id, "1024x1024", [row("warp", ms=0.9, BLOCK=8)])[0]
-    kept = store.publish(store.get_job(again.id), trial, {**served(), "baseline_ms": 1.08})
-    assert kept.device_name == "NVIDIA H100 80GB HBM3" and kept.median_ms == 1.6
+    replaced = store.publish(store.get_job(again.id), trial, {**served(), "baseline_ms": 1.08})
+    assert replaced.id == served_h200.id and replaced.median_ms == 0.9
+    assert store.list_kernels()[1] == 2
+    # Each GPU model is served its own, at the shape and at a nearest shape; a model with none, or a lookup
+    # that names none, the highest speedup (the H100's 2.5x over the H200's 1.2x).
+    for shape, exact in (((1024, 1024), True), ((1000, 1000), False)):
+        for device, ms in (("NVIDIA H200", 0.9), ("NVIDIA H100 80GB HBM3", 1.6), ("NVIDIA A100", 1.6), (None, 1.6)):
+            kernel, found_exact = store.best_kernel("softmax", shape, "float16", None, device=device)
+            assert (kernel.median_ms, found_exact) == (ms, exact), device
 
 
 def test_concurrent_publishes_serve_the_fastest(store):
@@ -470,3 +475,27 @@ def test_migration_0005_gives_served_kernels_their_precision(store):
     precisions = {k.op: k.precision for k in store.list_kernels()[0]}
     assert precisions == {"matmul": "tf32", "softmax": "float16"}  # an unknown family: its dtype
     assert store.best_kernel("matmul", shape, "float32", None) is None  # no longer served as IEEE
+
+
+def test_migration_0007_keeps_one_kernel_a_gpu_model_and_its_downgrade_the_fastest(store):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from kernelmill.service.db.models import Base
+
+    for device, ms, baseline in (("NVIDIA H200", 1.0, 2.0), ("NVIDIA H100 80GB HBM3", 1.6, 4.0)):
+        job = new_job(store)
+        store.start_job(job.id, "w", device)
+        trial = store.record_trials(job.id, "1024x1024", [row("warp", ms=ms, BLOCK=int(ms * 10))])[0]
+        store.publish(store.get_job(job.id), trial, {**served(), "baseline_ms": baseline})
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    assert {k.device_key for k in store.list_kernels()[0]} == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
+    downgrade(store.engine, "0006")  # one kernel a problem: the higher speedup (the H100's 2.5x) stays
+    with store.engine.connect() as conn:
+        assert [tuple(r) for r in conn.execute(text("SELECT device_name, median_ms FROM kernels"))] == [
+            ("NVIDIA H100 80GB HBM3", 1.6)
+        ]
+    migrate(store.engine)
+    (kernel,) = store.list_kernels()[0]
+    assert kernel.device_key == "NVIDIA H100 80GB HBM3"
