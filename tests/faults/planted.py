@@ -10,14 +10,17 @@ from kernelmill.kernels.ops import register_op
 from kernelmill.kernels.ops.base import Family, Launch, Param, cdiv
 from kernelmill.kernels.ops.softmax import Softmax
 
-FAULTS = ("none", "oob", "hang", "race", "nan", "wrong")
+FAULTS = ("none", "oob", "hang", "race", "nan", "wrong", "hang_timed")
 
 
 class Planted(Family):
     name = "planted"
     template = "planted/planted.cu.j2"
     template_root = Path(__file__).parent / "templates"
-    description = "plants one fault per point: out-of-bounds write, hang, race, NaN, wrong result"
+    description = (
+        "plants one fault per point: out-of-bounds write, hang, race, NaN, wrong result, a hang only when run "
+        "again on its last output (as timing runs it)"
+    )
     params = (Param("fault", FAULTS),)
 
     def defaults(self, dtype):
