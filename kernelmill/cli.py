@@ -579,7 +579,7 @@ def jobs(
             str(job["id"]),
             job["op"],
             " ".join("x".join(map(str, s)) for s in job["shapes"]),
-            job["dtype"],
+            job["dtype"] + (f" ({job['precision']})" if job.get("precision", job["dtype"]) != job["dtype"] else ""),
             job["strategy"],
             job["state"],
             str(job["trials_done"]),

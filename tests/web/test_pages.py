@@ -266,7 +266,7 @@ def test_compare_grid(seeded):
 
 
 def test_a_tf32_kernels_roofline_uses_the_tf32_matrix_rate(tmp_path):
-    from kernelmill.service.db.models import Kernel
+    from kernelmill.service.db.models import Job, Kernel
     from tests.web.conftest import make_client
     from tests.web.seed import DEVICE, WORKER
 
@@ -279,10 +279,15 @@ def test_a_tf32_kernels_roofline_uses_the_tf32_matrix_rate(tmp_path):
         kernel = store.list_kernels()[0][0]
         with store.session() as session:  # served as a TF32 kernel (a tensorcore family computing float32)
             session.get(Kernel, kernel.id).precision = "tf32"
+            session.get(Job, kernel.job_id).families = ["tensorcore"]
             session.commit()
     finally:
         store.close()
     client, _ = make_client(tmp_path, seed=False)
     with client:
         text = _text(client.get(f"/kernels/{kernel.id}").text)
-    assert "tf32 matrix 400 TFLOP/s" in text and "float32 matrix" not in text
+        job_page = _text(client.get(f"/jobs/{kernel.job_id}").text)
+        compare = _text(client.get("/compare").text)
+    assert "tf32 matrix 400 TFLOP/s" in text and "float32 matrix" not in text and "float32 in tf32" in text
+    assert "float32 in tf32" in job_page and "families tensorcore" in job_page
+    assert "· tf32" in compare
