@@ -61,6 +61,7 @@ class JobForm:
     dtype: str = "float16"
     strategy: str = "random"
     arch: str = "auto"
+    families: str = ""  # comma-separated; empty: the op's default families
     trials: str = str(Budget.model_fields["trials"].default)
     seconds: str = f"{Budget.model_fields['seconds'].default:g}"
     attrs: dict[str, str] = field(default_factory=dict)  # "attr.<op>.<name>" -> value, every op's
@@ -72,7 +73,7 @@ class JobForm:
     def from_pairs(cls, data: Mapping[str, str]) -> JobForm:
         """From a posted body or the query string (which pre-fills the form, e.g. from /compare)."""
         form = cls()
-        for name in ("op", "shapes", "dtype", "strategy", "arch", "trials", "seconds", "token", "csrf"):
+        for name in ("op", "shapes", "dtype", "strategy", "arch", "families", "trials", "seconds", "token", "csrf"):
             if name in data:
                 setattr(form, name, str(data[name]).strip()[:4000])
         form.shapes = form.shapes.replace(";", "\n")
@@ -81,6 +82,10 @@ class JobForm:
 
     def shape_list(self) -> list[str]:
         return [line.strip() for line in re.split(r"[\n;]+", self.shapes) if line.strip()]
+
+    def family_list(self) -> list[str] | None:
+        names = [name.strip() for name in self.families.split(",") if name.strip()]
+        return names or None
 
     def op_attrs(self) -> dict[str, str]:
         """The attributes given for the chosen op (empty values mean the op's default)."""
@@ -108,6 +113,7 @@ def choices(settings: Settings) -> dict[str, Any]:
                     {"name": a.name, "field": attr_field(spec.name, a.name), "options": list(a.values), "doc": a.doc}
                     for a in spec.attributes
                 ],
+                "families": list(spec.families),
             }
         )
     strategies = [{"name": name, "doc": _first_line(cls)} for name, cls in STRATEGIES.items()]
@@ -146,6 +152,8 @@ def field_of(message: str, op: str) -> str:
         return "seconds"
     if m.startswith("arch:"):
         return "arch"
+    if m.startswith("families:") or " has no family " in m or "different precisions" in m:
+        return "families"
     attr = re.match(r"attribute (\w+)=", message)
     if attr and op in OPS and any(a.name == attr.group(1) for a in OPS[op].attributes):
         return attr_field(op, attr.group(1))
@@ -180,6 +188,7 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
         "budget_seconds": seconds if seconds is not None else 1.0,
         "attrs": form.op_attrs(),
         "arch": form.arch,
+        "families": form.family_list(),
     }
     fields = None
     for _ in range(12):
@@ -206,6 +215,8 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
                 args["budget_seconds"] = 1.0
             elif name == "arch":
                 args["arch"] = "auto"
+            elif name == "families":
+                args["families"] = None
             else:
                 args["attrs"] = {}
     try:  # the API's request schema: arch pattern and budget bounds

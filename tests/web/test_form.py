@@ -54,6 +54,15 @@ def test_valid_submission_creates_the_job_and_redirects(empty):
     assert f'href="/jobs/{job_id}"' in empty.get("/").text
 
 
+def test_named_families_are_submitted(empty):
+    data = {**VALID, "op": "matmul", "shapes": "256x256x256", "dtype": "float32", "families": " tensorcore "}
+    resp = _post(empty, data)
+    assert resp.status_code == 303, resp.text[:2000]
+    job = empty.get(f"/api/jobs/{resp.headers['location'].rsplit('/', 1)[1]}").json()
+    assert job["families"] == ["tensorcore"] and job["precision"] == "tf32"
+    assert "matmul: <code>simt, tensorcore, wgmma, gemv</code>" in empty.get("/jobs/new").text
+
+
 def test_op_attributes_are_submitted(empty):
     data = {**VALID, "op": "fused_mlp", "shapes": "16x256x1024x256", "attr.fused_mlp.act": "gelu_erf"}
     resp = _post(empty, data)
@@ -84,6 +93,12 @@ def test_op_attributes_are_submitted(empty):
         ({"arch": "sm_75"}, "arch", "need sm_80 or newer, not sm_75"),
         ({"shapes": "64x64\n128x64\n64x64"}, "shapes", "64x64 is given twice"),
         ({"op": "fused_mlp", "shapes": "8x8x8x8", "attr.fused_mlp.act": "swish"}, "attr-fused_mlp-act", "not allowed"),
+        ({"families": "warp_row, nope"}, "families", "no family 'nope'"),
+        (
+            {"op": "matmul", "shapes": "64x64x64", "dtype": "float32", "families": "simt,tensorcore"},
+            "families",
+            "different precisions",
+        ),
     ],
 )
 def test_each_error_is_shown_next_to_its_field(empty, change, field, message):
