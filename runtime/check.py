@@ -108,6 +108,12 @@ class FirstUseChecks:
             return self._memo[key]
         path = self.folder / entry.op / f"{key}.json"
         found = self._read(path)
+        if found is None and getattr(self.device, "poisoned", False):
+            # Nothing can run, and a check now would fail whatever the kernel: record nothing.
+            raise KernelCheckFault(
+                f"{entry.op} {format_shape(entry.shape)} {entry.dtype}: not checked, the CUDA context was lost "
+                "earlier in this process (a fault); start a new process"
+            )
         if found is None:
             started = time.perf_counter()
             found, poisoned = self._run(entry)

@@ -30,6 +30,7 @@ class SoftmaxKernel:
     def launch(self, grid, block, smem, args, stream=None):
         self.device.launches.append(self.entry)
         if self.behaviour == "fault":
+            self.device.poisoned = True  # as kernels.device.Device marks itself
             raise DeviceFault("an illegal memory access was encountered", poisoned=True)
         if self.entry == "softmax_split_stats":  # the two-pass family: its second launch writes y
             return
@@ -46,6 +47,7 @@ class FakeDevice:
 
     def __init__(self, behaviour, name="NVIDIA Fake H0"):
         self.mem, self.next = np.zeros(1 << 24, np.uint8), 4096
+        self.poisoned = False
         self.behaviour = behaviour
         self.launches: list[str] = []
         self.info = SimpleNamespace(arch="sm_90", sm_count=132, name=name)
@@ -157,6 +159,12 @@ def test_a_fault_is_recorded_before_it_is_raised_and_the_next_process_passes_the
     reg, _ = _registry(tmp_path, wrong_for(fault=("softmax/warp_row",)))
     with pytest.raises(KernelCheckFault, match="the CUDA context is lost"):
         reg.get("softmax", SHAPE, "float32")
+    # Asked again in the same process (a forward after prepare() met the fault): the recorded failure passes the
+    # kernel over, and the next default is not checked on the lost context, nor recorded as failed.
+    with pytest.raises(KernelCheckFault, match="context was lost earlier in this process"):
+        reg.get("softmax", SHAPE, "float32")
+    records = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "verified").rglob("*.json")]
+    assert [(r["family"], r["ok"], r["status"]) for r in records] == [("warp_row", False, "fault")]
     later, device = _registry(tmp_path, wrong_for(fault=("softmax/warp_row",)))
     entry = later.get("softmax", SHAPE, "float32")
     assert entry.family == "block_row" and "softmax_warp_row" not in device.launches
