@@ -226,6 +226,7 @@ class KernelRegistry:
         self.use_local_cache = use_local_cache
         self._client = client
         self._offline_reason: str | None = None
+        self._no_device_query = False  # the service refused device= (it predates it)
         self._entries: dict[tuple, KernelEntry] = {}
         self._untuned: set[tuple] = set()  # problems find() met with nothing tuned
         self._lock = threading.RLock()
@@ -615,7 +616,7 @@ class KernelRegistry:
             notes.append("service unreachable")
             return None
         query: dict[str, Any] = {"op": spec.name, "shape": format_shape(shape), "dtype": dtype}
-        if self.backend is not None:  # the kernel tuned on this GPU model, where the service has one
+        if self.backend is not None and not self._no_device_query:  # the kernel tuned on this GPU model
             query["device"] = self.backend.device.info.name
         if attrs:  # all of the op's attributes, defaults included (attr=eps:1e-12): served for exactly these
             query["attr"] = [f"{name}:{value}" for name, value in sorted(attrs.items())]
@@ -628,6 +629,11 @@ class KernelRegistry:
         asks += [{"arch": arch, "precision": p} for p in self._precisions(spec, dtype)[1:] for arch in arches]
         for ask in asks:
             resp = self._get("/api/kernels/best", **query, **ask)
+            if resp is not None and resp.status_code == 422 and "device" in query and "'device'" in resp.text:
+                # A service from before device= refuses unknown parameters: ask it as before, from now on.
+                self._no_device_query = True
+                query.pop("device")
+                resp = self._get("/api/kernels/best", **query, **ask)
             if resp is None:
                 notes.append("service unreachable")
                 return None

@@ -243,3 +243,24 @@ def test_checks_off_or_inside_a_capture_run_nothing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kernelmill.runtime"):
         assert reg.get("softmax", SHAPE, "float32").checked is None
     assert "first met inside a CUDA graph capture: not checked" in caplog.text and device.launches == []
+
+
+def test_a_service_that_predates_device_queries_is_asked_without(tmp_path):
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best":
+            asked.append(dict(request.url.params))
+            if "device" in request.url.params:  # as services before device= answered
+                return httpx.Response(422, json={"detail": "unknown query parameter 'device'; give op attributes ..."})
+            if request.url.params.get("arch") == "sm_90":
+                return httpx.Response(200, json=_softmax_kernel(exact=True))
+        if request.url.path == "/api/kernels/3/cubin":
+            return httpx.Response(200, content=b"served")
+        return httpx.Response(404, json={"detail": "none"})
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg, _ = _registry(tmp_path, wrong_for(), client=client, use_service=True)
+    assert reg.get("softmax", SHAPE, "float32").source == TUNED
+    assert reg.get("softmax", (32, 512), "float32").kernel_id == 3
+    assert sum("device" in a for a in asked) == 1  # refused once, then never sent again
