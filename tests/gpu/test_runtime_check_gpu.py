@@ -69,15 +69,20 @@ def test_a_nearest_kernel_wrong_at_this_shape_gives_way_to_a_checked_default(tmp
     assert right["source"] == "nearest" and right["checked"].startswith("here ")
 
 
-def test_a_fault_at_first_use_is_recorded_and_the_next_process_passes_the_kernel_over(tmp_path):
+@pytest.mark.parametrize(("fault", "why"), [("oob", "illegal"), ("hang_timed", "run again: kernel still running")])
+def test_a_fault_at_first_use_is_recorded_and_the_next_process_passes_the_kernel_over(tmp_path, fault, why):
+    """oob faults when verified; hang_timed is right when verified and hangs when run again on its last
+    output, as a forward would run it (no forward waits with a timeout: the check does)."""
     tests_root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_root), os.environ.get("PYTHONPATH", "")])}
+    env["KERNELMILL_KERNEL_TIMEOUT_S"] = "3"
     child = (
         "import json, sys; from tests.gpu.test_runtime_check_gpu import resolve; "
-        f"print(json.dumps(resolve({str(tmp_path / 'cache')!r}, 'oob')))"
+        f"print(json.dumps(resolve({str(tmp_path / 'cache')!r}, {fault!r})))"
     )
     first = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode != 0 and "KernelCheckFault" in first.stderr and "CUDA context is lost" in first.stderr
+    assert why in first.stderr, first.stderr[-2000:]
     second = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     row = json.loads(second.stdout.strip().splitlines()[-1])

@@ -29,12 +29,19 @@ class SoftmaxKernel:
 
     def launch(self, grid, block, smem, args, stream=None):
         self.device.launches.append(self.entry)
+        buffers = [a for a in args if isinstance(a, Buffer)]
+        again = self.device.download(buffers[1], (1,), np.uint32)[0] != 0xFFFFFFFF  # y holds the last run's values
+        if self.behaviour == "hang_again" and again:
+            self.device.poisoned = True
+            raise DeviceFault("kernel still running after 10.0 s (hang)", poisoned=True, timed_out=True)
+        if self.behaviour == "drift" and again:  # a second run on the same output adds to it
+            self.device.copy_in(buffers[1], self.device.download(buffers[1], (1,), np.float32) * 2)
+            return
         if self.behaviour == "fault":
             self.device.poisoned = True  # as kernels.device.Device marks itself
             raise DeviceFault("an illegal memory access was encountered", poisoned=True)
         if self.entry == "softmax_split_stats":  # the two-pass family: its second launch writes y
             return
-        buffers = [a for a in args if isinstance(a, Buffer)]
         rows, cols = [a for a in args if isinstance(a, int)][-2:]
         x = self.device.download(buffers[0], (rows, cols), np.float32).astype(np.float64)
         e = np.exp(x - x.max(axis=1, keepdims=True))
@@ -93,13 +100,17 @@ class FirstLineCompiler:
         return [self.compile(source, arch) for source in sources]
 
 
-def wrong_for(*templates: str, fault: tuple[str, ...] = ()):
-    """A behaviour: "fault" for cubins of these templates, "wrong" for those, "right" otherwise."""
+def wrong_for(*templates: str, fault: tuple[str, ...] = (), again: dict[str, str] | None = None):
+    """A behaviour: "fault" for cubins of the ``fault`` templates, "wrong" for those of ``templates``, what
+    ``again`` maps a template to (hang_again, drift), "right" otherwise."""
 
     def behaviour(cubin: bytes) -> str:
         text = cubin.decode(errors="replace")
         if any(t in text for t in fault):
             return "fault"
+        for template, what in (again or {}).items():
+            if template in text:
+                return what
         return "wrong" if any(t in text for t in templates) else "right"
 
     return behaviour
@@ -118,7 +129,7 @@ def test_a_default_is_checked_at_first_use_and_the_outcome_recorded_per_gpu_mode
         entry = reg.get("softmax", SHAPE, "float32")
     assert entry.source == DEFAULT and entry.family == "warp_row"
     assert entry.checked.ok and not entry.checked.recorded and 0 < entry.checked.allowance_used < 1
-    assert device.launches == ["softmax_warp_row"] * 3  # one launch per seed (settings.verify_seeds)
+    assert device.launches == ["softmax_warp_row"] * 5  # one per seed (settings.verify_seeds), two runs again
     assert "checked at first use" in caplog.text
     row = reg.report()[0]
     assert row["checked"].startswith("here ")
@@ -264,3 +275,22 @@ def test_a_service_that_predates_device_queries_is_asked_without(tmp_path):
     assert reg.get("softmax", SHAPE, "float32").source == TUNED
     assert reg.get("softmax", (32, 512), "float32").kernel_id == 3
     assert sum("device" in a for a in asked) == 1  # refused once, then never sent again
+
+
+def test_a_kernel_that_fails_only_when_run_again_is_passed_over(tmp_path):
+    # Verified on poisoned outputs it is right; run again on its last output it drifts: the next family runs.
+    reg, _ = _registry(tmp_path, wrong_for(again={"softmax/warp_row": "drift"}))
+    entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.family == "block_row" and "default warp_row failed its first-use check" in entry.note
+    (failed,) = [r for r in map(json.loads, _texts(tmp_path)) if not r["ok"]]
+    assert failed["reason"].startswith("wrong result when run again: y:")
+    # One that hangs when run again loses the context: recorded as a timeout, then KernelCheckFault.
+    hangs, _ = _registry(tmp_path / "h", wrong_for(again={"softmax/warp_row": "hang_again"}))
+    with pytest.raises(KernelCheckFault, match=r"run again: kernel still running after 10.0 s \(hang\)"):
+        hangs.get("softmax", SHAPE, "float32")
+    (record,) = map(json.loads, _texts(tmp_path / "h"))
+    assert record["status"] == "timeout" and not record["ok"]
+
+
+def _texts(root):
+    return [p.read_text() for p in (root / "cache" / "verified").rglob("*.json")]
