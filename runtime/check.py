@@ -130,11 +130,17 @@ class FirstUseChecks:
             )
             self._write(path, entry, found)
             if poisoned:
+                still = (
+                    " The kernel is still running, and the driver waits for it when the process ends: end it with "
+                    "a signal (Ctrl-C does not reach it; kill does)."
+                    if found.status == "timeout"
+                    else ""
+                )
                 raise KernelCheckFault(
                     f"{entry.op} {format_shape(entry.shape)} {entry.dtype}: {entry.source} kernel {entry.family} "
                     f"faulted when checked at first use ({found.reason}); the CUDA context is lost, so this process "
                     f"can run no more kernels. The failure is recorded in {path}: the next process passes this "
-                    "kernel over."
+                    f"kernel over.{still}"
                 )
         self._memo[key] = found
         return found
