@@ -320,7 +320,8 @@ def test_tune_kernels_keeps_a_faster_stand_in_only_if_its_output_matches(fake, m
     fast, wrong, slow = variant(down, k_splits=2), variant(down, k_splits=3), variant(up, k_splits=2)
     stand_ins = {id(down): [wrong, fast], id(up): [slow]}
     monkeypatch.setattr(registry, "alternatives", lambda entry, limit=4: stand_ins.get(id(entry), []))
-    cost = {id(up): 0.0006, id(down): 0.0006, id(fast): 0.0001, id(wrong): 0.00005, id(slow): 0.0012}
+    # Milliseconds apart, so that a loaded CI machine's sleep overshoot cannot reorder them.
+    cost = {id(up): 0.003, id(down): 0.003, id(fast): 0.0005, id(wrong): 0.00025, id(slow): 0.006}
 
     class FakeGraph:
         """What the forward would capture: the problems' kernels as the registry has them now."""
@@ -332,7 +333,7 @@ def test_tune_kernels_keeps_a_faster_stand_in_only_if_its_output_matches(fake, m
 
         def replay(self, prepared, copy_output=True):
             # Early launch costs the up projection's default a lot: with PDL everywhere `slow` would win.
-            time.sleep(sum(cost[id(e)] for e in self.entries) + (0.0012 if self.pdl and up in self.entries else 0))
+            time.sleep(sum(cost[id(e)] for e in self.entries) + (0.006 if self.pdl and up in self.entries else 0))
             value = 2.0 if any(e is wrong for e in self.entries) else 1.0  # ReLU for GELU, say
             return Tensor.from_numpy(np.full((12, 32), value, np.float32), "cuda", "float16")
 
