@@ -7,9 +7,9 @@ runners-up a capture times in a default's place. Before such a kernel's first la
 verifies it on this GPU at the actual shape, the way a tuning job does (``kernels.verify``: fresh random
 inputs of every kind the op draws, poisoned outputs, guard bytes, a per-element tolerance), then runs it
 twice more without poisoning, as a forward runs it again and again (a bounded wait, then the same checks:
-what a tuning job's timed repetitions would have caught), and the registry
-uses it only if it passes (``runtime/registry.py``: a failed nearest kernel gives way to the default, a
-failed default to the next family's).
+what a tuning job's timed repetitions would have caught), and the registry uses it only if it passes
+(``runtime/registry.py``: a failed nearest kernel gives way to the default, a failed default to the next
+family's).
 
 Each outcome is recorded per GPU model under ``<cache_dir>/verified/<GPU name>/``, keyed by the cubin, its
 launches and the problem, so a later process on the same GPU model does not check again. A kernel that
@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernelmill.kernels.compile import CompiledKernel
+from kernelmill.kernels.device import DeviceFault
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import format_shape
-from kernelmill.kernels.verify import ReferenceCache, fresh_seeds, verify
+from kernelmill.kernels.variant import BoundVariant, Variant
+from kernelmill.kernels.verify import ReferenceCache, compare, fresh_seeds, verify
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +149,6 @@ class FirstUseChecks:
         return found
 
     def _run(self, entry: Any) -> tuple[Check, bool]:
-        from kernelmill.kernels.compile import CompiledKernel
-        from kernelmill.kernels.device import DeviceFault
-        from kernelmill.kernels.variant import BoundVariant, Variant
-
         spec = get_op(entry.op)
         variant = Variant(spec, spec.family(entry.family), dict(entry.params), entry.dtype, dict(entry.attrs))
         try:
@@ -171,9 +170,6 @@ class FirstUseChecks:
         workspaces poisoned in between, as a forward runs it again and again, still finishes within the
         timeout, writes nothing out of bounds and gives a right result; else why not. Split-k arrival counts
         that a launch leaves non-zero, or a kernel that waits on its own last output, fail only so."""
-        from kernelmill.kernels.device import DeviceFault
-        from kernelmill.kernels.verify import compare
-
         variant, shape = bound.variant, bound.shape
         _, reference = self._references.get(variant.op, shape, variant.dtype, variant.attrs, seed)
         try:
