@@ -473,13 +473,18 @@ def compare(store: Store, arch: str | None = None) -> dict[str, Any]:
             CompareRow(
                 shape_label(shape),
                 attrs,
-                [sorted(cells.get(dt, []), key=lambda k: k.arch) for dt in DTYPES],
+                [sorted(cells.get(dt, []), key=lambda k: (k.arch, k.device_name or "")) for dt in DTYPES],
                 prefill[(op, attrs)],
             )
             for (attrs, shape), cells in sorted(table[op].items(), key=lambda item: (item[0][0], item[0][1]))
         ]
         groups.append(CompareGroup(op, " x ".join(spec.dims) if spec else "", rows))
-    return {"groups": groups, "dtypes": DTYPES, "archs": archs, "arch": arch, "n_kernels": len(kernels)}
+    # Where kernels of several GPU models are served, each chip names its model (an H100's and an H200's kernel
+    # for one problem sit side by side).
+    models = len({k.device_name for k in kernels}) > 1
+    return {
+        "groups": groups, "dtypes": DTYPES, "archs": archs, "arch": arch, "n_kernels": len(kernels), "models": models,
+    }  # fmt: skip
 
 
 def speedup_style(speedup: float | None) -> str:

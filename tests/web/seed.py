@@ -83,6 +83,7 @@ def add_job(
     seed: int = 0,
     publish: bool = True,
     slowdown: float = 1.0,
+    device: str = DEVICE,
 ) -> int:
     """A finished job with trials, baselines and (unless ``publish`` is off) its served kernels; returns its id."""
     spec = get_op(op)
@@ -99,7 +100,7 @@ def add_job(
         state=state,
         error=error,
         worker=WORKER,
-        device_name=DEVICE,
+        device_name=device,
         created_at=now - timedelta(minutes=20 + seed),
         started_at=now - timedelta(minutes=19 + seed),
         finished_at=now - timedelta(minutes=2 + seed),
@@ -108,7 +109,7 @@ def add_job(
     for shape in shapes:
         key = format_shape(tuple(shape))
         base = baseline_ms * (1 + 0.1 * rng.random())
-        store.record_baseline(job.id, key, base, DEVICE)
+        store.record_baseline(job.id, key, base, device)
         rows = []
         cands = _candidates(op, dtype, trials_per_shape)
         for i, (family, params) in enumerate(cands):

@@ -265,6 +265,22 @@ def test_compare_grid(seeded):
     assert "No kernel served for sm_75" in _text(seeded.get("/compare?arch=sm_75").text)
 
 
+def test_compare_names_the_gpu_model_of_each_chip_where_there_are_several(tmp_path):
+    from tests.web.conftest import make_client
+
+    store = Store(f"sqlite:///{tmp_path}/web.db")
+    try:
+        add_job(store, "softmax", [[4096, 4096]], "float16", trials_per_shape=4, seed=1)
+        add_job(store, "softmax", [[4096, 4096]], "float16", trials_per_shape=4, seed=2, device="NVIDIA H100 PCIe")
+    finally:
+        store.close()
+    client, _ = make_client(tmp_path, seed=False)
+    with client:
+        html = client.get("/compare").text
+    chips = re.findall(r'<a class="cell-chip"[^>]*>(.*?)</a>', html, re.S)
+    assert len(chips) == 2 and sum("H100 PCIe" in c for c in chips) == 1, chips
+
+
 def test_a_tf32_kernels_roofline_uses_the_tf32_matrix_rate(tmp_path):
     from kernelmill.service.db.models import Job, Kernel
     from tests.web.conftest import make_client
