@@ -66,6 +66,16 @@ class Check:
         used = f" {self.allowance_used:.2f}" if self.allowance_used is not None else ""
         return f"{where}{used}"
 
+    def sentence(self) -> str:
+        """The same for a log line, in words."""
+        where = "by an earlier process on this GPU model" if self.recorded else "here"
+        if not self.ok:
+            return f"failed its first-use check ({where})"
+        used = ""
+        if self.allowance_used is not None:
+            used = f", its worst element at {self.allowance_used:.2f} of its error allowance"
+        return f"checked at first use {where}{used}"
+
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path`` (readers never see half a

@@ -392,7 +392,7 @@ class KernelRegistry:
             what += " " + " ".join(f"{k}={v}" for k, v in sorted(entry.attrs.items()))
         knobs = " ".join(f"{k}={v}" for k, v in entry.params.items())
         if entry.checked is not None:
-            knobs += f", checked at first use: {entry.checked.describe()}"
+            knobs += f", {entry.checked.sentence()}"
         if entry.source == DEFAULT:
             why = f" ({entry.note})" if entry.note else ""
             log.info("runtime: %s: default %s %s%s", what, entry.family, knobs, why)
