@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlencode
 from weakref import WeakKeyDictionary
@@ -16,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import SpecError
+from kernelmill.kernels.ops.base import SpecError, format_shape
 from kernelmill.service.api.deps import get_store
 from kernelmill.service.api.schemas import BestKernelOut, KernelId, KernelOut, KernelSummary, Offset, Page, problems
 from kernelmill.service.db.models import Kernel
@@ -253,7 +254,8 @@ async def best_kernel(
         spec = get_op(op)
         spec.check_dtype(dtype)
         dims = spec.parse_shape(shape)
-        attrs = spec.resolve_attrs(query_attrs(attr, act))
+        given_attrs = query_attrs(attr, act)
+        attrs = spec.resolve_attrs(given_attrs)
         precision = served_precision(spec, dtype, precision)
     except SpecError as exc:
         raise HTTPException(422, detail=str(exc)) from None
@@ -271,17 +273,76 @@ async def best_kernel(
         if out is not None:
             cache.put(store, generation, cache.kernels, found[0], out)
     if out is None:  # none served (or, never in practice, deleted since its shape was read)
-        where = f" for {arch}" if arch else ""
-        given = f" with {' '.join(f'{k}={v}' for k, v in sorted(attrs.items()))}" if attrs else ""
-        computed = f" computed in {precision}" if precision != dtype else ""
-        raise HTTPException(
-            status.HTTP_404_NOT_FOUND,
-            detail=f"no tuned {op} kernel for {dtype}{computed}{where}{given} at any shape; submit a job to tune one",
-        )
+        served_problems = await run_in_threadpool(store.served_problems, op)
+        detail = best_miss(op, dims, dtype, precision, arch, attrs, set(given_attrs), served_problems)
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=detail)
     answer = BestKernelOut.model_construct(**dict(out), exact=found[1], requested_shape=list(dims))
     body = answer.model_dump_json().encode()
     cache.put(store, generation, cache.answers, request.scope["query_string"], body)
     return Response(body, media_type="application/json")
+
+
+def best_miss(
+    op: str,
+    dims: tuple[int, ...],
+    dtype: str,
+    precision: str,
+    arch: str | None,
+    attrs: dict[str, Any],
+    given: set[str],
+    served: list[tuple[str, str, str, dict[str, Any]]],
+) -> str:
+    """The 404 detail of a best-kernel lookup that found nothing: what was asked (attributes the query left to
+    the op's defaults marked so), and the first part of it that no served kernel of ``op`` matches, with what is
+    served there instead (``served``: Store.served_problems)."""
+    named = [f"{k}={v}" + ("" if k in given else " (the default)") for k, v in sorted(attrs.items())]
+    computed = f" computed in {precision}" if precision != dtype else ""
+    asked = f"{op} {format_shape(dims)} {dtype}{computed}" + (f" for {arch}" if arch else "")
+    asked += f" with {', '.join(named)}" if named else ""
+    reason = _first_mismatch(op, dtype, precision, arch, attrs, served)
+    because = f": {reason}" if reason else ""
+    return f"no tuned kernel for {asked}, at this or any other shape{because}; submit a job to tune one"
+
+
+def _first_mismatch(
+    op: str,
+    dtype: str,
+    precision: str,
+    arch: str | None,
+    attrs: dict[str, Any],
+    served: list[tuple[str, str, str, dict[str, Any]]],
+) -> str | None:
+    """Narrows ``served`` by dtype, precision, arch (where asked) and attributes, in that order; says where
+    nothing is left and what was there."""
+    if not served:
+        return f"no {op} kernel is served yet"
+
+    def only(values: Iterable[str]) -> str:
+        shown = sorted(set(values))
+        more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+        return ", ".join(shown[:5]) + more + " only"
+
+    left = [p for p in served if p[0] == dtype]
+    if not left:
+        return f"{op} kernels are served in {only(p[0] for p in served)}"
+    matching = [p for p in left if p[1] == precision]
+    if not matching:
+        return f"{op} {dtype} kernels are served computed in {only(p[1] for p in left)}"
+    left = matching
+    if arch:
+        matching = [p for p in left if p[2] == arch]
+        if not matching:
+            return f"{op} {dtype} kernels are served for {only(p[2] for p in left)}"
+        left = matching
+    if all(p[3] != attrs for p in left):
+        return f"{op} {dtype} kernels are served with {only(_other_attrs(p[3], attrs) for p in left)}"
+    return None
+
+
+def _other_attrs(served: dict[str, Any], asked: dict[str, Any]) -> str:
+    """The attributes of a served kernel where they differ from those asked for (or those it lacks)."""
+    differing = [f"{k}={v}" for k, v in sorted(served.items()) if k not in asked or asked[k] != v]
+    return " ".join(differing) or "no " + ", ".join(sorted(set(asked) - set(served)))
 
 
 def served_precision(spec, dtype: str, precision: str | None) -> str:

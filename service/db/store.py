@@ -556,6 +556,14 @@ class Store:
             rows = s.execute(select(*columns).where(*problem).order_by(Kernel.id))
             return [Served(kernel_id, list(shape), device, speedup) for kernel_id, shape, device, speedup in rows]
 
+    def served_problems(self, op: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """The problems ``op`` has kernels served for, each once: (dtype, precision, arch, attributes), sorted;
+        what a best-kernel lookup that missed is told it could have asked for."""
+        columns = (Kernel.dtype, Kernel.precision, Kernel.arch, Kernel.attrs_key)
+        with self.session() as s:
+            rows = s.execute(select(*columns).where(Kernel.op == op).distinct()).all()
+        return [(dtype, precision, arch, json.loads(key)) for dtype, precision, arch, key in sorted(set(rows))]
+
     def best_kernel(
         self,
         op: str,

@@ -171,3 +171,41 @@ def test_a_failed_warm_up_does_not_stop_the_service(tmp_path, monkeypatch):
     with make_client(tmp_path) as client:
         assert client.get("/api/health").status_code == 200
         assert best(client, "op=softmax&shape=64x64&dtype=float16").status_code == 404
+
+
+def test_a_miss_names_what_was_asked_and_the_first_part_nothing_served_matches(client):
+    miss = best(client, "op=layernorm&shape=256x1024&dtype=float16&attr=eps:1e-05")
+    assert miss.status_code == 404
+    assert miss.json()["detail"] == (
+        "no tuned kernel for layernorm 256x1024 float16 with eps=1e-05, at this or any other shape: "
+        "no layernorm kernel is served yet; submit a job to tune one"
+    )
+    tune(client, "layernorm", [256, 1024], {"eps": "1e-05"})  # the fake workers' GPU is an sm_90
+    detail = {
+        query: best(client, f"op=layernorm&shape=256x1024&{query}").json()["detail"]
+        for query in ("dtype=float16", "dtype=float32&attr=eps:1e-05", "dtype=float16&attr=eps:1e-05&arch=sm_80")
+    }
+    # An attribute left to the op's default says so, and what the served kernels have instead.
+    assert detail["dtype=float16"].startswith("no tuned kernel for layernorm 256x1024 float16 with eps=1e-12 (the ")
+    assert detail["dtype=float16"].endswith(
+        ": layernorm float16 kernels are served with eps=1e-05 only; submit a job to tune one"
+    )
+    assert ": layernorm kernels are served in float16 only;" in detail["dtype=float32&attr=eps:1e-05"]
+    sm_80 = detail["dtype=float16&attr=eps:1e-05&arch=sm_80"]
+    assert (
+        "float16 for sm_80 with eps=1e-05," in sm_80
+        and ": layernorm float16 kernels are served for sm_90 only;" in sm_80
+    )
+    # The runtime's client reads any 404 as "no served kernel": the answer for what is served is unchanged.
+    assert best(client, "op=layernorm&shape=256x1024&dtype=float16&attr=eps:1e-05").status_code == 200
+
+
+def test_a_miss_on_precision_names_the_precisions_served(client):
+    store = client.app.state.store
+    job = new_job(store, op="matmul", shapes=[(256, 256, 256)], dtype="float32", state="done")
+    publish(store, job, (256, 256, 256), 0.2, family="tensorcore")  # TF32: served as precision tf32
+    miss = best(client, "op=matmul&shape=256x256x256&dtype=float32")
+    assert miss.status_code == 404
+    assert ": matmul float32 kernels are served computed in tf32 only;" in miss.json()["detail"]
+    tf32 = best(client, "op=matmul&shape=64x64x64&dtype=float32&precision=tf32&arch=sm_80").json()["detail"]
+    assert tf32.startswith("no tuned kernel for matmul 64x64x64 float32 computed in tf32 for sm_80, at this or any")

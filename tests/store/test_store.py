@@ -363,6 +363,20 @@ def test_best_kernel_exact_then_nearest(store):
     assert store.best_kernel("fused_mlp", (64, 256, 1024, 256), "float16", None, {"act": "gelu_erf"}) is None
 
 
+def test_served_problems_lists_each_problem_of_an_op_once(store):
+    assert store.served_problems("fused_mlp") == []
+    relu = new_job(store, op="fused_mlp", shapes=[(64, 256, 1024, 256), (8, 256, 1024, 256)], attrs={"act": "relu"})
+    for shape in relu.shapes:
+        publish(store, relu, shape, 1.0)  # two shapes of one problem: listed once
+    gelu = new_job(store, op="fused_mlp", shapes=[(64, 256, 1024, 256)], dtype="float32", attrs={"act": "gelu_erf"})
+    publish(store, gelu, (64, 256, 1024, 256), 1.0)
+    publish(store, new_job(store), (1024, 1024), 1.0)  # another op's: not listed
+    assert store.served_problems("fused_mlp") == [
+        ("float16", "float16", "sm_90", {"act": "relu"}),
+        ("float32", "float32", "sm_90", {"act": "gelu_erf"}),
+    ]
+
+
 def test_devices_upsert(store):
     store.upsert_device("gpu0", name="H100", arch="sm_90", sm_count=132, matrix_tflops={"float16": 700.0})
     store.upsert_device("gpu0", name="H100", arch="sm_90", copy_gbps=3000.0)
