@@ -199,6 +199,20 @@ def test_tune_model_bad_input_is_one_line_and_exit_2(args, message, monkeypatch)
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("server", [[], ["--server", SERVER]])
+def test_tune_model_names_a_config_json_it_cannot_parse(tmp_path, server, monkeypatch):
+    """Checked before anything is submitted: with a server given, nothing reaches it (SERVER answers nothing)."""
+    monkeypatch.delenv("KERNELMILL_SERVER", raising=False)
+    config = tmp_path / "config.json"
+    config.write_text("{not json")
+    dry_run = [] if server else ["--dry-run"]
+    result = CliRunner().invoke(app, ["tune-model", str(tmp_path), *dry_run, *server])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines == [f"error: {config} is not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+                     "column 2 (char 1))"], result.output  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("body", "argv", "message"),
     [
