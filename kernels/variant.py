@@ -59,7 +59,7 @@ class Variant:
             from kernelmill.kernels.arch import default_arch
 
             arch = default_arch()
-        return (compiler or Compiler()).compile(self.source, self.family.target(normalize_arch(arch)))
+        return (compiler or Compiler()).compile(self.source, self.family.target(normalize_arch(arch), self.params))
 
     def check_shape(self, shape: tuple[int, ...]) -> str | None:
         return self.family.check_shape(shape, self.params, self.dtype)

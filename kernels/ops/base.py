@@ -217,14 +217,21 @@ class Family(ABC):
     #: once where they are allocated and never poisoned (a kernel resets each count it finishes with).
     counter_workspaces: tuple[str, ...] = ()
 
-    def target(self, arch: str) -> str:
+    def needs_sm90(self, params: Mapping[str, Any]) -> str | None:
+        """What in ``params`` needs sm_90 or newer (thread-block clusters, TMA), in words; None if nothing does."""
+        return None
+
+    def target(self, arch: str, params: Mapping[str, Any] | None = None) -> str:
         """The nvcc target for this family on GPU ``arch`` ("sm_90" -> "sm_90a" where the family needs the suffix).
 
         Arch-specific (``a``) instructions such as wgmma exist on sm_90 alone, so such a family has no target
-        on any other GPU: SpecError says so, rather than nvcc failing on a target like compute_80a."""
+        on any other GPU, nor do ``params`` that need sm_90 (``needs_sm90``) on an older one: SpecError says
+        so, rather than nvcc failing on a target like compute_80a or on the template's #error."""
         base = base_arch(arch)
         if reason := too_old(base):
             raise SpecError(reason)
+        if params is not None and int(base.removeprefix("sm_")) < 90 and (why := self.needs_sm90(params)):
+            raise SpecError(f"family {self.name} {why}: it runs on sm_90 or newer, not {base}")
         if not self.arch_suffix:
             return arch
         if base != "sm_90":

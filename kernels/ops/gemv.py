@@ -69,6 +69,11 @@ class GemvFamily(Family):
     def precision(self, dtype):
         return dtype  # fp32 stays fp32 (FMA engine only); 16-bit inputs accumulate in fp32 either way
 
+    def needs_sm90(self, params: Mapping[str, Any]) -> str | None:
+        if params.get("k_splits", 1) > 1:
+            return f"with k_splits={params['k_splits']} shares a column strip between blocks of a thread-block cluster"
+        return None
+
     # -- geometry ---------------------------------------------------------------------------------
 
     @staticmethod

@@ -67,6 +67,9 @@ class Persistent(Family):
     def defaults(self, dtype):
         return {"max_m": 1, "threads": 768, "rows": 32, "stages": 8}
 
+    def needs_sm90(self, params):
+        return "streams its weights with TMA and mbarriers"
+
     def shape_defaults(self, shape, dtype) -> dict:
         """The defaults with max_m the batch rounded up, and as deep a ring as shared memory holds."""
         params = dict(self.defaults(dtype))

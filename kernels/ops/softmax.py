@@ -139,6 +139,11 @@ class BlockRow(Family):
     def cluster(self, params: Mapping[str, Any]) -> int:
         return self.cluster_size
 
+    def needs_sm90(self, params: Mapping[str, Any]) -> str | None:
+        if (blocks := self.cluster(params)) > 1:
+            return f"shares a row between {blocks} blocks of a thread-block cluster"
+        return None
+
     def context(self, params, dtype, attrs):
         return {
             "min_blocks": min_blocks(params["threads"], params),

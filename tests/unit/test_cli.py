@@ -41,6 +41,12 @@ def test_render_prints_source_with_params():
         (["compile", "softmax", "-f", "warp_row", "--arch", "hopper"], "malformed arch"),
         (["compile", "matmul", "-f", "wgmma", "--arch", "sm_80"], "family wgmma uses sm_90a instructions"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "sm_70"], "kernelmill's kernels need sm_80 or newer"),
+        (["compile", "softmax", "-f", "cluster_row", "--arch", "sm_80"], "cluster_row shares a row between 8 blocks"),
+        (
+            ["compile", "matmul", "-f", "gemv", "-p", "k_splits=2", "--arch", "sm_86"],
+            "runs on sm_90 or newer, not sm_86",
+        ),
+        (["compile", "mlp_stack", "-f", "persistent", "--arch", "sm_89"], "persistent streams its weights with TMA"),
         (["render", "matmul", "-f", "simt", "-p", "BM=64", "-p", "BM=128"], "--param BM given twice"),
         (["jobs", "--state", "finished"], "unknown state 'finished'; use one of queued"),
         (["jobs", "--limit", "0"], "--limit 0 is out of range 1..500"),

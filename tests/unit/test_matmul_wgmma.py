@@ -37,6 +37,16 @@ def test_its_target_is_sm_90a_and_no_other_gpu_has_one():
     assert MATMUL.family("tensorcore").target("sm_80") == "sm_80"  # a family with no suffix: the GPU's own arch
 
 
+def test_parameters_that_need_sm_90_have_no_older_target():
+    gemv = MATMUL.family("gemv")
+    split = gemv.resolve({"k_splits": 4}, "float16")
+    with pytest.raises(SpecError, match="gemv with k_splits=4 shares a column strip .* not sm_80"):
+        gemv.target("sm_80", split)
+    assert gemv.target("sm_90", split) == "sm_90"
+    assert gemv.target("sm_80", gemv.resolve({"k_splits": 1}, "float16")) == "sm_80"
+    assert gemv.target("sm_80") == "sm_80"  # without parameters: only what the whole family needs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_space_is_valid_and_moderate(dtype):
     space = list(WGMMA.space(dtype))
