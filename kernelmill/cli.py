@@ -376,9 +376,27 @@ def _print_bench(report: dict[str, Any]) -> None:
 
 # -- service commands ----------------------------------------------------------------------
 
+
+def _server_option(value: str | None) -> str | None:
+    """--server (or KERNELMILL_SERVER) checked as it is parsed: a malformed URL is one line and exit 2."""
+    from kernelmill.client import ServerError, server_url
+
+    if not value:
+        return None
+    try:
+        return server_url(value)
+    except ServerError as exc:
+        raise fail(str(exc)) from None
+
+
 ServerOpt = Annotated[
     str | None,
-    typer.Option("--server", envvar="KERNELMILL_SERVER", help="kernelmill service URL, e.g. http://127.0.0.1:8000"),
+    typer.Option(
+        "--server",
+        envvar="KERNELMILL_SERVER",
+        callback=_server_option,
+        help="kernelmill service URL, e.g. http://127.0.0.1:8000",
+    ),
 ]
 
 

@@ -22,6 +22,19 @@ class ServerError(ValueError):
         self.unreachable = unreachable
 
 
+def server_url(url: str) -> str:
+    """``url`` without a trailing slash where it is an http(s) URL with a host; ServerError says what is wrong
+    otherwise (a bare ``host:port`` reads as a scheme, a broken port or bracket does not parse)."""
+    hint = "give it as http://HOST:PORT, e.g. http://127.0.0.1:8000"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ServerError(f"malformed server URL {url!r} ({exc}): {hint}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ServerError(f"malformed server URL {url!r}: {hint}")
+    return url.rstrip("/")
+
+
 def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
     """The JSON the server answers, checked against ``expect`` (a type of the API's schemas) where given: a
     ServerError says when it is not JSON or not what the API answers (another service on that port, a proxy)."""

@@ -91,6 +91,18 @@ def test_an_unreachable_server_is_one_line_and_exit_3():
     assert "cannot reach http://127.0.0.1:9/api/jobs" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "localhost:8000", "http://"])
+def test_a_malformed_server_url_is_one_line_and_exit_2(url, monkeypatch):
+    for argv in (["jobs", "--server", url], ["kernels", "--server", url], [*TUNE_MODEL, "--server", url]):
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 2, result.output
+        assert f"malformed server URL {url!r}" in result.output and "http://HOST:PORT" in result.output
+        assert "Traceback" not in result.output
+    monkeypatch.setenv("KERNELMILL_SERVER", url)  # the same URL from the environment
+    result = CliRunner().invoke(app, ["jobs"])
+    assert result.exit_code == 2 and "malformed server URL" in result.output
+
+
 def test_a_server_that_cannot_list_its_workers_still_has_its_job_followed(serve, monkeypatch):
     serve(workers=1)
     routed = httpx.request
