@@ -459,13 +459,15 @@ class KernelRegistry:
         try:
             fam = spec.family(family)
             resolved = fam.resolve(params, dtype)
+            # Attributes this version does not know or allow (another version's op): not this problem's kernel.
+            served_resolved = spec.resolve_attrs(served_attrs or {})
         except SpecError as exc:
             return f"served kernel is not valid in this version: {exc}"
         # Each served value must resolve to itself; a parameter the served kernel predates takes this version's
         # default, which keeps the kernel it was (new parameters default to the old behaviour).
         if any(resolved[name] != value for name, value in params.items()):
             return "served parameters differ from this version's family"
-        if not _same_attrs(spec.resolve_attrs(served_attrs or {}), attrs):
+        if not _same_attrs(served_resolved, attrs):
             return f"served kernel has attrs {served_attrs}, this problem needs {attrs}"
         reason = self._family_ok(fam, dtype) or fam.check_shape(shape, params, dtype)
         return reason
@@ -500,7 +502,7 @@ class KernelRegistry:
             cubin = cubin_path.read_bytes()
         except (OSError, ValueError):
             return None
-        wrong = _wrong_fields(meta, _CACHED_FIELDS)
+        wrong = _wrong_fields(meta, _CACHED_FIELDS) or _wrong_cached(meta, shape)
         if wrong:  # a cache: a damaged entry is passed over (and replaced when the service serves one)
             notes.append(f"local cache entry unusable: {wrong}")
             return None
@@ -639,6 +641,7 @@ class KernelRegistry:
                 return None
             if resp.status_code == 200:
                 served, wrong = _record(resp, _SERVED_FIELDS)
+                wrong = wrong or _wrong_rank(served, "shape", shape)
                 if wrong:
                     notes.append(f"service answered an unusable kernel ({wrong})")
                     log.warning("runtime: %s %s: the service's answer is unusable: %s", spec.name, shape, wrong)
@@ -963,6 +966,21 @@ def _wrong_fields(record: Any, fields: dict[str, type]) -> str | None:
     if not all(isinstance(launch, dict) and isinstance(launch.get("entry"), str) for launch in launches):
         return f"launches is {launches!r}"
     return None
+
+
+def _wrong_rank(record: dict[str, Any], name: str, shape: Sequence[int]) -> str | None:
+    """Why ``record[name]``, a shape, cannot stand for a problem of ``shape``: another rank."""
+    if len(record[name]) != len(shape):
+        return f"{name} is {record[name]!r}, of rank {len(record[name])}, for a problem of rank {len(shape)}"
+    return None
+
+
+def _wrong_cached(meta: dict[str, Any], shape: Sequence[int]) -> str | None:
+    """Why a local cache entry (fields checked) cannot be trusted for ``shape``: a source other than the two a
+    served kernel has (``tuned`` skips the first-use check), or a served shape of another rank."""
+    if meta["source"] not in (TUNED, NEAREST):
+        return f"source is {meta['source']!r}, not {TUNED!r} or {NEAREST!r}"
+    return _wrong_rank(meta, "served_shape", shape)
 
 
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:

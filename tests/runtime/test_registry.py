@@ -179,6 +179,10 @@ def test_the_service_revalidates_the_local_cache(tmp_path):
         (json.dumps(_fused_kernel(shape=[4, "64", 128, 64])).encode(), "shape is [4, '64', 128, 64]"),
         (json.dumps(_fused_kernel(median_ms="fast")).encode(), "median_ms is 'fast'"),
         (json.dumps(_fused_kernel(launches=[{"name": 1}])).encode(), "launches is [{'name': 1}]"),
+        (
+            json.dumps(_fused_kernel(shape=[4, 64, 128])).encode(),
+            "shape is [4, 64, 128], of rank 3, for a problem of rank 4",
+        ),
     ],
 )
 def test_an_unusable_answer_from_the_service_is_logged_and_the_default_used(tmp_path, caplog, body, why):
@@ -206,6 +210,51 @@ def test_a_damaged_local_cache_entry_is_passed_over(tmp_path, damage):
     metas[0].write_text(damage)
     with pytest.raises(_Compiled):  # no KeyError / TypeError: the default variant is compiled instead
         KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile()).get(*problem)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "why"),
+    [
+        ({"act": "gelu_erf", "foo": 1}, "op fused_mlp has no attribute 'foo'; its attributes: act"),
+        ({"act": "gelu_fast"}, "attribute act='gelu_fast' is not allowed; choose one of "),
+    ],
+)
+def test_a_served_kernel_with_attributes_this_version_does_not_accept_is_passed_over(tmp_path, attrs, why):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    kernel = _fused_kernel(exact=True, attrs=attrs)
+    reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    assert reg.find(*problem) is None  # was SpecError out of find(), so out of a forward
+    reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    entry = reg.get(*problem)
+    assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+    assert entry.note.startswith("served kernel #7 not used: served kernel is not valid in this version: " + why)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("attrs", {"act": "gelu_erf", "foo": 1}, "op fused_mlp has no attribute 'foo'; its attributes: act"),
+        ("attrs", {"act": "gelu_fast"}, "served kernel is not valid in this version: attribute act='gelu_fast'"),
+        ("source", "bogus", "source is 'bogus', not 'tuned' or 'nearest'"),
+        ("source", "default", "source is 'default', not 'tuned' or 'nearest'"),
+        ("served_shape", [4, 64], "served_shape is [4, 64], of rank 2, for a problem of rank 4"),
+    ],
+)
+def test_a_local_cache_entry_this_version_cannot_trust_is_passed_over(tmp_path, field, value, why):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    client = _mock_service(_fused_kernel(exact=True), [])
+    KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
+    (meta_path,) = (tmp_path / "served").rglob("*.json")
+    meta = json.loads(meta_path.read_text())
+    assert meta["source"] == TUNED
+    meta_path.write_text(json.dumps({**meta, field: value}))
+
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    assert offline.find(*problem) is None  # neither a SpecError nor a kernel trusted as tuned
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_Recompile())
+    entry = offline.get(*problem)
+    assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+    assert entry.note.startswith("local cache entry unusable: ") and why in entry.note
 
 
 class _Recompile:
