@@ -308,9 +308,11 @@ def from_torch(t: Any) -> Tensor:
     """A runtime Tensor over a torch tensor's memory (no copy); the torch tensor stays alive with it.
 
     CUDA tensors become "cuda" tensors, CPU tensors "cpu" ones. Non-contiguous tensors are refused
-    (call .contiguous() first: that is a copy, and it should be visible)."""
+    (call .contiguous() first: that is a copy, and it should be visible). A tensor that requires grad is
+    wrapped through ``detach()``, a view of the same memory: the runtime computes no gradients."""
     import torch
 
+    t = t.detach()  # no copy; torch refuses .numpy() on a tensor that requires grad
     if not t.is_contiguous():
         raise ValueError("from_torch needs a contiguous tensor (call .contiguous() first)")
     dtype = str(t.dtype).removeprefix("torch.")

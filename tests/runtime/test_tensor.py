@@ -7,6 +7,7 @@ import gc
 import numpy as np
 import pytest
 
+from kernelmill import runtime
 from kernelmill.runtime import Tensor, dlpack, from_numpy, from_torch, to_torch
 from kernelmill.runtime.tensor import as_tensor, numpy_dtype
 
@@ -103,3 +104,23 @@ def test_as_tensor_accepts_torch_lists_and_tensors():
     assert d.dtype == "float32" and d.numpy().tolist() == [0.5, 1.5]
     with pytest.raises(TypeError, match="unsupported torch dtype torch.float64"):
         from_torch(torch.zeros(2, dtype=torch.float64))
+
+
+def test_a_torch_tensor_that_requires_grad_is_wrapped_without_a_copy():
+    grad = torch.arange(6, dtype=torch.float32).reshape(2, 3).requires_grad_()
+    t = from_torch(grad)  # was RuntimeError: Can't call numpy() on Tensor that requires grad
+    assert t.ptr == grad.data_ptr() and t.shape == (2, 3) and t.dtype == "float32"
+    with torch.no_grad():
+        grad[1, 2] = 40
+    assert float(t.numpy()[1, 2]) == 40.0  # the same memory
+    assert as_tensor(grad).ptr == grad.data_ptr()
+    double = as_tensor(torch.ones(2, dtype=torch.float64, requires_grad=True))
+    assert double.dtype == "float32" and double.numpy().tolist() == [1.0, 1.0]
+
+
+def test_a_model_runs_on_a_torch_input_that_requires_grad():
+    model = runtime.Model(runtime.nn.Sequential(runtime.nn.MLP.random(16, 48, 16, "gelu_tanh")), device="cpu")
+    x = torch.randn(2, 16, requires_grad=True)
+    out = model(x)
+    assert out.shape == (2, 16)
+    np.testing.assert_array_equal(out.numpy(), model(x.detach().numpy()).numpy())
