@@ -344,6 +344,8 @@ class Model:
             dtype = "float16" if device == "cuda" else "float32"
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(FLOAT_DTYPES)}")
+        #: The dtype asked for, which the CPU path computes in float32: what tune_model tunes kernels of.
+        self.requested_dtype = dtype
         if device == "cpu" and dtype != "float32":
             log.info("runtime: the CPU path computes in float32 (asked for %s)", dtype)
             dtype = "float32"
