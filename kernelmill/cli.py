@@ -682,7 +682,7 @@ def tune_model(
     from kernelmill.runtime import Model
     from kernelmill.runtime import tune_model as submit
     from kernelmill.runtime.profile import ForwardSpec, build_module, example_inputs
-    from kernelmill.runtime.tune import model_problems
+    from kernelmill.runtime.tune import model_problems, submit_timeout
 
     spec = ForwardSpec(model, preset, batch, seq, dtype, act)
     spec.check()
@@ -703,7 +703,7 @@ def tune_model(
         if dry_run:
             problems = model_problems(cpu_model, *inputs)
         else:
-            with httpx.Client(base_url=base, timeout=30.0) as client:
+            with httpx.Client(base_url=base, timeout=submit_timeout()) as client:
                 tuning = dict(dtype=dtype, strategy=strategy, trials=budget, seconds=seconds, client=client)
                 jobs = submit(cpu_model, inputs, **tuning)
     if dry_run:

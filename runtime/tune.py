@@ -13,6 +13,18 @@ log = logging.getLogger(__name__)
 #: Shapes per job (the service's default KERNELMILL_MAX_SHAPES).
 MAX_SHAPES_PER_JOB = 32
 
+#: Seconds to connect to the service: a host that does not answer fails fast.
+CONNECT_TIMEOUT_S = 3.0
+#: Seconds the service may take to answer a submission (it validates and stores the job), per read.
+SUBMIT_TIMEOUT_S = 15.0
+
+
+def submit_timeout():
+    """The httpx timeout of job submissions: ``CONNECT_TIMEOUT_S`` to connect, ``SUBMIT_TIMEOUT_S`` otherwise."""
+    import httpx
+
+    return httpx.Timeout(SUBMIT_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+
 
 class TuneError(ValueError):
     """The service could not be reached or refused a job. ``jobs``: the jobs it had created before (they run
@@ -43,6 +55,23 @@ def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, t
     return list(seen)
 
 
+def _created_job(resp: Any) -> tuple[dict[str, Any] | None, str]:
+    """(the job a submission's 2xx answer holds, or None and what the answer is instead)."""
+    try:
+        job = resp.json()
+    except ValueError:
+        return None, "something that is not JSON"
+    if not isinstance(job, dict):
+        return None, f"a JSON {type(job).__name__}, not a job"
+    if "id" not in job:
+        return None, "a JSON object without an id, not a job"
+    return job, ""
+
+
+def _excerpt(text: str, limit: int = 80) -> str:
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def tune_model(
     model: Any,
     sample_input: Any,
@@ -57,12 +86,32 @@ def tune_model(
     **forward_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Runs one forward on ``sample_input`` (a tuple for several inputs) to collect the model's problems,
-    then POSTs one /api/jobs per (op, dtype, attrs) with its shapes. ``dtype`` overrides the problems'
-    dtype (e.g. tune float16 kernels from a float32 CPU run). Returns the created jobs."""
+    then POSTs one /api/jobs per (op, dtype, attrs) with its shapes. Returns the created jobs.
+
+    ``dtype`` overrides the problems' dtype (e.g. tune float16 kernels from a float32 CPU run). Without it, a
+    Model loaded for another dtype than its CPU forward computes in (``load_model(..., device="cpu",
+    dtype="float16")`` runs in float32) is tuned in the dtype it was loaded for.
+
+    A client of its own (``server`` or KERNELMILL_SERVER) connects within ``CONNECT_TIMEOUT_S`` (3 s) and waits
+    ``SUBMIT_TIMEOUT_S`` (15 s) per read for each answer. The first failure stops: a TuneError (``jobs``: those
+    created before it) where the service cannot be reached, refuses a job, or answers one with something that
+    is not a job."""
     import httpx
 
+    from kernelmill.runtime.models import Model
     from kernelmill.settings import get_settings
 
+    if dtype is None and isinstance(model, Model):
+        asked = getattr(model, "requested_dtype", model.dtype)
+        if asked != model.dtype:
+            log.info(
+                "runtime: tuning %s kernels, the dtype the model was loaded for (its %s forward computes %s); "
+                "dtype= tunes another",
+                asked,
+                model.device,
+                model.dtype,
+            )
+            dtype = asked
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     problems = model_problems(model, *inputs, **forward_kwargs)
     groups: dict[tuple, list[list[int]]] = {}
@@ -77,7 +126,7 @@ def tune_model(
     if own_client:
         if not base:
             raise ValueError("tune_model needs a server (argument or KERNELMILL_SERVER)")
-        client = httpx.Client(base_url=base, timeout=30.0)
+        client = httpx.Client(base_url=base, timeout=submit_timeout())
     token = get_settings().api_token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     jobs: list[dict[str, Any]] = []
@@ -100,7 +149,12 @@ def tune_model(
                     raise TuneError(f"cannot reach the service at {where}: {exc}", jobs, unreachable=True) from None
                 if resp.status_code >= 400:
                     raise TuneError(f"the service refused the {op} job ({resp.status_code}): {resp.text}", jobs)
-                job = resp.json()
+                job, instead = _created_job(resp)
+                if job is None:
+                    raise TuneError(
+                        f"the service answered the {op} job ({resp.status_code}) with {instead}: {_excerpt(resp.text)}",
+                        jobs,
+                    )
                 shown = len(body["shapes"])
                 log.info("runtime: submitted job %s: %s %s x%d shapes", job.get("id"), op, job_dtype, shown)
                 jobs.append(job)

@@ -187,6 +187,35 @@ def test_tune_model_without_following_and_stopped_watching(serve, job_client, mo
     assert [tc.get(f"/api/jobs/{i}").json()["state"] for i in (7, 12)] == ["queued", "queued"]
 
 
+def test_tune_model_names_an_answer_that_is_not_a_job_in_one_line(monkeypatch):
+    """A proxy's page where the service should be: one line, exit 2 (was 'error: Expecting value: line 1 ...')."""
+    timeouts = []
+
+    class Garbling:
+        base_url = SERVER
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def post(self, path, **kw):
+            return httpx.Response(200, content=b"<html>oops</html>")
+
+    def client(base_url, timeout):
+        timeouts.append(timeout)
+        return Garbling()
+
+    monkeypatch.setattr(httpx, "Client", client)
+    result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: the service answered the embedding job (200) with something that is not JSON: '<html>oops</html>'"
+    ]
+    assert [(t.connect, t.read) for t in timeouts] == [(3.0, 15.0)]  # a host that does not answer fails fast
+
+
 def test_tune_model_dry_run_lists_the_problems_without_a_server():
     result = CliRunner().invoke(app, [*TUNE_MODEL, "--dry-run", "-d", "bfloat16"])
     assert result.exit_code == 0, result.output

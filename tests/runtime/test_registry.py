@@ -641,3 +641,74 @@ def test_tune_model_failures_name_the_jobs_already_submitted(service, tmp_path):
     with pytest.raises(runtime.TuneError, match="cannot reach the service at http://127.0.0.1:9") as unreachable:
         runtime.tune_model(model, ids, server="http://127.0.0.1:9", dtype="float16")
     assert unreachable.value.jobs == []
+
+
+@pytest.mark.parametrize(
+    ("body", "what"),
+    [
+        (b"<html>oops</html>", "something that is not JSON: '<html>oops</html>'"),
+        (b"[1, 2]", "a JSON list, not a job: '[1, 2]'"),
+        (b'{"detail": "ok"}', """a JSON object without an id, not a job: '{"detail": "ok"}'"""),
+        (b"x" * 100, f"something that is not JSON: '{'x' * 80}'..."),
+    ],
+)
+def test_tune_model_names_an_answer_that_is_not_a_job_and_the_jobs_before_it(service, body, what):
+    seq = runtime.nn.Sequential(runtime.nn.MLP.random(16, 48, 16, "relu"), runtime.nn.Linear.random(16, 8))
+    model = runtime.Model(seq, device="cpu")
+
+    class Garbling:
+        """The service for the first job, then a 200 that is not a job (a proxy's page, another API)."""
+
+        base_url = "http://svc"
+        posts = 0
+
+        def post(self, *args, **kwargs):
+            self.posts += 1
+            return service.post(*args, **kwargs) if self.posts < 2 else httpx.Response(200, content=body)
+
+    with pytest.raises(runtime.TuneError) as garbled:  # was JSONDecodeError / AttributeError
+        runtime.tune_model(model, np.zeros((3, 16), np.float32), client=Garbling(), trials=2)
+    assert str(garbled.value) == f"the service answered the linear job (200) with {what}; submitted before it: job 1"
+    assert [job["op"] for job in garbled.value.jobs] == ["fused_mlp"] and not garbled.value.unreachable
+
+
+def test_tune_model_connects_within_seconds_and_bounds_each_answer(monkeypatch):
+    from kernelmill.runtime import tune
+
+    timeout = tune.submit_timeout()
+    assert (timeout.connect, timeout.read, timeout.write, timeout.pool) == (3.0, 15.0, 15.0, 15.0)
+    # A service that takes the connection and never answers: the read timeout, not 30 s.
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    server = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(tune, "SUBMIT_TIMEOUT_S", 0.3)
+    model = runtime.Model(runtime.nn.Sequential(runtime.nn.MLP.random(16, 48, 16, "relu")), device="cpu")
+    start = time.monotonic()
+    try:
+        with pytest.raises(runtime.TuneError, match=f"cannot reach the service at {server}: timed out") as hung:
+            runtime.tune_model(model, np.zeros((2, 16), np.float32), server=server)
+    finally:
+        listener.close()
+    assert hung.value.unreachable and time.monotonic() - start < 5
+
+
+def test_tune_model_tunes_the_dtype_a_cpu_model_was_loaded_for(service, caplog):
+    mlp = runtime.nn.MLP.random(16, 48, 16, "relu")
+    x = np.zeros((3, 16), np.float32)
+    half = runtime.Model(runtime.nn.Sequential(mlp), device="cpu", dtype="float16")
+    assert half.dtype == "float32" and half.requested_dtype == "float16"  # the CPU computes in float32
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.tune"):
+        jobs = runtime.tune_model(half, x, client=service, trials=2)
+    assert [job["dtype"] for job in jobs] == ["float16"]
+    assert (
+        "runtime: tuning float16 kernels, the dtype the model was loaded for (its cpu forward computes float32); "
+        "dtype= tunes another" in caplog.messages
+    )
+    assert [job["dtype"] for job in runtime.tune_model(half, x, client=service, dtype="float32", trials=2)] == [
+        "float32"
+    ]
+    plain = runtime.Model(runtime.nn.Sequential(mlp), device="cpu")
+    assert [job["dtype"] for job in runtime.tune_model(plain, x, client=service, trials=2)] == ["float32"]
