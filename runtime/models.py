@@ -4,10 +4,12 @@
 
 * a HuggingFace BERT checkpoint directory (config.json + model.safetensors, or pytorch_model.bin):
   ``BertModel``, whose forward gives the last hidden state;
-* a PyTorch state_dict file (torch.load on the CPU) of an MLP: blocks ``nn.Sequential(nn.Linear, act,
-  nn.Linear)`` (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, a flat
-  ``nn.Sequential(Linear, act, Linear, act, ..., Linear)`` becomes Linear layers with the activation in
-  their epilogue. The activation is ``act=`` (or an ``"act"`` entry next to ``"state_dict"`` in the file).
+* a PyTorch state_dict file (torch.load on the CPU) of an MLP: Linear weights and biases only, run in the
+  state_dict's order (a module's registration order). Blocks ``nn.Sequential(nn.Linear, act, nn.Linear)``
+  (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, any other names (a flat
+  ``nn.Sequential(Linear, act, ..., Linear)``, ``fc1``/``fc2``, a ModuleList and a head) one chain of Linear
+  layers with the activation in their epilogue. The activation is ``act=`` (or an ``"act"`` entry next to
+  ``"state_dict"`` in the file); other entries (LayerNorm, BatchNorm, ...) are refused by name.
 
 ``Model.forward`` on "cuda" runs the first call(s) with plain launches (kernels are resolved, compiled
 and loaded then), then captures a CUDA graph per input signature and replays it; where capture fails it
@@ -227,55 +229,107 @@ class BertModel(Module):
 # -- MLPs from torch state dicts -----------------------------------------------------------------------
 
 
-def _path_key(name: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+def _key(name: str, leaf: str) -> str:
+    return f"{name}.{leaf}" if name else leaf
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"shape {tuple(shape)}"
+    return "a dict" if isinstance(value, dict) else f"not a tensor: {type(value).__name__}"
+
+
+def _float_array(value: Any) -> np.ndarray | None:
+    """A state_dict entry as a float32 array, or None where it is not an array of numbers."""
+    if isinstance(value, dict | str | bytes) or value is None:
+        return None
+    try:
+        return np.asarray(host_array(value), dtype=np.float32)
+    except (TypeError, ValueError):
+        return None
+
+
+def _sequential_blocks(names: list[str]) -> dict[str, list[str]] | None:
+    """Linears named ``<prefix>.<i>.<j>`` or ``<prefix>.<i>`` (one prefix, at least one ``<i>.<j>``): a
+    Sequential of Sequential blocks and lone Linears, as {block: its linears}; None for other names."""
+    blocks: dict[str, list[str]] = {}
+    prefixes = set()
+    for name in names:
+        parts = name.split(".")
+        if not parts[-1].isdigit():
+            return None
+        nested = len(parts) >= 2 and parts[-2].isdigit()
+        block = parts[:-1] if nested else parts
+        prefixes.add(tuple(block[:-1]))
+        blocks.setdefault(".".join(block), []).append(name)
+    if len(prefixes) != 1 or all(len(linears) == 1 and linears[0] == block for block, linears in blocks.items()):
+        return None
+    return blocks
+
+
+#: What mlp_from_state_dict reads, for its errors.
+_MLP_LAYOUT = (
+    "an MLP state_dict holds Linear layers only, '<name>.weight' (2-D, out x in) and optionally '<name>.bias' "
+    "(1-D), in the order they run (a module's state_dict order); the activation is act= (or an 'act' entry "
+    "next to 'state_dict' in the file), applied after every Linear but the last (of each block)"
+)
 
 
 def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
-    """An MLP stack from a torch state_dict (see the module docstring for the layouts understood)."""
+    """An MLP stack from a torch state_dict: its Linear layers run in the dict's order (a module's
+    state_dict lists them in registration order). Linears named ``<i>.<j>`` (``nn.Sequential`` of
+    ``nn.Sequential(Linear, act, Linear)`` blocks, lone Linears ``<i>`` among them) become one fused MLP
+    layer per block, with no activation between blocks; any other names (a flat Sequential, fc1/fc2, a
+    ModuleList and a head) are one chain with ``act`` after every Linear but the last. Entries
+    that are not a Linear's 2-D weight or 1-D bias (LayerNorm, BatchNorm, other keys) are a ValueError."""
     act = ops.canonical_act(act)
-    arrays = {k: np.asarray(host_array(v), dtype=np.float32) for k, v in sd.items()}
-    linears = sorted(
-        (k[: -len(".weight")] for k, v in arrays.items() if k.endswith(".weight") and v.ndim == 2), key=_path_key
-    )
+    arrays = {str(k): _float_array(v) for k, v in sd.items()}
+    linears = []  # in the state_dict's order
+    for key, a in arrays.items():
+        name, _, leaf = key.rpartition(".")
+        if leaf == "weight" and a is not None and a.ndim == 2:
+            linears.append(name)
+    names = set(linears)
+    unknown = [
+        f"{k} ({_describe(sd[k])})"
+        for k, a in arrays.items()
+        if not (a is not None and (k.rpartition(".")[0] in names and k.rpartition(".")[2] in ("weight", "bias")))
+    ]
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise ValueError(
+            f"the state_dict has entries an MLP cannot run: {shown}; {_MLP_LAYOUT} "
+            "(LayerNorm, BatchNorm, embeddings and other layers are not supported)"
+        )
     if not linears:
-        raise ValueError("the state_dict has no 2-D '<name>.weight' entries (Linear layers)")
+        raise ValueError(f"the state_dict has no 2-D '<name>.weight' entries (Linear layers); {_MLP_LAYOUT}")
     for name in linears:
-        weight, bias = arrays[f"{name}.weight"], arrays.get(f"{name}.bias")
+        weight, bias = arrays[_key(name, "weight")], arrays.get(_key(name, "bias"))
         if bias is not None and bias.shape != weight.shape[:1]:
-            raise ValueError(f"{name}.bias has shape {bias.shape} for {name}.weight {weight.shape}")
+            raise ValueError(f"{_key(name, 'bias')} has shape {bias.shape} for {_key(name, 'weight')} {weight.shape}")
     for prev, cur in itertools.pairwise(linears):
-        gives, takes = arrays[f"{prev}.weight"].shape[0], arrays[f"{cur}.weight"].shape[1]
+        gives, takes = arrays[_key(prev, "weight")].shape[0], arrays[_key(cur, "weight")].shape[1]
         if takes != gives:
             raise ValueError(
-                f"{cur}.weight takes {takes} inputs but {prev}.weight gives {gives}: the layers do not chain"
+                f"{_key(cur, 'weight')} takes {takes} inputs but {_key(prev, 'weight')} gives {gives}: the layers "
+                f"do not chain (they run in the state_dict's order: {', '.join(_key(n, 'weight') for n in linears)})"
             )
 
     def make(name: str, layer_act: str) -> Linear:
-        w = arrays[f"{name}.weight"]
-        b = arrays.get(f"{name}.bias", np.zeros(w.shape[0], np.float32))
-        return Linear.from_torch(w, b, layer_act)
+        w = arrays[_key(name, "weight")]
+        b = arrays.get(_key(name, "bias"))
+        return Linear.from_torch(w, np.zeros(w.shape[0], np.float32) if b is None else b, layer_act)
 
-    def parent(name: str) -> str:
-        return name.rsplit(".", 1)[0] if "." in name else ""
+    def chain(names: list[str]) -> list[Module]:
+        if len(names) == 2:
+            return [MLP(make(names[0], "none"), make(names[1], "none"), act)]
+        return [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
 
-    groups: dict[str, list[str]] = {}
-    for name in linears:
-        groups.setdefault(parent(name), []).append(name)
-    layers: list[Module] = []
-    if len(groups) == 1:  # a flat Sequential(Linear, act, ..., Linear)
-        names = next(iter(groups.values()))
-        if len(names) == 2:
-            layers.append(MLP(make(names[0], "none"), make(names[1], "none"), act))
-        else:
-            layers += [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
-        return Sequential(*layers)
-    for names in groups.values():  # blocks, each Sequential(Linear, act, Linear) or a lone Linear
-        if len(names) == 2:
-            layers.append(MLP(make(names[0], "none"), make(names[1], "none"), act))
-        else:
-            layers += [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
-    return Sequential(*layers)
+    blocks = _sequential_blocks(linears)
+    if blocks is None:
+        return Sequential(*chain(linears))
+    return Sequential(*(layer for names in blocks.values() for layer in chain(names)))
 
 
 # -- the Model ---------------------------------------------------------------------------------------------
