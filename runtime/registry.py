@@ -5,7 +5,9 @@ Resolution, once per problem (then kept in memory):
 1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
    (source and cubin), so a machine that once reached the service works offline;
 2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``;
-   short timeouts; an unreachable service is logged once and not asked again). Where a service is
+   an answer must arrive whole within ``timeout_s``, 2 s; an unreachable or too slow service is logged once
+   and not asked again, and an unusable answer (an error status, garbage) is a WARNING once per kind, then
+   DEBUG, its body cut to 200 characters). Where a service is
    configured it is asked even when the local cache holds the problem's kernel, so that a kernel tuned since
    replaces the cached one: the cached cubin is used when the service still serves that kernel (no
    download), the service's kernel when it serves another for the exact shape, and the cached one when the
@@ -226,6 +228,7 @@ class KernelRegistry:
         self.use_local_cache = use_local_cache
         self._client = client
         self._offline_reason: str | None = None
+        self._answers_logged: set[str] = set()  # kinds of unusable answers logged at WARNING (then at DEBUG)
         self._no_device_query = False  # the service refused device= (it predates it)
         self._entries: dict[tuple, KernelEntry] = {}
         self._untuned: set[tuple] = set()  # problems find() met with nothing tuned
@@ -597,11 +600,12 @@ class KernelRegistry:
         return self._client
 
     def _get(self, path: str, **params) -> Any:
-        """GET on the service: the response, or None (logged) when it cannot be reached."""
+        """GET on the service: the response, or None (logged) when it cannot be reached or its answer does not
+        arrive within ``timeout_s`` in all (a server that trickles bytes; httpx's timeouts bound each read)."""
         import httpx
 
         try:
-            return self._http().get(path, params=params)
+            return self._read_within(self._http(), path, params, time.monotonic() + self.timeout_s)
         except httpx.HTTPError as exc:
             self._offline_reason = f"{type(exc).__name__}: {exc}"
             log.warning(
@@ -610,6 +614,36 @@ class KernelRegistry:
                 self._offline_reason,
             )
             return None
+
+    def _read_within(self, client, path: str, params: Mapping[str, Any], deadline: float) -> Any:
+        """The response to GET ``path``, its body read by ``deadline`` (httpx.ReadTimeout if not)."""
+        import httpx
+
+        if not hasattr(client, "stream"):  # an httpx.Client-like object without streaming: its own timeouts
+            return client.get(path, params=params)
+        with client.stream("GET", path, params=params) as streamed:
+            body = []
+            for chunk in streamed.iter_bytes():
+                body.append(chunk)
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(
+                        f"no whole answer to {path} within {self.timeout_s:g} s", request=streamed.request
+                    )
+        # The body is decoded: the new response must not decode it again.
+        headers = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _TRANSFER_HEADERS]
+        return httpx.Response(streamed.status_code, headers=headers, content=b"".join(body), request=streamed.request)
+
+    def _log_answer(self, kind: str, message: str, *args: Any) -> None:
+        """Logs an unusable answer from a reachable service: the first of each ``kind`` at WARNING, later ones
+        (the other arch of the same lookup, the forward's other problems) at DEBUG."""
+        with self._lock:
+            first = kind not in self._answers_logged
+            self._answers_logged.add(kind)
+        if first:
+            where = self.server or getattr(self._client, "base_url", "the service")
+            log.warning(message + " (more such answers from %s are logged at DEBUG)", *args, where)
+        else:
+            log.debug(message, *args)
 
     def _from_service(self, spec, shape, dtype, attrs, notes, cached: KernelEntry | None = None) -> KernelEntry | None:
         if not self.use_service or not (self.server or self._client is not None):
@@ -643,13 +677,19 @@ class KernelRegistry:
                 served, wrong = _record(resp, _SERVED_FIELDS)
                 wrong = wrong or _wrong_rank(served, "shape", shape)
                 if wrong:
-                    notes.append(f"service answered an unusable kernel ({wrong})")
-                    log.warning("runtime: %s %s: the service's answer is unusable: %s", spec.name, shape, wrong)
+                    notes.append(f"service answered an unusable kernel ({_excerpt(wrong)})")
+                    what = f"{spec.name} {format_shape(shape)}"
+                    self._log_answer(
+                        "unusable", "runtime: %s: the service's answer is unusable: %s", what, _excerpt(wrong)
+                    )
                 else:
                     answers.append(served)
             elif resp.status_code != 404:
                 notes.append(f"service answered {resp.status_code}")
-                log.warning("runtime: %s %s: service answered %s: %s", spec.name, shape, resp.status_code, resp.text)
+                what, body = f"{spec.name} {format_shape(shape)}", _excerpt(resp.text)
+                self._log_answer(
+                    f"HTTP {resp.status_code}", "runtime: %s: service answered %s: %s", what, resp.status_code, body
+                )
         if not answers:
             notes.append("no tuned kernel on the service")
             return None
@@ -981,6 +1021,15 @@ def _wrong_cached(meta: dict[str, Any], shape: Sequence[int]) -> str | None:
     if meta["source"] not in (TUNED, NEAREST):
         return f"source is {meta['source']!r}, not {TUNED!r} or {NEAREST!r}"
     return _wrong_rank(meta, "served_shape", shape)
+
+
+#: Headers that describe how a body was sent, not what it is: dropped once it is read and decoded.
+_TRANSFER_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+
+
+def _excerpt(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters for a log line (a service's error page can be long)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:

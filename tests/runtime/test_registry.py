@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -417,6 +419,85 @@ def test_unreachable_service_is_logged_once_and_skipped(tmp_path, caplog):
     with pytest.raises(_Compiled):
         reg.get("add", (200,), "float16")
     assert caplog.text.count("unreachable") == 1
+
+
+def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path, caplog):
+    """A service answering 500 (or garbage) stays reachable, so it is asked for every problem, for sm_90 and
+    sm_90a: the first answer of a kind is a WARNING with its body cut to 200 characters, the rest DEBUG."""
+    answer = {"status": 500, "body": b"boom " * 100}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(answer["status"], content=answer["body"])
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.DEBUG, logger="kernelmill.runtime.registry"):
+        reg.get("add", (100,), "float16")
+        reg.get("add", (200,), "float16")
+        answer.update(status=200, body=b"<html>" + b"x" * 1000)
+        entry = reg.get("add", (300,), "float16")
+    assert entry.source == DEFAULT and entry.note.startswith("service answered an unusable kernel (not JSON: ")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"runtime: add 100: service answered 500: {'boom ' * 40}... (500 characters) "
+        "(more such answers from http://svc are logged at DEBUG)",
+        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}' "
+        "(more such answers from http://svc are logged at DEBUG)",
+    ]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "answer" in r.getMessage()]
+    assert debug == [
+        f"runtime: add 100: service answered 500: {'boom ' * 40}... (500 characters)",
+        f"runtime: add 200: service answered 500: {'boom ' * 40}... (500 characters)",
+        f"runtime: add 200: service answered 500: {'boom ' * 40}... (500 characters)",
+        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'",
+    ]
+
+
+def test_a_service_that_trickles_its_answer_is_given_up_within_the_timeout(tmp_path, caplog):
+    """httpx's timeouts bound each read: a server sending a byte every 50 ms would hold a lookup for as long as
+    it likes. The registry reads an answer within timeout_s in all, then takes the service for unreachable."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted = []
+
+    def trickle():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            accepted.append(conn)
+            conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+                for _ in range(1000):
+                    conn.sendall(b" ")
+                    time.sleep(0.05)
+            except OSError:  # the client gave up
+                pass
+            finally:
+                conn.close()
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    server = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    reg = KernelRegistry(server, arch="sm_90", cache_dir=tmp_path, timeout_s=0.5, compiler=_NoCompile())
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"), pytest.raises(_Compiled):
+            reg.get("add", (100,), "float16")
+        waited_s = time.monotonic() - start
+        with pytest.raises(_Compiled):
+            reg.get("add", (200,), "float16")  # not asked again
+    finally:
+        listener.close()
+    assert waited_s < 1.5  # was 50 s: each byte reset httpx's read timeout
+    assert len(accepted) == 1
+    assert caplog.messages == [
+        f"runtime: kernel service {server} unreachable (ReadTimeout: no whole answer to /api/kernels/best within "
+        "0.5 s); using the local cache and default kernels"
+    ]
 
 
 def test_default_tiles_follow_the_problem_size():
