@@ -3,7 +3,10 @@
 ``load_model(path, device=, dtype=)`` reads
 
 * a HuggingFace BERT checkpoint directory (config.json + model.safetensors, or pytorch_model.bin):
-  ``BertModel``, whose forward gives the last hidden state;
+  ``BertModel``, whose forward gives the last hidden state. Encoders with absolute position embeddings only
+  (``is_decoder``, cross-attention and relative positions are refused); every tensor is checked against the
+  config's sizes at load, and tensors left unused (more layers than ``num_hidden_layers``) are an error, but
+  for what HF's BertModel leaves unused too (id buffers, the pooler, task heads of a ``bert.``-prefixed one);
 * a PyTorch state_dict file (torch.load on the CPU) of an MLP: Linear weights and biases only, run in the
   state_dict's order (a module's registration order). Blocks ``nn.Sequential(nn.Linear, act, nn.Linear)``
   (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, any other names (a flat
@@ -21,17 +24,18 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kernelmill.kernels.ops.attention import MASK_MIN
-from kernelmill.kernels.ops.base import Tolerance, format_shape
+from kernelmill.kernels.ops.base import SpecError, Tolerance, format_shape
 from kernelmill.kernels.verify import compare
 from kernelmill.runtime import ops
 from kernelmill.runtime.backend import on_device
@@ -66,6 +70,78 @@ def _shaped_like(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
     return arr.reshape(shape)
 
 
+#: Checkpoint tensors that BertModel leaves unused, as HF's BertModel does (the position and token type id
+#: buffers, the pooler); with a ``bert.`` prefix, the tensors outside it (MLM / NSP heads, a classifier) too.
+_BERT_UNUSED = ("embeddings.position_ids", "embeddings.token_type_ids", "pooler.")
+
+#: The config fields that size BERT's tensors, with the tensor (and axis) each is read from where the config
+#: does not give it.
+_BERT_DIM_SOURCES = {
+    "vocab_size": ("embeddings.word_embeddings.weight", 0),
+    "hidden_size": ("embeddings.word_embeddings.weight", 1),
+    "max_position_embeddings": ("embeddings.position_embeddings.weight", 0),
+    "type_vocab_size": ("embeddings.token_type_embeddings.weight", 0),
+    "intermediate_size": ("encoder.layer.0.intermediate.dense.weight", 0),
+}
+
+
+def check_bert_config(config: dict[str, Any], where: str = "config.json") -> None:
+    """A ValueError for a BERT config the runtime would run as another model than HF does: a decoder (HF masks
+    its attention causally), cross-attention, relative positions, an activation it has no kernel for."""
+    for flag, why in (
+        ("is_decoder", "a BERT decoder masks attention causally, which the runtime does not (BERT encoders only)"),
+        ("add_cross_attention", "cross-attention layers are not supported (BERT encoders only)"),
+    ):
+        if config.get(flag):
+            raise ValueError(f"{where}: {flag} is {json.dumps(config[flag])}: {why}")
+    position = config.get("position_embedding_type", "absolute")
+    if position != "absolute":
+        raise ValueError(f"{where}: position_embedding_type {position!r} is not supported (absolute only)")
+    try:
+        ops.canonical_act(config.get("hidden_act", "gelu"))
+    except ValueError as exc:
+        raise ValueError(f"{where}: hidden_act: {exc}") from None
+
+
+def _bert_dims(config: dict[str, Any], shape_of: Callable[[str], tuple[int, ...]]) -> dict[str, tuple[int, str]]:
+    """Each of ``_BERT_DIM_SOURCES``' fields as (its value, where it comes from): the config, else the
+    checkpoint tensor ``shape_of`` gives the shape of."""
+    dims = {}
+    for field, (tensor, axis) in _BERT_DIM_SOURCES.items():
+        value = config.get(field)
+        if value is None:
+            shape = shape_of(tensor)
+            if len(shape) != 2:
+                raise ValueError(f"checkpoint tensor {tensor} has shape {shape}; a matrix was expected")
+            dims[field] = shape[axis], tensor
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json: {field} must be a positive whole number, got {value!r}")
+        else:
+            dims[field] = value, "config.json"
+    hidden, heads = dims["hidden_size"][0], int(config["num_attention_heads"])
+    if hidden % heads:
+        raise ValueError(
+            f"hidden_size {hidden} (from {dims['hidden_size'][1]}) is not a multiple of num_attention_heads {heads}"
+        )
+    return dims
+
+
+def _type_ids(types: np.ndarray, type_vocab: int) -> np.ndarray:
+    """token_type_ids as int64, or an error: whole numbers (integers, or floats without a fraction) in
+    0..type_vocab-1."""
+    if types.dtype.kind == "f":
+        fraction = ~np.isfinite(types) | (types != np.round(types))
+        if fraction.any():
+            raise ValueError(
+                f"token_type_ids must be whole numbers 0..{type_vocab - 1}, got {types[fraction].flat[0]:g}"
+            )
+    elif types.dtype.kind not in "iub":
+        raise ValueError(f"token_type_ids must be integers 0..{type_vocab - 1}, got dtype {types.dtype}")
+    if types.size and (types.min() < 0 or types.max() >= type_vocab):
+        raise IndexError(f"token_type_ids out of range 0..{type_vocab - 1} (type_vocab_size {type_vocab})")
+    return types.astype(np.int64)
+
+
 class BertModel(Module):
     """BERT's encoder (HF BertModel without the pooler): forward(input_ids, attention_mask=None,
     token_type_ids=None) -> last hidden state (batch, seq, hidden)."""
@@ -90,12 +166,15 @@ class BertModel(Module):
         vocab = self.embeddings.word.shape[0]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise IndexError(f"input_ids out of range 0..{vocab - 1}")
-        types = None if token_type_ids is None else _shaped_like("token_type_ids", token_type_ids, ids.shape)
+        types = None
+        if token_type_ids is not None:
+            types = _type_ids(_shaped_like("token_type_ids", token_type_ids, ids.shape), self.embeddings.types.shape[0])
         device, dtype = self.device, self.dtype
         mask = None
         if attention_mask is not None:
-            m = _shaped_like("attention_mask", attention_mask, ids.shape).astype(np.float32)
-            mask = ((1.0 - m) * np.float32(MASK_MIN[dtype])).astype(numpy_dtype(dtype))
+            # Any nonzero value keeps its token, as HF reads the mask (a 2 here once overflowed the softmax).
+            masked = _shaped_like("attention_mask", attention_mask, ids.shape) == 0
+            mask = (masked * np.float32(MASK_MIN[dtype])).astype(numpy_dtype(dtype))
         if device == "cpu":
             ids_t = Tensor.from_numpy(ids.astype(np.int64))
             types_t = None if types is None else Tensor.from_numpy(types.astype(np.int64))
@@ -158,45 +237,77 @@ class BertModel(Module):
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, np.ndarray], config: dict[str, Any]) -> BertModel:
+        """BERT from a HF checkpoint's tensors (``bert.``-prefixed ones too, as a BertForMaskedLM's). Every
+        tensor is checked against the shape the config gives it; a tensor left unused (another layer, say)
+        is an error, except those HF's BertModel leaves unused too (see ``_BERT_UNUSED``)."""
+        check_bert_config(config)
         prefix = "bert." if any(k.startswith("bert.") for k in sd) else ""
+        used: set[str] = set()
 
-        def get(name: str) -> np.ndarray:
+        def key_of(name: str) -> str:
             for key in (prefix + name, prefix + name.replace(".weight", ".gamma").replace(".bias", ".beta")):
                 if key in sd:
-                    return np.asarray(sd[key], dtype=np.float32)
+                    return key
             raise ValueError(f"checkpoint has no {prefix + name}")
 
-        if config.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type {config['position_embedding_type']!r} is not supported")
+        dims = _bert_dims(config, lambda name: tuple(np.shape(sd[key_of(name)])))
+
+        def get(name: str, *fields: str) -> np.ndarray:
+            key = key_of(name)
+            arr = np.asarray(sd[key], dtype=np.float32)
+            want = tuple(dims[f][0] for f in fields)
+            if arr.shape != want:
+                sources = ", ".join(
+                    f"{f}={dims[f][0]} {'in' if dims[f][1] == 'config.json' else 'as'} {dims[f][1]}"
+                    for f in dict.fromkeys(fields)
+                )
+                raise ValueError(f"checkpoint tensor {key} has shape {arr.shape}; the model needs {want} ({sources})")
+            used.add(key)
+            return arr
+
         eps = float(config.get("layer_norm_eps", 1e-12))
         heads = int(config["num_attention_heads"])
         act = ops.canonical_act(config.get("hidden_act", "gelu"))
+        h, inter = "hidden_size", "intermediate_size"
 
         def ln(name: str) -> LayerNorm:
-            return LayerNorm(get(f"{name}.weight"), get(f"{name}.bias"), eps)
+            return LayerNorm(get(f"{name}.weight", h), get(f"{name}.bias", h), eps)
+
+        def dense(name: str, out_f: str, in_f: str) -> tuple[np.ndarray, np.ndarray]:
+            return get(f"{name}.weight", out_f, in_f), get(f"{name}.bias", out_f)
 
         emb = Embeddings(
-            get("embeddings.word_embeddings.weight"),
-            get("embeddings.position_embeddings.weight"),
-            get("embeddings.token_type_embeddings.weight"),
+            get("embeddings.word_embeddings.weight", "vocab_size", h),
+            get("embeddings.position_embeddings.weight", "max_position_embeddings", h),
+            get("embeddings.token_type_embeddings.weight", "type_vocab_size", h),
             ln("embeddings.LayerNorm"),
         )
         layers = []
         for i in range(int(config["num_hidden_layers"])):
             p = f"encoder.layer.{i}."
             attn = MultiHeadAttention.from_torch(
-                *(get(f"{p}attention.self.{n}.{w}") for n in ("query", "key", "value") for w in ("weight", "bias")),
-                get(f"{p}attention.output.dense.weight"),
-                get(f"{p}attention.output.dense.bias"),
+                *(a for n in ("query", "key", "value") for a in dense(f"{p}attention.self.{n}", h, h)),
+                *dense(f"{p}attention.output.dense", h, h),
                 heads,
             )
-            up = Linear.from_torch(get(f"{p}intermediate.dense.weight"), get(f"{p}intermediate.dense.bias"))
-            down = Linear.from_torch(get(f"{p}output.dense.weight"), get(f"{p}output.dense.bias"))
+            up = Linear.from_torch(*dense(f"{p}intermediate.dense", inter, h))
+            down = Linear.from_torch(*dense(f"{p}output.dense", h, inter))
             layers.append(
                 TransformerEncoderLayer(
                     attn, ln(f"{p}attention.output.LayerNorm"), MLP(up, down, act), ln(f"{p}output.LayerNorm")
                 )
             )
+        unused = [
+            k for k in sd if k.startswith(prefix) and k not in used and not k[len(prefix) :].startswith(_BERT_UNUSED)
+        ]
+        if unused:
+            more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
+            layer = re.compile(rf"{re.escape(prefix)}encoder\.layer\.(\d+)\.")
+            deeper = {int(m.group(1)) for k in unused if (m := layer.match(k))}
+            why = ""
+            if deeper and max(deeper) >= len(layers):
+                why = f" (it has {max(deeper) + 1} encoder layers; num_hidden_layers is {len(layers)})"
+            raise ValueError(f"checkpoint tensors the model does not use{why}: {', '.join(unused[:4])}{more}")
         return cls(emb, layers, config)
 
     @classmethod
@@ -370,6 +481,52 @@ def _host_output(graph: Any, prepared: tuple) -> np.ndarray:
     return np.asarray(graph.replay(prepared, copy_output=False).numpy(), dtype=np.float64)
 
 
+def _device_and_dtype(device: Any, dtype: str | None) -> tuple[str, str]:
+    """("cpu" or "cuda", a float dtype: float16 on cuda, float32 on cpu by default), or a ValueError. Only
+    cuda:0 is served, as by Tensor."""
+    name = str(device)  # a torch.device too
+    if name == "cuda:0":
+        name = "cuda"
+    elif name.startswith("cuda:") and name[5:].isdigit():
+        raise ValueError(f"only cuda:0 is supported by the runtime for now, got {name!r}")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+    if dtype is None:
+        dtype = "float16" if name == "cuda" else "float32"
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(FLOAT_DTYPES)}")
+    return name, dtype
+
+
+def _modules(module: Module) -> Iterator[Module]:
+    """The module and every module inside it."""
+    yield module
+    for value in vars(module).values():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(item, Module):
+                yield from _modules(item)
+
+
+def _check_gpu_eps(module: Module) -> None:
+    """A ValueError where a LayerNorm's eps is none of the GPU layernorm kernels' (the eps is baked into
+    their source); NumPy on the CPU takes any."""
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.ops.layernorm import EPS_VALUES
+
+    for layer in _modules(module):
+        if not isinstance(layer, LayerNorm):
+            continue
+        try:
+            get_op("layernorm").resolve_attrs({"eps": layer.eps})
+        except SpecError:
+            what = "config.json's layer_norm_eps" if isinstance(module, BertModel) else "a LayerNorm's eps"
+            allowed = ", ".join(f"{e:g}" for e in EPS_VALUES)
+            raise ValueError(
+                f"{what} is {layer.eps:g}, which the GPU's layernorm kernels do not take (they take {allowed}); "
+                "device='cpu' runs any eps"
+            ) from None
+
+
 class Model:
     """A Module on a device with its dtype, kernel registry and (on the GPU) CUDA graphs.
 
@@ -391,13 +548,7 @@ class Model:
         max_graphs: int | None = None,
         buckets: Sequence[int] | None = None,
     ) -> None:
-        device = "cuda" if str(device).startswith("cuda") else str(device)
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
-        if dtype is None:
-            dtype = "float16" if device == "cuda" else "float32"
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(FLOAT_DTYPES)}")
+        device, dtype = _device_and_dtype(device, dtype)
         #: The dtype asked for, which the CPU path computes in float32: what tune_model tunes kernels of.
         self.requested_dtype = dtype
         if device == "cpu" and dtype != "float32":
@@ -406,6 +557,7 @@ class Model:
         self.device, self.dtype = device, dtype
         self.backend = None
         if device == "cuda":
+            _check_gpu_eps(module)
             from kernelmill.kernels.device import GpuUnavailable
             from kernelmill.runtime.backend import get_backend
             from kernelmill.runtime.registry import KernelRegistry
@@ -970,8 +1122,13 @@ class Model:
                     entry
                 )
         for op, shape, dtype, attrs in self.problems:
-            key = (op, shape, dtype, json.dumps(_canonical_attrs(op, attrs), sort_keys=True, default=str))
-            entry = by_key.get(key)
+            entry = None
+            if by_key:  # none on the CPU, whose attributes (an eps no kernel takes, say) need not resolve
+                try:
+                    canonical = json.dumps(_canonical_attrs(op, attrs), sort_keys=True, default=str)
+                except SpecError:  # no kernel takes these attributes
+                    canonical = None
+                entry = by_key.get((op, shape, dtype, canonical))
             if entry is not None:
                 rows.append({**entry.row(), "launch": modes.get(id(entry))})
             else:
@@ -1030,10 +1187,14 @@ def _canonical_attrs(op: str, attrs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     try:
         return load_file(str(path))
+    except SafetensorError as exc:  # truncated, empty, not safetensors at all
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path} is not a readable safetensors file ({first})") from None
     except (TypeError, ValueError) as exc:  # e.g. bfloat16 tensors, which NumPy has no name for
         try:
             import torch  # noqa: F401
@@ -1068,6 +1229,9 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    model_type = config.get("model_type", "bert")
+    if model_type != "bert":  # before the other checks, which name BERT's fields
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported (BERT only)")
     for key in ("num_attention_heads", "num_hidden_layers"):
         value = config.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -1079,13 +1243,16 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
     """The Module stored at ``path`` (a HF BERT directory or an MLP state_dict file), on the CPU in float32."""
     path = Path(path)
     if path.is_dir():
+        if act is not None:
+            raise ValueError(
+                f"act={act!r} is for an MLP state_dict file; a BERT checkpoint's activation is hidden_act in "
+                f"{path / 'config.json'}"
+            )
         config_path = path / "config.json"
         if not config_path.exists():
             raise ValueError(f"{path} has no config.json (expected a HuggingFace checkpoint directory)")
         config = _read_config(config_path)
-        model_type = config.get("model_type", "bert")
-        if model_type != "bert":
-            raise ValueError(f"model_type {model_type!r} is not supported (bert is)")
+        check_bert_config(config, str(config_path))
         if (path / "model.safetensors").exists():
             sd = _load_safetensors(path / "model.safetensors")
         elif (path / "pytorch_model.bin").exists():
@@ -1095,6 +1262,11 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         return BertModel.from_state_dict(sd, config)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model (a checkpoint directory or a state_dict file)")
+    hf_file = path.name in ("config.json", "pytorch_model.bin") or path.suffix == ".safetensors"
+    if hf_file and (path.parent / "config.json").is_file():
+        raise ValueError(
+            f"{path} is a file of the HuggingFace checkpoint directory {path.parent}: pass the directory instead"
+        )
     loaded = _torch_load(path)
     if isinstance(loaded, dict) and "state_dict" in loaded:
         act = act or loaded.get("act")
@@ -1127,6 +1299,7 @@ def load_model(
     runners-up by replay time, once per shape and GPU model (default KERNELMILL_KERNEL_TUNE, on);
     ``max_graphs``: CUDA graphs kept, one per input shape (default KERNELMILL_MAX_GRAPHS, 16); ``buckets``:
     sizes BERT's sequence (an MLP's rows) is padded up to, so inputs of many sizes share a few graphs."""
+    device, dtype = _device_and_dtype(device, dtype)  # before reading a checkpoint of maybe gigabytes
     return Model(
         load_module(path, act),
         device,

@@ -467,3 +467,250 @@ def test_mlp_state_dicts_with_stray_entries_are_refused(tmp_path):
     # A bare Linear's state_dict ("weight", "bias") is one Linear layer.
     linear = torch.nn.Linear(8, 3)
     assert _matches_torch(_load_mlp(tmp_path, linear.state_dict()), linear, 8) < 1e-6
+
+
+# -- BERT checkpoints: what is refused at load, and why ---------------------------------------------------------
+
+
+def _variant(bert_dir, tmp_path, tensors=None, **config):
+    """A copy of the reference checkpoint with config.json's fields changed (None deletes one) and, where
+    ``tensors`` is given, the safetensors made of tensors(state_dict)."""
+    from safetensors.numpy import load_file, save_file
+
+    src, _ = bert_dir
+    path = tmp_path / "variant"
+    path.mkdir(parents=True)
+    fields = {**json.loads((src / "config.json").read_text()), **config}
+    (path / "config.json").write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
+    sd = load_file(str(src / "model.safetensors"))
+    save_file(sd if tensors is None else tensors(sd), str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"is_decoder": True},
+            "is_decoder is true: a BERT decoder masks attention causally, which the runtime does not "
+            "(BERT encoders only)",
+        ),
+        ({"add_cross_attention": True}, "add_cross_attention is true: cross-attention layers are not supported"),
+        ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key' is not supported"),
+        ({"hidden_act": "quick_gelu"}, "hidden_act: unknown activation 'quick_gelu'"),
+    ],
+)
+def test_bert_configs_the_runtime_would_run_differently_from_hf_are_refused(bert_dir, tmp_path, config, message):
+    path = _variant(bert_dir, tmp_path, **config)
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(path, device="cpu")
+    assert str(err.value).startswith(f"{path / 'config.json'}: {message}")
+
+
+def test_bert_with_fewer_layers_in_the_config_than_the_checkpoint_is_refused(bert_dir, tmp_path):
+    """num_hidden_layers 1 on a 2-layer checkpoint ran the first layer only, silently."""
+    path = _variant(bert_dir, tmp_path, num_hidden_layers=1)
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(path, device="cpu")
+    assert str(err.value).startswith(
+        "checkpoint tensors the model does not use (it has 2 encoder layers; num_hidden_layers is 1): "
+        "encoder.layer.1.attention.output.LayerNorm.bias, "
+    )
+    assert str(err.value).endswith(" and 12 more")  # 16 tensors a layer
+    stray = _variant(
+        bert_dir, tmp_path / "b", lambda sd: {**sd, "encoder.layer.0.extra.weight": np.ones(3, np.float32)}
+    )
+    with pytest.raises(ValueError, match=r"^checkpoint tensors the model does not use: encoder.layer.0.extra.weight$"):
+        runtime.load_model(stray, device="cpu")
+
+
+def test_bert_ignores_what_hf_ignores_buffers_pooler_and_task_heads(bert_dir, tmp_path):
+    path, ref_model = bert_dir
+    hidden = 96
+
+    def with_extras(sd):
+        extras = {
+            "embeddings.position_ids": np.arange(64, dtype=np.int64)[None],
+            "pooler.dense.weight": np.zeros((hidden, hidden), np.float32),
+            "pooler.dense.bias": np.zeros(hidden, np.float32),
+        }
+        heads = {"cls.predictions.bias": np.zeros(211, np.float32), "cls.seq_relationship.weight": np.zeros((2, 96))}
+        return {**{f"bert.{k}": v for k, v in {**sd, **extras}.items()}, **heads}
+
+    model = runtime.load_model(_variant(bert_dir, tmp_path, with_extras), device="cpu")
+    ids = np.random.default_rng(12).integers(0, 211, size=(2, 7))
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    assert rel_err(model.forward(ids).numpy(), ref) < 1e-4
+
+
+def test_an_mlm_checkpoint_loads_as_its_encoder(tmp_path):
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48
+    )
+    torch.manual_seed(13)
+    mlm = transformers.BertForMaskedLM(config).eval()
+    mlm.save_pretrained(tmp_path)
+    ids = np.random.default_rng(13).integers(0, 50, size=(2, 6))
+    with torch.no_grad():
+        ref = mlm.bert(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    assert rel_err(runtime.load_model(tmp_path, device="cpu").forward(ids).numpy(), ref) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"hidden_size": 128},
+            "checkpoint tensor embeddings.word_embeddings.weight has shape (211, 96); the model needs (211, 128) "
+            "(vocab_size=211 in config.json, hidden_size=128 in config.json)",
+        ),
+        (
+            {"vocab_size": 50},
+            "checkpoint tensor embeddings.word_embeddings.weight has shape (211, 96); the model needs (50, 96) "
+            "(vocab_size=50 in config.json, hidden_size=96 in config.json)",
+        ),
+        (
+            {"intermediate_size": 200},
+            "checkpoint tensor encoder.layer.0.intermediate.dense.weight has shape (160, 96); the model needs "
+            "(200, 96) (intermediate_size=200 in config.json, hidden_size=96 in config.json)",
+        ),
+        (
+            {"intermediate_size": None, "hidden_size": None, "num_attention_heads": 5},
+            "hidden_size 96 (from embeddings.word_embeddings.weight) is not a multiple of num_attention_heads 5",
+        ),
+    ],
+)
+def test_bert_config_sizes_that_disagree_with_the_tensors_are_refused_at_load(bert_dir, tmp_path, config, message):
+    """They failed at the first forward, with an op's message (or, for vocab_size, not at all)."""
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(_variant(bert_dir, tmp_path, **config), device="cpu")
+    assert str(err.value) == message
+
+
+def test_a_tensor_of_another_shape_than_its_layer_is_refused_naming_it(bert_dir, tmp_path):
+    key = "encoder.layer.1.output.LayerNorm.weight"
+    path = _variant(bert_dir, tmp_path, lambda sd: {**sd, key: sd[key][:32]})
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(path, device="cpu")
+    assert (
+        str(err.value)
+        == f"checkpoint tensor {key} has shape (32,); the model needs (96,) (hidden_size=96 in config.json)"
+    )
+
+
+def test_load_errors_say_what_is_wrong_first(bert_dir, tmp_path):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 4}))
+    with pytest.raises(ValueError) as err:  # was: num_attention_heads must be a positive whole number
+        runtime.load_model(gpt2, device="cpu")
+    assert str(err.value) == f"{gpt2 / 'config.json'}: model_type 'gpt2' is not supported (BERT only)"
+    src, _ = bert_dir
+    for name in ("model.safetensors", "config.json"):
+        with pytest.raises(ValueError) as err:
+            runtime.load_model(src / name, device="cpu")
+        assert str(err.value) == (
+            f"{src / name} is a file of the HuggingFace checkpoint directory {src}: pass the directory instead"
+        )
+    for content in (b"", b"garbage" * 10):
+        path = _variant(bert_dir, tmp_path / f"st{len(content)}")
+        (path / "model.safetensors").write_bytes(content)
+        with pytest.raises(ValueError, match="is not a readable safetensors file") as err:
+            runtime.load_model(path, device="cpu")
+        message = str(err.value)
+        assert message.startswith(f"{path / 'model.safetensors'} is not a readable safetensors file (")
+        assert "\n" not in message
+
+
+def test_act_is_refused_for_a_bert_directory(bert_dir):
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(bert_dir[0], device="cpu", act="relu")
+    assert str(err.value) == (
+        f"act='relu' is for an MLP state_dict file; a BERT checkpoint's activation is hidden_act in "
+        f"{bert_dir[0] / 'config.json'}"
+    )
+
+
+# -- BERT inputs, devices, layer_norm_eps --------------------------------------------------------------------------
+
+
+def test_attention_mask_values_other_than_one_keep_their_token_as_hf_does(bert_dir):
+    import warnings
+
+    path, ref_model = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    ids = np.random.default_rng(14).integers(0, 211, size=(2, 9))
+    mask = np.array([[1, 1, 2, 0, 0, 0, 0, 0, 0], [1, 3, 1, 1, 1, 1, 1, 1, 0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a 2 overflowed the softmax (RuntimeWarning) and the row was wrong
+        out = model.forward(ids, mask).numpy()
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+        ones = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(np.minimum(mask, 1)))
+    assert rel_err(ref.numpy(), ones.last_hidden_state.numpy()) == 0  # HF: any nonzero keeps the token
+    assert rel_err(out, ref.numpy()) < 1e-4
+
+
+def test_token_type_ids_must_be_whole_numbers_in_range(bert_dir):
+    path, ref_model = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    ids = np.array([[5, 6, 7]])
+    with pytest.raises(ValueError) as err:  # was truncated to 1 without a word
+        model.forward(ids, None, np.array([[0.0, 1.6, 1.0]]))
+    assert str(err.value) == "token_type_ids must be whole numbers 0..1, got 1.6"
+    for bad in (np.array([[0, 2, 1]]), np.array([[0, -1, 1]])):
+        with pytest.raises(IndexError) as err:
+            model.forward(ids, None, bad)
+        assert str(err.value) == "token_type_ids out of range 0..1 (type_vocab_size 2)"
+    with pytest.raises(ValueError, match="token_type_ids must be integers 0..1, got dtype <U1"):
+        model.forward(ids, None, np.array([["0", "1", "1"]]))
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids), token_type_ids=torch.tensor([[0, 1, 1]])).last_hidden_state
+    assert rel_err(model.forward(ids, None, np.array([[0.0, 1.0, 1.0]])).numpy(), ref.numpy()) < 1e-4
+
+
+def test_devices_and_dtypes_are_checked_before_the_checkpoint_is_read(bert_dir, monkeypatch):
+    from kernelmill.runtime import models
+    from kernelmill.runtime.tensor import Tensor
+
+    def not_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the device and dtype were checked")
+
+    monkeypatch.setattr(models, "load_module", not_read)
+    cases = [
+        ({"device": "cudax"}, "unknown device 'cudax'; use 'cpu' or 'cuda'"),
+        ({"device": "cuda:1"}, "only cuda:0 is supported by the runtime for now, got 'cuda:1'"),
+        ({"device": "gpu"}, "unknown device 'gpu'; use 'cpu' or 'cuda'"),
+        ({"device": "cpu", "dtype": "fp16"}, "unknown dtype 'fp16'; use one of float32, float16, bfloat16"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as err:
+            runtime.load_model(bert_dir[0], **kwargs)
+        assert str(err.value) == message
+    with pytest.raises(ValueError) as err:  # the same words as Tensor's
+        Tensor.from_numpy(np.zeros(2, np.float32), "cuda:1")
+    assert str(err.value) == "only cuda:0 is supported by the runtime for now, got 'cuda:1'"
+    with pytest.raises(ValueError, match="unknown device 'cudax'"):
+        runtime.Model(runtime.nn.Linear.random(4, 4), device="cudax")
+    assert runtime.Model(runtime.nn.Linear.random(4, 4), device=torch.device("cpu")).device == "cpu"
+
+
+def test_a_layer_norm_eps_no_gpu_kernel_takes_runs_on_the_cpu_and_is_refused_for_the_gpu(tmp_path):
+    """layer_norm_eps 2e-05 made format_kernel_report() raise SpecError on the CPU; on the GPU the first
+    layernorm would have failed to find a kernel."""
+    ref_model = small_bert(tmp_path, layer_norm_eps=2e-5)
+    model = runtime.load_model(tmp_path, device="cpu")
+    ids = np.random.default_rng(15).integers(0, 211, size=(2, 5))
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    assert rel_err(model.forward(ids).numpy(), ref) < 1e-4
+    rows = [r for r in model.kernel_report() if r["op"] == "layernorm"]
+    assert rows == [{**rows[0], "attrs": {"eps": 2e-5}, "source": "numpy"}]
+    assert "layernorm eps=2e-05" in model.format_kernel_report()
+    with pytest.raises(ValueError) as err:  # before it looks for a GPU
+        runtime.load_model(tmp_path, device="cuda")
+    assert str(err.value) == (
+        "config.json's layer_norm_eps is 2e-05, which the GPU's layernorm kernels do not take (they take 1e-12, "
+        "1e-05, 1e-06, 1e-07, 1e-08); device='cpu' runs any eps"
+    )
