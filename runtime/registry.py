@@ -599,13 +599,14 @@ class KernelRegistry:
             self._client = httpx.Client(base_url=self.server, timeout=timeout)
         return self._client
 
-    def _get(self, path: str, **params) -> Any:
+    def _get(self, path: str, *, within: float | None = None, **params) -> Any:
         """GET on the service: the response, or None (logged) when it cannot be reached or its answer does not
-        arrive within ``timeout_s`` in all (a server that trickles bytes; httpx's timeouts bound each read)."""
+        arrive within ``within`` seconds in all (default ``timeout_s``: a server that trickles bytes; httpx's
+        timeouts bound each read)."""
         import httpx
 
         try:
-            return self._read_within(self._http(), path, params, time.monotonic() + self.timeout_s)
+            return self._read_within(self._http(), path, params, self.timeout_s if within is None else within)
         except httpx.HTTPError as exc:
             self._offline_reason = f"{type(exc).__name__}: {exc}"
             log.warning(
@@ -615,9 +616,11 @@ class KernelRegistry:
             )
             return None
 
-    def _read_within(self, client, path: str, params: Mapping[str, Any], deadline: float) -> Any:
-        """The response to GET ``path``, its body read by ``deadline`` (httpx.ReadTimeout if not)."""
+    def _read_within(self, client, path: str, params: Mapping[str, Any], within: float) -> Any:
+        """The response to GET ``path``, its body read within ``within`` seconds (httpx.ReadTimeout if not)."""
         import httpx
+
+        deadline = time.monotonic() + within
 
         if not hasattr(client, "stream"):  # an httpx.Client-like object without streaming: its own timeouts
             return client.get(path, params=params)
@@ -626,9 +629,7 @@ class KernelRegistry:
             for chunk in streamed.iter_bytes():
                 body.append(chunk)
                 if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout(
-                        f"no whole answer to {path} within {self.timeout_s:g} s", request=streamed.request
-                    )
+                    raise httpx.ReadTimeout(f"no whole answer to {path} within {within:g} s", request=streamed.request)
         # The body is decoded: the new response must not decode it again.
         headers = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _TRANSFER_HEADERS]
         return httpx.Response(streamed.status_code, headers=headers, content=b"".join(body), request=streamed.request)
@@ -723,7 +724,8 @@ class KernelRegistry:
             where = "" if exact else f" (tuned at {format_shape(served['shape'])})"
             notes.append(f"served kernel #{served['id']}{where} not used: {reason}")
             return None
-        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin")
+        # A cubin (up to a few MB) may take longer in all than a lookup; a stalled read still ends at timeout_s.
+        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin", within=CUBIN_READS * self.timeout_s)
         if cubin_resp is None or cubin_resp.status_code != 200:
             notes.append(f"cubin of kernel #{served['id']} not fetched")
             return None
@@ -1024,6 +1026,9 @@ def _wrong_cached(meta: dict[str, Any], shape: Sequence[int]) -> str | None:
 
 
 #: Headers that describe how a body was sent, not what it is: dropped once it is read and decoded.
+#: A cubin download may take this many times ``timeout_s`` in all (each read still waits ``timeout_s`` at most).
+CUBIN_READS = 10
+
 _TRANSFER_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
 
 
