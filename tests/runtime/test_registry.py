@@ -20,7 +20,7 @@ from kernelmill.kernels.compile import CompileError
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.matmul import TensorCoreCore
 from kernelmill.kernels.render import render
-from kernelmill.runtime.registry import DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
+from kernelmill.runtime.registry import CUBIN_READS, DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
 
@@ -130,6 +130,21 @@ def _fused_kernel(**over):
     }
     kernel.update(over)
     return kernel
+
+
+def test_a_cubin_may_take_longer_in_all_than_a_lookup(tmp_path, monkeypatch):
+    calls: list = []
+    reg = KernelRegistry(client=_mock_service(_fused_kernel(), calls), arch="sm_90", cache_dir=tmp_path, timeout_s=0.5)
+    bounds = {}
+    read = KernelRegistry._read_within
+
+    def recording(self, client, path, params, within):
+        bounds[path.rsplit("/", 1)[-1]] = within
+        return read(self, client, path, params, within)
+
+    monkeypatch.setattr(KernelRegistry, "_read_within", recording)
+    assert reg.get("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"}).cubin == b"served-cubin"
+    assert bounds == {"best": 0.5, "cubin": 0.5 * CUBIN_READS}
 
 
 def test_nearest_kernel_used_only_when_its_family_accepts_the_shape(tmp_path):
