@@ -4,8 +4,9 @@
 #
 # The verification files run under pytest-xdist where it is importable (NW workers, 8 by default). Each
 # worker is its own process and CUDA context, so a kernel that faults takes down one worker, which xdist
-# replaces, and the compiles spread over the host's cores: the whole suite took about 7 minutes on an H100 (9 on an H200 with 628 tests, 2026-11-28)
-# host of 16 cores, where one process had run 67 of its 216 tests in 520 s. The files that start services,
+# replaces, and the compiles spread over the host's cores: the whole suite took about 7 minutes on an H100
+# host of 16 cores, where one process had run 67 of its 216 tests in 520 s (9 minutes for 628 tests on an
+# H200 host of 16 cores, 2026-11-28). The files that start services,
 # subprocesses or Nsight run after them, one process each.
 set -u
 OUT=${OUT:-out}
