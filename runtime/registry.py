@@ -506,6 +506,9 @@ class KernelRegistry:
         except (OSError, ValueError):
             return None
         wrong = _wrong_fields(meta, _CACHED_FIELDS) or _wrong_cached(meta, shape)
+        digest = hashlib.sha256(cubin).hexdigest()
+        if not wrong and meta.get("cubin_sha256", digest) != digest:  # entries from before the digest: no check
+            wrong = f"{cubin_path.name} is not the cubin its entry was written with (sha256 differs)"
         if wrong:  # a cache: a damaged entry is passed over (and replaced when the service serves one)
             notes.append(f"local cache entry unusable: {wrong}")
             return None
@@ -522,7 +525,7 @@ class KernelRegistry:
             meta["params"],
             meta["source"],
             cubin,
-            f"served-{hashlib.sha256(cubin).hexdigest()}",
+            f"served-{digest}",
             arch=meta.get("arch"),
             served_shape=tuple(meta["served_shape"]),
             kernel_id=meta.get("kernel_id"),
@@ -582,6 +585,7 @@ class KernelRegistry:
             "server": self.server,
             "code": entry.code,
             "rebuilt": entry.rebuilt,
+            "cubin_sha256": hashlib.sha256(entry.cubin).hexdigest(),
         }
         try:
             write_atomically(cubin_path, entry.cubin)

@@ -3,6 +3,7 @@ cache, offline behaviour, compiled defaults; tune_model submitting jobs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -272,6 +273,28 @@ def test_a_local_cache_entry_this_version_cannot_trust_is_passed_over(tmp_path, 
     entry = offline.get(*problem)
     assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
     assert entry.note.startswith("local cache entry unusable: ") and why in entry.note
+
+
+def test_a_cached_cubin_that_is_not_the_one_its_entry_was_written_with_is_passed_over(tmp_path):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    client = _mock_service(_fused_kernel(exact=True), [])
+    KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
+    (meta_path,) = (tmp_path / "served").rglob("*.json")
+    cubin_path = meta_path.with_suffix(".cubin")
+    assert json.loads(meta_path.read_text())["cubin_sha256"] == hashlib.sha256(b"served-cubin").hexdigest()
+
+    cubin_path.write_bytes(b"served-cubIn")  # damaged on disk (or replaced by another writer)
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_Recompile())
+    entry = offline.get(*problem)
+    assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+    assert "is not the cubin its entry was written with (sha256 differs)" in entry.note
+
+    # An entry written before the digest was recorded is still read.
+    meta = json.loads(meta_path.read_text())
+    del meta["cubin_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    assert offline.get(*problem).cubin == b"served-cubIn"
 
 
 class _Recompile:
