@@ -6,6 +6,8 @@ import logging
 import os
 from typing import Any
 
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import SpecError
 from kernelmill.runtime import ops
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,11 @@ def tune_model(
         attrs_of[key] = {k: str(v) for k, v in attrs.items()}
         if list(shape) not in groups.setdefault(key, []):
             groups[key].append(list(shape))
+    for op, _, attrs in groups:  # before anything is submitted: a job the service would refuse stops them all
+        try:
+            get_op(op).resolve_attrs(dict(attrs))
+        except SpecError as exc:
+            raise ValueError(f"this model's {op} has no GPU kernel to tune ({exc}); nothing was submitted") from None
     base = (server or os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
     own_client = client is None
     if own_client:

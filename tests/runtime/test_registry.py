@@ -725,6 +725,25 @@ def test_tune_model_submits_one_job_per_op_and_attrs(service):
         assert _wait_done(service, job["id"])["state"] == "done"
 
 
+def test_tune_model_refuses_a_model_with_attributes_no_kernel_takes_before_submitting(service):
+    config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config.update({"intermediate_size": 64, "max_position_embeddings": 16, "layer_norm_eps": 1e-3})
+    model = runtime.Model(runtime.BertModel.random(config), device="cpu")  # NumPy takes any eps
+
+    class Recording:
+        base_url = "http://svc"
+        posts = 0
+
+        def post(self, *args, **kwargs):
+            self.posts += 1
+            return service.post(*args, **kwargs)
+
+    client = Recording()
+    with pytest.raises(ValueError, match=r"this model's \w*layernorm has no GPU kernel to tune \(.*eps.*0\.001"):
+        runtime.tune_model(model, np.arange(10).reshape(2, 5), client=client, dtype="float16", trials=2)
+    assert client.posts == 0
+
+
 def test_tune_model_takes_what_forward_takes(service):
     """An MLP from random weights with a NumPy batch (and a list), as Model.forward takes them: the inputs
     go through the module's prepare (the module's forward alone got the raw array and failed)."""
