@@ -625,7 +625,6 @@ class KernelRegistry:
         import httpx
 
         deadline = time.monotonic() + within
-
         if not hasattr(client, "stream"):  # an httpx.Client-like object without streaming: its own timeouts
             return client.get(path, params=params)
         with client.stream("GET", path, params=params) as streamed:
@@ -1029,10 +1028,10 @@ def _wrong_cached(meta: dict[str, Any], shape: Sequence[int]) -> str | None:
     return _wrong_rank(meta, "served_shape", shape)
 
 
-#: Headers that describe how a body was sent, not what it is: dropped once it is read and decoded.
 #: A cubin download may take this many times ``timeout_s`` in all (each read still waits ``timeout_s`` at most).
 CUBIN_READS = 10
 
+#: Headers that describe how a body was sent, not what it is: dropped once it is read and decoded.
 _TRANSFER_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
 
 
