@@ -134,9 +134,12 @@ def migrate(engine: Engine, revision: str = "head") -> None:
 
 @contextmanager
 def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
-    """An exclusive flock on an SQLite database file while it is migrated (pysqlite runs DDL outside a
-    transaction, so SQLite's own locks do not serialize two migrations). flock and SQLite's fcntl locks are
-    independent: readers and writers of the database are not held up."""
+    """An exclusive flock on a lock file beside an SQLite database (``<database>.lock``) while it is migrated
+    (pysqlite runs DDL outside a transaction, so SQLite's own locks do not serialize two migrations).
+
+    Never on the database file itself: closing any handle of a file drops every fcntl lock the process holds
+    on it, SQLite's included, and the next process to close the database then took itself for the last
+    one, checkpointed and deleted the WAL under a running service, whose later writes were lost on a crash."""
     database = engine.url.database if engine.dialect.name == "sqlite" else None
     if not database or database == ":memory:" or database.startswith("file:"):
         yield
@@ -144,7 +147,7 @@ def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
     import fcntl
 
     try:
-        handle = open(database, "ab")  # noqa: SIM115 - an empty file is an empty database
+        handle = open(database + ".lock", "ab")  # noqa: SIM115 - closed below
     except OSError:  # no such folder, no permission: SQLite says so when it opens the database
         yield
         return

@@ -513,3 +513,47 @@ def test_migration_0007_keeps_one_kernel_a_gpu_model_and_its_downgrade_the_faste
     migrate(store.engine)
     (kernel,) = store.list_kernels()[0]
     assert kernel.device_key == "NVIDIA H100 80GB HBM3"
+
+
+_HOLDER = """
+import sys, time
+from kernelmill.service.db.store import Store
+store = Store(sys.argv[1])
+values = dict(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random", budget_trials=1,
+              budget_seconds=1.0)
+store.create_job(**values)
+print("ready", flush=True)
+sys.stdin.readline()  # another process opens and closes the database meanwhile
+store.create_job(**values)
+print("written", flush=True)
+time.sleep(60)
+"""
+
+
+def test_another_process_opening_the_database_loses_no_write_of_a_crashed_service(tmp_path):
+    """A service's writes survive a kill -9 after another process (`kernelmill jobs`, say) opened and closed
+    the SQLite database: the migration lock once closed a handle of the database file itself, which dropped
+    SQLite's own locks, and the other process then deleted the service's WAL under it."""
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'km.db'}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        other = Store(url)
+        assert other.list_jobs()[1] == 1
+        other.close()
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "written"
+    finally:
+        holder.kill()
+        holder.wait()
+    after = Store(url)
+    try:
+        assert after.list_jobs()[1] == 2
+    finally:
+        after.close()
