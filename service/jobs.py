@@ -231,8 +231,12 @@ class JobRunner:
 
     def start(self) -> None:
         for job in self.store.jobs_in_state("running"):
+            if job.cancel_requested:  # asked to stop before the service stopped: it ends cancelled, not queued
+                log.info("job %s was being cancelled when the service stopped: cancelled", job.id)
+                self.store.finish_job(job.id, "cancelled")
+                continue
             log.info("job %s was running when the service stopped: queued again to resume", job.id)
-            self.store.update_job(job.id, state="queued")
+            self.store.update_job(job.id, state="queued", worker=None, device_name=None)
         self._thread = threading.Thread(target=self._poll, name="kernelmill-jobs", daemon=True)
         self._thread.start()
 

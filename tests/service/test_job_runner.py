@@ -203,3 +203,18 @@ def test_a_resumed_job_has_only_the_rest_of_its_time_budget(store):
     took, done = time.monotonic() - started, store.get_job(job.id)
     assert took < 6 and 0 < len(store.trials(job.id)) < 400  # stopped by the budget, not the trial count
     assert 12.0 <= done.seconds_used < 12.0 + took  # this start's time was added
+
+
+def test_a_restart_ends_a_job_cancelled_before_the_stop_and_requeues_the_rest_without_their_gpu(store):
+    """A cancel asked while the service ran, which the job never reached, is not lost by a restart; a job
+    queued again to resume no longer shows the GPU it ran on."""
+    cancelled, resumed = (store.create_job(**{**_JOB, "budget_trials": 400}) for _ in range(2))
+    for job in (cancelled, resumed):
+        store.start_job(job.id, "gpu0", "NVIDIA H200")
+    store.request_cancel(cancelled.id)
+    runner = JobRunner(store, FakeExecutor(0), Settings(database_url=store.url), poll_s=0.05)
+    runner.start()
+    runner.stop()
+    ended, queued = store.get_job(cancelled.id), store.get_job(resumed.id)
+    assert ended.state == "cancelled" and ended.finished_at is not None
+    assert queued.state == "queued" and queued.worker is None and queued.device_name is None
