@@ -1267,6 +1267,13 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         raise ValueError(
             f"{path} is a file of the HuggingFace checkpoint directory {path.parent}: pass the directory instead"
         )
+    if path.suffix == ".safetensors":
+        # safetensors stores its keys sorted ("0, 10, 2, ..."), and an MLP runs its layers in key order: the
+        # file cannot say which layer comes first, and a wrong order runs silently.
+        raise ValueError(
+            f"{path}: an MLP is read from a torch.save(module.state_dict(), path) file, whose key order is the "
+            "layers' order; a safetensors file keeps its keys sorted as text, so the layer order is lost"
+        )
     loaded = _torch_load(path)
     if isinstance(loaded, dict) and "state_dict" in loaded:
         act = act or loaded.get("act")

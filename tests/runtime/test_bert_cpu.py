@@ -714,3 +714,14 @@ def test_a_layer_norm_eps_no_gpu_kernel_takes_runs_on_the_cpu_and_is_refused_for
         "config.json's layer_norm_eps is 2e-05, which the GPU's layernorm kernels do not take (they take 1e-12, "
         "1e-05, 1e-06, 1e-07, 1e-08); device='cpu' runs any eps"
     )
+
+
+def test_an_mlp_in_a_safetensors_file_is_refused_since_its_keys_lose_the_layer_order(tmp_path):
+    """safetensors sorts its keys as text (0, 10, 2, ...): an MLP read from it ran its layers out of order."""
+    from safetensors.torch import save_file
+
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(16, 16), torch.nn.ReLU())][:-1]
+    path = tmp_path / "deep.safetensors"
+    save_file(torch.nn.Sequential(*layers).state_dict(), str(path))
+    with pytest.raises(ValueError, match="keeps its keys sorted as text"):
+        runtime.load_model(path, device="cpu", act="relu")
