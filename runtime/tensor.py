@@ -64,7 +64,7 @@ def _backend():
 class Tensor:
     """Contiguous, row-major. ``device`` is "cpu" (``array`` holds the data) or "cuda" (``buffer``)."""
 
-    __array_priority__ = 100  # NumPy defers to our operators
+    __array_priority__ = 100  # NumPy leaves mixed expressions to Tensor (which refuses them) rather than guessing
 
     def __init__(
         self,
@@ -185,6 +185,13 @@ class Tensor:
         if self.nbytes:
             _backend().download(self.ptr, out)
         return out
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """np.asarray(t), np.save(path, t): the values, as .numpy() gives them (it was a 0-d object array)."""
+        out = self.numpy()
+        if dtype is not None:
+            out = out.astype(dtype, copy=False)
+        return out.copy() if copy and out is self.array else out
 
     @on_device(cuda_args_only=True)
     def to(self, device: str | None = None, dtype: str | None = None) -> Tensor:

@@ -124,3 +124,11 @@ def test_a_model_runs_on_a_torch_input_that_requires_grad():
     out = model(x)
     assert out.shape == (2, 16)
     np.testing.assert_array_equal(out.numpy(), model(x.detach().numpy()).numpy())
+
+
+def test_numpy_reads_a_tensor_through_array():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = Tensor.from_numpy(a, device="cpu")
+    assert np.asarray(t).shape == (2, 3) and np.asarray(t).dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(t, dtype=np.float64), a)
+    assert np.allclose(np.array(t), a)
