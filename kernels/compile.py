@@ -166,7 +166,7 @@ def normalize_arch(arch: str | None) -> str:
 
 
 def arch_flags(arch: str) -> list[str]:
-    """nvcc target flags. Arch-specific targets (sm_90a) need the -gencode form (HOPPER.md)."""
+    """nvcc target flags. Arch-specific targets (sm_90a) need the -gencode form."""
     num = arch.removeprefix("sm_")
     return [f"-gencode=arch=compute_{num},code={arch}"]
 
