@@ -25,6 +25,8 @@ def ms(value: float | None) -> str:
 def speedup(value: float | None) -> str:
     if value is None:
         return "—"
+    if value < 0.1:  # far slower than PyTorch, as early trials of a search are: two figures, never "0.00×"
+        return f"{value:.2g}×"
     return f"{value:.2f}×" if value < 100 else f"{value:.0f}×"
 
 

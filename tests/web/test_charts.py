@@ -89,6 +89,7 @@ def test_ticks_and_labels():
 def test_filters():
     assert filters.ms(None) == "—" and filters.ms(0.05) == "50 µs" and filters.ms(12.345) == "12.3 ms"
     assert filters.speedup(1.234) == "1.23×"
+    assert filters.speedup(0.0123) == "0.012×" and filters.speedup(0.004) == "0.004×"  # not "0.00×"
     assert filters.num(3000.0) == "3,000" and filters.num(0.5) == "0.5" and filters.num(1e-6, 2) == "1.0e-06"
     assert filters.nbytes(0) == "0" and filters.nbytes(49152) == "48 KiB"
     assert filters.duration(75) == "1 min 15 s" and filters.duration(4000) == "1 h 06 min"
