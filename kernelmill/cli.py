@@ -560,11 +560,13 @@ def tune(
     if server:
         from kernelmill.client import tune_remote
 
-        tune_remote(server, fields, console)
+        job = tune_remote(server, fields, console)
     else:
         from kernelmill.client import tune_embedded
 
-        tune_embedded(settings, fields, console)
+        job = tune_embedded(settings, fields, console)
+    if job["state"] in ("failed", "cancelled"):  # the summary said why; a script sees it in the exit code
+        raise typer.Exit(1)
 
 
 @app.command()

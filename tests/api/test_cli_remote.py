@@ -273,3 +273,12 @@ def test_an_answer_that_is_not_the_apis_is_one_line_and_exit_2(monkeypatch, body
     result = CliRunner().invoke(app, [*argv, "--server", SERVER])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("state, code", [("cancelled", 1), ("failed", 1), ("done", 0), ("running", 0)])
+def test_tune_exits_1_when_its_job_ends_failed_or_cancelled(state, code, monkeypatch):
+    """A script sees a job that did not finish in the exit code (it was 0); one still running after Ctrl-C is
+    not a failure."""
+    monkeypatch.setattr(cli_client, "tune_remote", lambda server, fields, console: {"state": state})
+    result = CliRunner().invoke(app, TUNE)
+    assert result.exit_code == code, result.output
