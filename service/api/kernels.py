@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import SpecError, format_shape
+from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
 from kernelmill.service.api.deps import get_store
 from kernelmill.service.api.schemas import BestKernelOut, KernelId, KernelOut, KernelSummary, Offset, Page, problems
 from kernelmill.service.db.models import Kernel
@@ -46,6 +46,11 @@ def list_kernels(
     limit: int = Query(100, ge=1, le=1000),
     offset: Offset = 0,
 ) -> Page[KernelSummary]:
+    # A filter that can match nothing is a typo: say so (as /best does) rather than answer an empty page.
+    if dtype is not None and dtype not in DTYPES:
+        raise HTTPException(422, f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    if precision is not None and precision not in (*DTYPES, "tf32"):
+        raise HTTPException(422, f"unknown precision {precision!r}: one of {', '.join((*DTYPES, 'tf32'))}")
     rows, total = store.list_kernels(op, dtype, arch, limit, offset, precision=precision)
     return Page[KernelSummary](
         items=[KernelSummary.model_validate(k) for k in rows], total=total, limit=limit, offset=offset

@@ -209,3 +209,12 @@ def test_a_miss_on_precision_names_the_precisions_served(client):
     assert ": matmul float32 kernels are served computed in tf32 only;" in miss.json()["detail"]
     tf32 = best(client, "op=matmul&shape=64x64x64&dtype=float32&precision=tf32&arch=sm_80").json()["detail"]
     assert tf32.startswith("no tuned kernel for matmul 64x64x64 float32 computed in tf32 for sm_80, at this or any")
+
+
+def test_the_kernel_list_refuses_a_dtype_or_precision_that_matches_nothing(client):
+    """They answered 200 with an empty page, where /best answers 422 for the same values."""
+    for query, word in (("dtype=float64", "dtype"), ("precision=bogus", "precision")):
+        resp = client.get(f"/api/kernels?{query}")
+        assert resp.status_code == 422 and word in resp.json()["detail"], query
+    for query in ("dtype=bfloat16", "precision=tf32", "dtype=float32&precision=float32"):
+        assert client.get(f"/api/kernels?{query}").status_code == 200, query
