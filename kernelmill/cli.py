@@ -466,11 +466,14 @@ def serve(
 
     given = {"host": host, "port": port, "scheduler": scheduler, "access_log": access_log}
     settings = get_settings().model_copy(update={k: v for k, v in given.items() if v is not None})
+    if not settings.host.strip():  # uvicorn takes "" for every interface: say 0.0.0.0 if that is meant
+        raise fail("--host (KERNELMILL_HOST) is empty: give an address, 0.0.0.0 for every interface")
     _check_listen(settings.host, settings.port)
     Store(settings.database_url).close()  # opened and migrated: DatabaseError (one line) before the service starts
     if settings.scheduler:
         _check_scheduler(settings.scheduler)
-    console.print(f"kernelmill {__version__} serving on http://{settings.host}:{settings.port} (docs at /docs)")
+    shown = f"[{settings.host}]" if ":" in settings.host else settings.host  # an IPv6 address in a URL
+    console.print(f"kernelmill {__version__} serving on http://{shown}:{settings.port} (docs at /docs)")
     # One process: the job runner and the GPU workers belong to it (several uvicorn workers would each start
     # their own). uvicorn picks httptools and uvloop, both dependencies, over its pure-Python h11 and asyncio.
     app = create_app(settings)

@@ -134,6 +134,8 @@ def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeyp
     monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 0.6)
     monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
     assert runner.invoke(app, ["serve", "--port", "70000"]).exit_code == 2
+    empty = runner.invoke(app, ["serve", "--host", " ", "--port", str(_free_port())])  # "" bound every interface
+    assert empty.exit_code == 2 and "--host (KERNELMILL_HOST) is empty" in empty.output
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         busy = runner.invoke(app, ["serve", "--port", str(port)])
