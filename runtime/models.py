@@ -28,7 +28,7 @@ import re
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -462,10 +462,12 @@ def _knobs(params: dict[str, Any]) -> str:
 def _buckets(buckets: Sequence[int] | None) -> tuple[int, ...] | None:
     if buckets is None:
         return None
-    try:
-        sizes = sorted({int(b) for b in buckets})
-    except (TypeError, ValueError):
-        raise ValueError(f"buckets must be positive integers, got {buckets!r}") from None
+    # A string is a sequence of digits ("32" gave buckets 2 and 3) and int() cuts 7.9 to 7: neither is taken.
+    whole = isinstance(buckets, Iterable) and not isinstance(buckets, (str, bytes))
+    whole = whole and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in buckets)
+    if not whole:
+        raise ValueError(f"buckets must be positive integers, got {buckets!r}")
+    sizes = sorted({int(b) for b in buckets})
     if not sizes or sizes[0] < 1:
         raise ValueError(f"buckets must be positive integers, got {buckets!r}")
     return tuple(sizes)

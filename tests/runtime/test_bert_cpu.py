@@ -310,7 +310,7 @@ def test_buckets_need_a_module_that_pads_and_positive_sizes(bert_dir):
     attn = MultiHeadAttention.from_torch(*(np.ones((8, 8)), np.ones(8)) * 4, heads=2)
     with pytest.raises(ValueError, match="MultiHeadAttention has no dimension to pad"):
         runtime.Model(attn, device="cpu", buckets=[8])
-    for bad in ([0, 8], [], ["x"], 8):
+    for bad in ([0, 8], [], ["x"], 8, "32", [7.9], [True]):  # "32" was buckets 2 and 3, 7.9 was 7
         with pytest.raises(ValueError, match="buckets must be positive integers"):
             runtime.load_model(path, device="cpu", buckets=bad)
 
