@@ -49,8 +49,9 @@ def list_kernels(
     # A filter that can match nothing is a typo: say so (as /best does) rather than answer an empty page.
     if dtype is not None and dtype not in DTYPES:
         raise HTTPException(422, f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    if precision is not None and precision not in (*DTYPES, "tf32"):
-        raise HTTPException(422, f"unknown precision {precision!r}: one of {', '.join((*DTYPES, 'tf32'))}")
+    precisions = (*DTYPES, "tf32")  # a dtype computed in itself, or float32 on TF32 tensor cores
+    if precision is not None and precision not in precisions:
+        raise HTTPException(422, f"unknown precision {precision!r}: one of {', '.join(precisions)}")
     rows, total = store.list_kernels(op, dtype, arch, limit, offset, precision=precision)
     return Page[KernelSummary](
         items=[KernelSummary.model_validate(k) for k in rows], total=total, limit=limit, offset=offset
