@@ -1,15 +1,20 @@
 """Jobs: validation of a submission, and the runner that hands queued jobs to idle GPU workers.
 
-The database is the truth: on start-up, jobs left ``running`` by a dead service
-are queued again and resume from their recorded trials.
+The database is the truth: each running job is leased to the runner (service process) running it, which
+renews the lease while it lives. A job whose lease lapsed (its service died) is queued again, by this
+runner at start-up or by any live runner on the same database, and resumes from its recorded trials; a
+job another live runner holds is left alone, and so is its GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -219,26 +224,43 @@ class JobRunner:
 
     #: Seconds a worker gets no job after its GPU was unavailable (its job went back to the queue).
     bench_s = 30.0
+    #: Seconds a running job's lease holds unless renewed (it is renewed every third of that): how long a job
+    #: whose service died waits before another runner, or the restarted service, resumes it.
+    lease_s = 30.0
 
     def __init__(self, store: Store, executor: Executor, settings: Settings, poll_s: float = 0.5) -> None:
         self.store, self.executor, self.settings, self.poll_s = store, executor, settings, poll_s
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this runner, in jobs.runner
         self._benched: dict[str, float] = {}  # worker -> when it may take a job again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._running: dict[int, threading.Thread] = {}
         self._said_waiting: set[int] = set()
+        self._leases_at = 0.0  # when leases were last renewed and lapsed ones recovered
         self.progress: dict[int, Progress] = {}
 
     def start(self) -> None:
-        for job in self.store.jobs_in_state("running"):
-            if job.cancel_requested:  # asked to stop before the service stopped: it ends cancelled, not queued
-                log.info("job %s was being cancelled when the service stopped: cancelled", job.id)
-                self.store.finish_job(job.id, "cancelled")
-                continue
-            log.info("job %s was running when the service stopped: queued again to resume", job.id)
-            self.store.update_job(job.id, state="queued", worker=None, device_name=None)
+        self._recover()
         self._thread = threading.Thread(target=self._poll, name="kernelmill-jobs", daemon=True)
         self._thread.start()
+
+    def _recover(self) -> None:
+        """Jobs whose runner died: cancelled where a cancel was asked (the job never reached it), else queued
+        again to resume. Jobs a live runner holds are not touched."""
+        for job in self.store.lapsed_jobs():
+            state = self.store.recover_lapsed(job.id)
+            if state == "cancelled":
+                log.info("job %s was being cancelled when its service stopped: cancelled", job.id)
+            elif state == "queued":
+                log.info("job %s was running when its service stopped: queued again to resume", job.id)
+
+    def _keep_leases(self) -> None:
+        now = time.monotonic()
+        if now - self._leases_at < self.lease_s / 3:
+            return
+        self._leases_at = now
+        self.store.renew_leases(self.name, list(self._running), self.lease_s)
+        self._recover()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop polling and ask running jobs to stop at their next batch (they are queued again, to resume on
@@ -257,6 +279,7 @@ class JobRunner:
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
+                self._keep_leases()
                 self._assign()
             except Exception:  # noqa: BLE001 - the runner must outlive any one bad poll
                 log.exception("job runner poll failed")
@@ -267,10 +290,11 @@ class JobRunner:
         if not queued:
             return
         workers = self.executor.workers()
+        held = self.store.workers_held(self.name)  # by another service on this database
         for worker in workers:
             if not queued:
                 return
-            if worker.busy or self._benched.get(worker.name, 0.0) > time.monotonic():
+            if worker.busy or worker.name in held or self._benched.get(worker.name, 0.0) > time.monotonic():
                 continue
             job = next((j for j in queued if runs_on(j.arch, worker.arch)), None)
             if job is None or not self.executor.claim(worker.name, job.id):
@@ -299,8 +323,8 @@ class JobRunner:
                 worker, name=facts.name, arch=facts.arch, sm_count=facts.extra.get("sm_count"),
                 copy_gbps=facts.extra.get("copy_gbps"), matrix_tflops=facts.extra.get("matrix_tflops") or {},
             )  # fmt: skip
-            if self.store.start_job(job.id, worker, facts.name) is None:
-                log.info("job %s was cancelled before it started on %s", job.id, worker)
+            if self.store.start_job(job.id, worker, facts.name, self.name, self.lease_s) is None:
+                log.info("job %s was cancelled, or started by another service, before it started on %s", job.id, worker)
                 return
             plan = JobPlan(
                 job.id,
@@ -318,14 +342,14 @@ class JobRunner:
             try:
                 state = run_job(plan, evaluator, recorder, self._on_progress)
             except GpuUnavailable as exc:  # the GPU went away mid-job: what was recorded stays, the job resumes
-                self.store.update_job(job.id, state="queued")
+                self.store.requeue_job(job.id)
                 self._bench(worker, job, exc)
                 return
             finally:
                 recorder.checkpoint()
             if state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
                 log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
-                self.store.update_job(job.id, state="queued")
+                self.store.requeue_job(job.id)
             else:
                 self.store.finish_job(job.id, state)
         except Exception as exc:  # noqa: BLE001 - a failed job is recorded, the service stays up

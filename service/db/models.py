@@ -65,6 +65,10 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(128))
     device_name: Mapped[str | None] = mapped_column(String(128))
+    #: The job runner (service process) running the job, and until when its claim holds unless renewed:
+    #: another runner queues the job again only once the lease has lapsed (migration 0008).
+    runner: Mapped[str | None] = mapped_column(String(96))
+    lease_until: Mapped[datetime | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column()
     finished_at: Mapped[datetime | None] = mapped_column()

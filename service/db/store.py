@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -268,17 +269,81 @@ class Store:
                 setattr(job, key, value)
         return job
 
-    def start_job(self, job_id: int, worker: str | None, device_name: str | None) -> Job | None:
-        """The job, now running on ``worker``; None where it is no longer queued (cancelled meanwhile). One
-        conditional UPDATE, so a cancel and a start never both win."""
+    def start_job(
+        self, job_id: int, worker: str | None, device_name: str | None, runner: str | None = None,
+        lease_s: float | None = None,
+    ) -> Job | None:  # fmt: skip
+        """The job, now running on ``worker`` for ``runner`` (its lease held ``lease_s`` seconds); None where
+        it is no longer queued (cancelled, or started by another runner, meanwhile). One conditional UPDATE,
+        so a cancel and a start, or two runners' starts, never both win."""
         started = func.coalesce(Job.started_at, utcnow())  # a resumed job keeps its first start
+        lease = utcnow() + timedelta(seconds=lease_s) if lease_s is not None else None
         with self.session() as s, s.begin():
             moved = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.state == "queued")
-                .values(state="running", worker=worker, device_name=device_name, started_at=started)
+                .values(
+                    state="running",
+                    worker=worker,
+                    device_name=device_name,
+                    started_at=started,
+                    runner=runner,
+                    lease_until=lease,
+                )  # fmt: skip
             ).rowcount
         return self.get_job(job_id) if moved else None
+
+    def requeue_job(self, job_id: int) -> None:
+        """A running job back in the queue, to resume from its recorded trials: no GPU, no owner."""
+        self.update_job(job_id, state="queued", worker=None, device_name=None, runner=None, lease_until=None)
+
+    def renew_leases(self, runner: str, job_ids: Iterable[int], lease_s: float) -> None:
+        """``runner`` still runs ``job_ids``: their leases hold ``lease_s`` seconds more."""
+        ids = list(job_ids)
+        if not ids:
+            return
+        with self.session() as s, s.begin():
+            s.execute(
+                update(Job)
+                .where(Job.id.in_(ids), Job.runner == runner, Job.state == "running")
+                .values(lease_until=utcnow() + timedelta(seconds=lease_s))
+            )
+
+    def _lapsed(self, now: datetime):
+        """Running jobs whose runner died: the lease lapsed, or there was none (rows older than leases)."""
+        return (Job.state == "running") & (Job.lease_until.is_(None) | (Job.lease_until < now))
+
+    def lapsed_jobs(self) -> list[Job]:
+        with self.session() as s:
+            return list(s.scalars(select(Job).where(self._lapsed(utcnow())).order_by(Job.id)).all())
+
+    def recover_lapsed(self, job_id: int) -> str | None:
+        """A running job whose lease lapsed: ended ``cancelled`` where a cancel was asked, else queued again.
+        The new state, or None where the job is not (or no longer) lapsed: one conditional UPDATE, so a job
+        whose owner renewed meanwhile, or that two runners recover at once, moves once."""
+        now = utcnow()
+        with self.session() as s, s.begin():
+            lapsed = (Job.id == job_id) & self._lapsed(now)
+            if s.execute(
+                update(Job).where(lapsed, Job.cancel_requested.is_(True)).values(state="cancelled", finished_at=now)
+            ).rowcount:
+                return "cancelled"
+            moved = s.execute(
+                update(Job)
+                .where(lapsed)
+                .values(state="queued", worker=None, device_name=None, runner=None, lease_until=None)
+            ).rowcount
+        return "queued" if moved else None
+
+    def workers_held(self, runner: str) -> set[str]:
+        """The GPU workers running a job for another runner whose lease holds (not to be given a job here)."""
+        with self.session() as s:
+            rows = s.scalars(
+                select(Job.worker).where(
+                    Job.state == "running", Job.runner != runner, Job.lease_until >= utcnow(), Job.worker.is_not(None)
+                )
+            )
+            return set(rows.all())
 
     def add_job_seconds(self, job_id: int, seconds: float) -> None:
         """Count ``seconds`` more of running time against the job's budget (one UPDATE, no read)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import datetime
 
 import pytest
 
@@ -218,3 +219,40 @@ def test_a_restart_ends_a_job_cancelled_before_the_stop_and_requeues_the_rest_wi
     ended, queued = store.get_job(cancelled.id), store.get_job(resumed.id)
     assert ended.state == "cancelled" and ended.finished_at is not None
     assert queued.state == "queued" and queued.worker is None and queued.device_name is None
+
+
+def test_a_job_another_live_service_runs_is_left_alone_with_its_gpu_and_resumed_once_its_lease_lapses(store):
+    """Two services on one database (a second ``serve``, an API replica): neither requeues the other's running
+    jobs nor gives the other's GPU a job; a job whose service died is resumed once its lease lapses."""
+    held, waiting = softmax_job(store, trials=8), softmax_job(store, trials=8)
+    store.start_job(held.id, "fake-gpu0", "FakeGPU 0", runner="the-other-service", lease_s=60)
+    runner = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url, batch_size=2), poll_s=0.02)
+    runner.lease_s = 0.3
+    runner.start()
+    try:
+        time.sleep(0.5)  # polls, lease checks
+        still = store.get_job(held.id)
+        assert still.state == "running" and still.runner == "the-other-service" and not store.trials(held.id)
+        assert store.get_job(waiting.id).state == "queued"  # fake-gpu0 is the other service's
+        store.update_job(held.id, lease_until=datetime(2000, 1, 1))  # the other service died
+        wait_for(lambda: store.get_job(held.id).state == store.get_job(waiting.id).state == "done")
+    finally:
+        runner.stop()
+    resumed = store.get_job(held.id)
+    assert resumed.runner == runner.name and 0 < len(store.trials(held.id)) <= 8
+
+
+def test_a_running_job_keeps_its_lease_and_gets_no_second_start(store):
+    """The runner renews the leases of its jobs: a job running longer than a lease is never taken as lapsed."""
+    runner = JobRunner(store, FakeExecutor(1, delay_s=0.05), Settings(database_url=store.url, batch_size=2), 0.02)
+    runner.lease_s = 0.3
+    job = softmax_job(store, trials=40)  # about 1 s: several leases
+    runner.start()
+    try:
+        wait_for(lambda: store.get_job(job.id).state == "running")
+        first = store.get_job(job.id).lease_until
+        wait_for(lambda: store.get_job(job.id).state == "done")
+    finally:
+        runner.stop()
+    assert store.lapsed_jobs() == [] and len(store.trials(job.id)) == 40
+    assert first is not None

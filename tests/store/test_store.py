@@ -175,6 +175,28 @@ def test_a_job_cancelled_before_it_starts_is_not_started(store):
     assert again.state == "running" and again.worker == "fake-gpu1" and again.started_at == first.started_at
 
 
+def test_leases_a_lapsed_job_moves_once_and_a_live_one_not_at_all(store):
+    """Running jobs are leased to their runner: only the owner renews; a lapsed lease (or none, rows from
+    before leases) is recovered once (queued, or cancelled where a cancel was asked); a live one never."""
+    live, lapsed, cancelling = new_job(store), new_job(store), new_job(store)
+    store.start_job(live.id, "w0", "GPU", runner="a", lease_s=60)
+    store.start_job(lapsed.id, "w1", "GPU", runner="b", lease_s=60)
+    store.start_job(cancelling.id, "w2", "GPU")  # no lease
+    store.request_cancel(cancelling.id)
+    store.renew_leases("a", [lapsed.id], lease_s=-1)  # not a's job: unchanged
+    assert [j.id for j in store.lapsed_jobs()] == [cancelling.id]
+    store.renew_leases("b", [lapsed.id], lease_s=-1)  # b renews into the past: lapsed
+    assert [j.id for j in store.lapsed_jobs()] == [lapsed.id, cancelling.id]
+    assert store.workers_held("c") == {"w0"} and store.workers_held("a") == set()
+    assert store.recover_lapsed(live.id) is None
+    assert store.recover_lapsed(lapsed.id) == "queued" and store.recover_lapsed(lapsed.id) is None
+    assert store.recover_lapsed(cancelling.id) == "cancelled"
+    queued = store.get_job(lapsed.id)
+    assert queued.state == "queued" and queued.runner is None and queued.lease_until is None and queued.worker is None
+    assert store.get_job(cancelling.id).finished_at is not None
+    assert store.get_job(live.id).state == "running"
+
+
 # -- trials -----------------------------------------------------------------------------------
 
 
