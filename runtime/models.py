@@ -10,9 +10,11 @@
 * a PyTorch state_dict file (torch.load on the CPU) of an MLP: Linear weights and biases only, run in the
   state_dict's order (a module's registration order). Blocks ``nn.Sequential(nn.Linear, act, nn.Linear)``
   (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, any other names (a flat
-  ``nn.Sequential(Linear, act, ..., Linear)``, ``fc1``/``fc2``, a ModuleList and a head) one chain of Linear
-  layers with the activation in their epilogue. The activation is ``act=`` (or an ``"act"`` entry next to
-  ``"state_dict"`` in the file); other entries (LayerNorm, BatchNorm, ...) are refused by name.
+  ``nn.Sequential(Linear, act, ..., Linear)``, ``fc1``/``fc2``, a ModuleList of Linears and a head) one chain
+  of Linear layers with the activation in their epilogue. The activation is ``act=`` (or an ``"act"`` entry
+  next to ``"state_dict"`` in the file); other entries (LayerNorm, BatchNorm, ...) are refused by name, and
+  so are layouts whose activations a state_dict cannot place (several multi-Linear modules that are not a
+  Sequential of Sequentials, a block of one Linear).
 
 ``Model.forward`` on "cuda" runs the first call(s) with plain launches (kernels are resolved, compiled
 and loaded then), then captures a CUDA graph per input signature and replays it; where capture fails it
@@ -379,6 +381,37 @@ def _sequential_blocks(names: list[str]) -> dict[str, list[str]] | None:
     return blocks
 
 
+def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | None) -> None:
+    """A ValueError where a state_dict cannot say where the activations go: a Sequential block holding one
+    Linear (``Sequential(Linear, act)`` or ``Sequential(Linear)``?), or Linears grouped in several modules
+    that are not a Sequential of Sequentials (a ModuleList of blocks, blocks and a head: an activation
+    between blocks or not?)."""
+    how = (
+        "save the stack as one flat nn.Sequential (act after every Linear but the last) or as an nn.Sequential "
+        "of nn.Sequential(Linear, act, Linear) blocks and lone Linears (no activation between blocks), or "
+        "rename the state_dict's keys to one of those layouts"
+    )
+    if blocks is not None:
+        lone = [b for b, names in blocks.items() if len(names) == 1 and names[0] != b]
+        if lone:
+            raise ValueError(
+                f"block {lone[0]} holds one Linear ({blocks[lone[0]][0]}.weight): whether an activation follows "
+                f"it cannot be read from a state_dict; {how}"
+            )
+        return
+    parents: dict[str, int] = {}
+    for name in linears:
+        parent = name.rpartition(".")[0]
+        parents[parent] = parents.get(parent, 0) + 1
+    grouped = [p or "(top level)" for p, n in parents.items() if n > 1]
+    if len(grouped) > 1:
+        raise ValueError(
+            f"the Linear layers sit in several modules ({', '.join(grouped[:4])}"
+            f"{', ...' if len(grouped) > 4 else ''}): whether an activation runs between them cannot be read "
+            f"from a state_dict; {how}"
+        )
+
+
 #: What mlp_from_state_dict reads, for its errors.
 _MLP_LAYOUT = (
     "an MLP state_dict holds Linear layers only, '<name>.weight' (2-D, out x in) and optionally '<name>.bias' "
@@ -392,7 +425,8 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
     state_dict lists them in registration order). Linears named ``<i>.<j>`` (``nn.Sequential`` of
     ``nn.Sequential(Linear, act, Linear)`` blocks, lone Linears ``<i>`` among them) become one fused MLP
     layer per block, with no activation between blocks; any other names (a flat Sequential, fc1/fc2, a
-    ModuleList and a head) are one chain with ``act`` after every Linear but the last. Entries
+    ModuleList of Linears and a head) are one chain with ``act`` after every Linear but the last; where
+    that reading is a guess (_refuse_ambiguous_blocks), a ValueError. Entries
     that are not a Linear's 2-D weight or 1-D bias (LayerNorm, BatchNorm, other keys) are a ValueError."""
     act = ops.canonical_act(act)
     arrays = {str(k): _float_array(v) for k, v in sd.items()}
@@ -438,6 +472,7 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
         return [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
 
     blocks = _sequential_blocks(linears)
+    _refuse_ambiguous_blocks(linears, blocks)
     if blocks is None:
         return Sequential(*chain(linears))
     return Sequential(*(layer for names in blocks.values() for layer in chain(names)))

@@ -725,3 +725,51 @@ def test_an_mlp_in_a_safetensors_file_is_refused_since_its_keys_lose_the_layer_o
     save_file(torch.nn.Sequential(*layers).state_dict(), str(path))
     with pytest.raises(ValueError, match="keeps its keys sorted as text"):
         runtime.load_model(path, device="cpu", act="relu")
+
+
+class _ListBlocksHead(torch.nn.Module):
+    """A ModuleList of Sequential(Linear, GELU, Linear) blocks and a head: blocks.0.0 .. blocks.1.2, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_mlp_blocks(24, 40, 2, "gelu"))
+        self.head = torch.nn.Linear(24, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _NamedBlocks(torch.nn.Module):
+    """layers.<i>.fc1 / fc2: a ModuleList of blocks with named Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"fc1": torch.nn.Linear(24, 40), "fc2": torch.nn.Linear(40, 24)}) for _ in range(2)
+        )
+
+
+@pytest.mark.parametrize(
+    ("state", "named"),
+    [
+        (  # Sequential(Sequential(Linear, ReLU), Sequential(Linear)): loaded with no activation at all before
+            lambda: torch.nn.Sequential(
+                torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU()),
+                torch.nn.Sequential(torch.nn.Linear(40, 8)),
+            ).state_dict(),
+            "block 0 holds one Linear (0.0.weight): whether an activation follows it cannot be read",
+        ),
+        (  # blocks and a head: loaded with an activation between the blocks, which run without one
+            lambda: _ListBlocksHead().state_dict(),
+            "the Linear layers sit in several modules (blocks.0, blocks.1): whether an activation runs between",
+        ),
+        (lambda: _NamedBlocks().state_dict(), "several modules (layers.0, layers.1)"),
+    ],
+)
+def test_mlp_layouts_whose_activations_a_state_dict_cannot_place_are_refused(tmp_path, state, named):
+    with pytest.raises(ValueError) as err:
+        _load_mlp(tmp_path, state(), act="gelu")
+    message = str(err.value)
+    assert named in message and "nn.Sequential(Linear, act, Linear) blocks" in message and "\n" not in message
