@@ -217,6 +217,12 @@ class Store:
         except SQLAlchemyError as exc:
             why = str(getattr(exc, "orig", None) or exc).splitlines()[0]
             raise DatabaseError(f"cannot open the database {_shown(url)}: {why}", unreachable=True) from None
+        except ImportError as exc:  # the dialect is known, its driver (DBAPI module) is not installed
+            raise DatabaseError(
+                f"database URL {_shown(url)}: its driver is not installed ({exc}); install it, or name an "
+                "installed one in the URL (postgresql+psycopg://, mysql+pymysql://, ...)",
+                unreachable=False,
+            ) from None
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         # Publishing reads the served kernel then replaces it: serialized here (SQLite ignores FOR UPDATE)
         # and by a row lock across processes (PostgreSQL), so a slower trial never overwrites a faster one.

@@ -152,6 +152,7 @@ def test_serve_refuses_what_it_cannot_listen_on_or_reach_before_starting(monkeyp
     ("url", "code", "message"),
     [
         ("bogus://x", 2, "database URL bogus://x: Can't load plugin: sqlalchemy.dialects:bogus"),
+        ("mysql://u:s3cret@127.0.0.1/x", 2, "database URL mysql://u:***@127.0.0.1/x: its driver is not installed"),
         ("sqlite:////nonexistent/dir/x.db", 3, "cannot open the database sqlite:////nonexistent/dir/x.db: unable"),
         ("postgresql://u:s3cret@127.0.0.1:9/db", 3, "cannot open the database postgresql://u:***@127.0.0.1:9/db: "),
     ],
