@@ -23,6 +23,7 @@ logs why once and keeps plain launches. On "cpu" it runs the NumPy float32 ops.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -399,10 +400,7 @@ def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | 
                 f"it cannot be read from a state_dict; {how}"
             )
         return
-    parents: dict[str, int] = {}
-    for name in linears:
-        parent = name.rpartition(".")[0]
-        parents[parent] = parents.get(parent, 0) + 1
+    parents = collections.Counter(name.rpartition(".")[0] for name in linears)
     grouped = [p or "(top level)" for p, n in parents.items() if n > 1]
     if len(grouped) > 1:
         raise ValueError(

@@ -205,6 +205,10 @@ def _shown(url: str) -> str:
         return url.split("://", 1)[0] + "://..." if "://" in url else repr(url)
 
 
+#: A running job put back in the queue, to resume from its recorded trials: no GPU, no owner.
+_REQUEUED: dict[str, Any] = dict(state="queued", worker=None, device_name=None, runner=None, lease_until=None)
+
+
 class Store:
     def __init__(self, url: str, *, migrate_on_open: bool = True) -> None:
         self.url = url
@@ -295,13 +299,13 @@ class Store:
                     started_at=started,
                     runner=runner,
                     lease_until=lease,
-                )  # fmt: skip
+                )
             ).rowcount
         return self.get_job(job_id) if moved else None
 
     def requeue_job(self, job_id: int) -> None:
         """A running job back in the queue, to resume from its recorded trials: no GPU, no owner."""
-        self.update_job(job_id, state="queued", worker=None, device_name=None, runner=None, lease_until=None)
+        self.update_job(job_id, **_REQUEUED)
 
     def renew_leases(self, runner: str, job_ids: Iterable[int], lease_s: float) -> None:
         """``runner`` still runs ``job_ids``: their leases hold ``lease_s`` seconds more."""
@@ -334,11 +338,7 @@ class Store:
                 update(Job).where(lapsed, Job.cancel_requested.is_(True)).values(state="cancelled", finished_at=now)
             ).rowcount:
                 return "cancelled"
-            moved = s.execute(
-                update(Job)
-                .where(lapsed)
-                .values(state="queued", worker=None, device_name=None, runner=None, lease_until=None)
-            ).rowcount
+            moved = s.execute(update(Job).where(lapsed).values(**_REQUEUED)).rowcount
         return "queued" if moved else None
 
     def workers_held(self, runner: str) -> set[str]:
