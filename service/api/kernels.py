@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response,
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kernelmill.kernels.compile import normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
 from kernelmill.service.api.deps import get_store
@@ -36,6 +37,17 @@ def _kernel_out(store: Store, kernel_id: int, kernel: Kernel | None = None) -> K
     return KernelOut.model_validate(kernel, from_attributes=True).model_copy(update={"profile": profile})
 
 
+def _query_arch(arch: str | None) -> str | None:
+    """A query's arch as kernels are served under it ("90" -> "sm_90"; "sm_90a" stays: wgmma kernels are
+    served as sm_90a); SpecError where it is no arch at all, which could only match nothing."""
+    if arch is None:
+        return None
+    try:
+        return normalize_arch(arch)
+    except ValueError as exc:
+        raise SpecError(f"arch: {exc}") from None
+
+
 @router.get("", responses=problems(422))
 def list_kernels(
     store: Store = Depends(get_store),
@@ -52,6 +64,10 @@ def list_kernels(
     precisions = (*DTYPES, "tf32")  # a dtype computed in itself, or float32 on TF32 tensor cores
     if precision is not None and precision not in precisions:
         raise HTTPException(422, f"unknown precision {precision!r}: one of {', '.join(precisions)}")
+    try:
+        arch = _query_arch(arch)
+    except SpecError as exc:
+        raise HTTPException(422, str(exc)) from None
     rows, total = store.list_kernels(op, dtype, arch, limit, offset, precision=precision)
     return Page[KernelSummary](
         items=[KernelSummary.model_validate(k) for k in rows], total=total, limit=limit, offset=offset
@@ -263,6 +279,7 @@ async def best_kernel(
         given_attrs = query_attrs(attr, act)
         attrs = spec.resolve_attrs(given_attrs)
         precision = served_precision(spec, dtype, precision)
+        arch = _query_arch(arch)
     except SpecError as exc:
         raise HTTPException(422, detail=str(exc)) from None
     cache = best_cache(store)

@@ -218,3 +218,16 @@ def test_the_kernel_list_refuses_a_dtype_or_precision_that_matches_nothing(clien
         assert resp.status_code == 422 and word in resp.json()["detail"], query
     for query in ("dtype=bfloat16", "precision=tf32", "dtype=float32&precision=float32"):
         assert client.get(f"/api/kernels?{query}").status_code == 200, query
+
+
+def test_an_arch_is_read_as_kernels_are_served_under_it_and_garbage_is_422(client):
+    """arch=bogus answered 404 "no kernel for bogus", as if it were a GPU nothing was tuned for yet."""
+    for url in (f"{BEST}?op=softmax&shape=64x64&arch=bogus", "/api/kernels?arch=hopper"):
+        resp = client.get(url)
+        assert resp.status_code == 422 and "arch: malformed arch" in resp.json()["detail"], url
+    tune(client, "softmax", [256, 256])  # the fake workers' GPU is an sm_90
+    served = best(client, "op=softmax&shape=256x256&dtype=float16&arch=sm_90").json()
+    for arch in ("90", "SM_90", "9.0"):
+        assert best(client, f"op=softmax&shape=256x256&dtype=float16&arch={arch}").json()["id"] == served["id"]
+        assert [k["id"] for k in client.get(f"/api/kernels?arch={arch}").json()["items"]] == [served["id"]]
+    assert best(client, "op=softmax&shape=256x256&dtype=float16&arch=sm_90a").status_code == 404  # wgmma's

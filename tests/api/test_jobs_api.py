@@ -84,6 +84,7 @@ def test_cancel(client):
         ({"attrs": {"act": "relu"}}, "no attribute"),
         ({"arch": "hopper"}, "arch"),
         ({"arch": "sm_20"}, "arch: kernelmill's kernels need sm_80 or newer, not sm_20"),
+        ({"arch": "sm_9999"}, "arch: sm_9999 is not a GPU nvcc targets; known: sm_80"),
         ({"shapes": [[1024, 1024], [4096, 512], [1024, 1024]]}, "shapes: 1024x1024 is given twice"),
         ({"shapes": [[1024, 1024], "1024x1024"]}, "shapes: 1024x1024 is given twice"),
         ({"surprise": 1}, "surprise"),

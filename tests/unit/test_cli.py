@@ -41,6 +41,7 @@ def test_render_prints_source_with_params():
         (["compile", "softmax", "-f", "warp_row", "--arch", "hopper"], "malformed arch"),
         (["compile", "matmul", "-f", "wgmma", "--arch", "sm_80"], "family wgmma uses sm_90a instructions"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "sm_70"], "kernelmill's kernels need sm_80 or newer"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", "sm_999"], "sm_999 is not a GPU nvcc targets"),
         (["compile", "softmax", "-f", "cluster_row", "--arch", "sm_80"], "cluster_row shares a row between 8 blocks"),
         (
             ["compile", "matmul", "-f", "gemv", "-p", "k_splits=2", "--arch", "sm_86"],
