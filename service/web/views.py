@@ -46,11 +46,15 @@ def params_label(params: Mapping[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (params or {}).items())
 
 
-def elapsed_s(job: Job | JobOut) -> float | None:
+def run_s(job: Job) -> float | None:
+    """The seconds counted against the job's time budget: its running time over all its starts (counted after
+    each batch of trials), not the wall time since its first start, which also holds any time it spent queued
+    again after a restart. Where nothing is counted yet (its first batch runs): the time since it started."""
     if job.started_at is None:
         return None
-    end = job.finished_at or utcnow()
-    return max(0.0, (end - job.started_at).total_seconds())
+    if job.seconds_used:
+        return job.seconds_used
+    return max(0.0, ((job.finished_at or utcnow()) - job.started_at).total_seconds())
 
 
 def speedups(job: JobOut) -> list[float]:
@@ -126,6 +130,9 @@ def _op_order(op: str) -> tuple[int, str]:
 
 def jobs_list(store: Store, state: str | None, op: str | None, page: int) -> dict[str, Any]:
     jobs, total = store.list_jobs(state, op, PAGE_SIZE, (page - 1) * PAGE_SIZE)
+    if not jobs and page > (last := Pager.last_page(PAGE_SIZE, total)):  # past the end: a stale link
+        page = last
+        jobs, total = store.list_jobs(state, op, PAGE_SIZE, (page - 1) * PAGE_SIZE)
     return {
         "jobs": [job_out(store, j) for j in jobs],
         "total": total,
@@ -146,9 +153,13 @@ class Pager:
     size: int
     total: int
 
+    @staticmethod
+    def last_page(size: int, total: int) -> int:
+        return max(1, math.ceil(total / size))
+
     @property
     def pages(self) -> int:
-        return max(1, math.ceil(self.total / self.size))
+        return self.last_page(self.size, self.total)
 
     @property
     def first(self) -> int:
@@ -252,12 +263,12 @@ def job_page(
     param_names = list(dict.fromkeys(name for t in trials for name in (t.params or {})))
     shown = [r for r in rows if status is None or r.trial.status == status]
     shown = sort_rows(shown, sort, order == "desc")
+    page = min(page, Pager.last_page(PAGE_SIZE, len(shown)))  # a page past the end (a stale link): the last
     pager = Pager(page, PAGE_SIZE, len(shown))
-    elapsed = elapsed_s(job)
     return {
         "job": out,
         "attrs_label": attrs_label(job.attrs),
-        "elapsed_s": elapsed,
+        "run_s": run_s(job),
         "active": job.state in ACTIVE,
         "cancel_requested": job.cancel_requested,
         "shapes": shapes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta
 from html import unescape
 
 import pytest
@@ -132,6 +133,17 @@ def _add_job(client, **fields):
         store.close()
 
 
+def test_run_time_is_what_the_budget_counts_not_the_wall_time_since_the_first_start(empty):
+    """A job queued again after a restart had its time in the queue shown against its time budget."""
+    now = datetime.now(UTC)
+    start = now - timedelta(hours=2)
+    counted = _add_job(empty, state="done", started_at=start, finished_at=now, seconds_used=90, budget_seconds=600)
+    text = _text(empty.get(f"/jobs/{counted.id}").text)
+    assert "Run time 1 min 30 s / 10 min 00 s" in text
+    uncounted = _add_job(empty, state="done", started_at=start, finished_at=start + timedelta(seconds=42))
+    assert "Run time 42 s / 1 min 00 s" in _text(empty.get(f"/jobs/{uncounted.id}").text)  # a row from before
+
+
 def test_queued_job_page_says_it_waits_for_a_gpu(empty):
     job = _add_job(empty)
     text = _text(empty.get(f"/jobs/{job.id}").text)
@@ -195,6 +207,16 @@ def test_trials_table_sorts_filters_and_pages(seeded):
     assert "1–100 of 130" in first and "next →" in first
     second = seeded.get(f"/jobs/{big}?page=2").text
     assert "101–130 of 130" in second and len(re.findall(r'<tr id="trial-', second)) == 30
+    past = seeded.get(f"/jobs/{big}?page=9").text  # a stale link: the last page, not an empty table
+    assert "101–130 of 130" in past and len(re.findall(r'<tr id="trial-', past)) == 30
+
+
+def test_a_jobs_page_past_the_last_shows_the_last(seeded):
+    """It showed "No jobs yet — submit one" with no pager over a store full of jobs."""
+    text = _text(seeded.get("/jobs?page=7").text)
+    assert "No jobs yet" not in text and f"#{seeded.ids['softmax']}" in text
+    filtered = _text(seeded.get("/jobs?state=done&op=softmax&page=3").text)
+    assert "No job matches" not in filtered and f"#{seeded.ids['softmax']}" in filtered
 
 
 def test_live_partial_is_the_dynamic_part_only(seeded):
