@@ -7,6 +7,7 @@ Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, 4 no profil
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -74,6 +75,8 @@ def user_errors(fn: Callable) -> Callable:
                 f"no GPU here ({exc}). `kernelmill render` and `kernelmill compile` still work without one.",
                 EXIT_UNAVAILABLE,
             ) from None
+        except MemoryError as exc:  # numpy's says what it could not allocate: sizes too large for this host
+            raise fail(f"not enough memory on this host: {exc or 'an allocation failed'}; ask for less") from None
 
     return wrapper
 
@@ -753,6 +756,13 @@ def profile_forward(
 
     spec = ForwardSpec(model, preset, batch, seq, dtype, act, iters, warmup, graphs, server)
     spec.check()
+    if not 0 < timeout_s < math.inf:
+        raise fail(f"--timeout-s must be a number of seconds above 0, not {timeout_s}")
+    # What the profile is written to is checked before it runs: a profile takes minutes and is not lost at the end.
+    if keep is not None:
+        _output_dir(keep, "--keep")
+    if json_out is not None:
+        _output_file(json_out, "--json")
     try:
         with console.status(f"nsys: {iters} forwards of {spec.model_name}"):
             result = run_profile(spec, keep_dir=keep, timeout_s=timeout_s)
@@ -783,9 +793,36 @@ def profile_forward(
             summary["id"] = db.record_forward_profile(summary).id
         finally:
             db.close()
-    if json_out is not None:
-        json_out.write_text(json.dumps(summary, indent=2))
     _print_forward_profile(summary)
+    if json_out is not None:
+        try:
+            json_out.write_text(json.dumps(summary, indent=2))
+        except OSError as exc:  # gone or read-only since the check: the summary is printed (and stored) above
+            raise fail(f"--json {json_out}: {exc.strerror or exc}; the summary is above", 1) from None
+
+
+def _output_dir(path: Path, option: str) -> None:
+    """Create folder ``path`` (for ``option``) now, or fail with one line saying why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise fail(f"{option} {path}: not a folder") from None
+    except OSError as exc:
+        raise fail(f"{option} {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise fail(f"{option} {path}: not writable")
+
+
+def _output_file(path: Path, option: str) -> None:
+    """Fail with one line unless file ``path`` (for ``option``) can be written: its folder exists and is
+    writable, and it is not a folder or a read-only file."""
+    if path.is_dir():
+        raise fail(f"{option} {path}: is a folder; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise fail(f"{option} {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise fail(f"{option} {path}: not writable")
 
 
 def _ms(ns: float | None) -> str:

@@ -225,6 +225,13 @@ def test_tune_model_dry_run_lists_the_problems_without_a_server():
     assert "act=gelu_erf" in result.output and "eps=1e-12" in result.output
 
 
+def test_a_batch_too_large_for_this_host_is_one_line_not_a_memory_error_traceback():
+    result = CliRunner().invoke(app, ["tune-model", "--preset", "mlp-tiny", "--batch", str(10**13), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: not enough memory on this host: Unable to allocate")
+    assert "ask for less" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

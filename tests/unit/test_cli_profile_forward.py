@@ -112,3 +112,31 @@ def test_no_gpu_in_the_child_is_exit_3(nsys_bin, db_url, monkeypatch):
     assert result.exit_code == EXIT_UNAVAILABLE == 3, result.output
     assert "no GPU here" in result.output and "nothing profiled" in result.output
     assert stored(db_url) == 0
+
+
+def test_where_the_profile_goes_and_its_time_limit_are_checked_before_nsys(nsys_bin, db_url, tmp_path):
+    """They were checked after minutes of profiling: a --json into a missing folder lost the summary to a
+    traceback, and --timeout-s 0 let nsys start only to be stopped at once."""
+    fake_nsys.install(nsys_bin, "ok")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cases = [
+        (["--json", str(tmp_path / "no" / "such" / "f.json")], "--json"),
+        (["--json", str(tmp_path)], "is a folder; give a file name"),
+        (["--keep", str(a_file)], "not a folder"),
+        (["--keep", str(a_file / "sub")], "--keep"),
+        (["--timeout-s", "0"], "--timeout-s must be a number of seconds above 0"),
+        (["--timeout-s", "-5"], "--timeout-s must be"),
+        (["--timeout-s", "inf"], "--timeout-s must be"),
+        (["--timeout-s", "nan"], "--timeout-s must be"),
+    ]
+    for argv, message in cases:
+        result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", *argv])
+        assert result.exit_code == EXIT_USAGE, (argv, result.output)
+        assert message in result.output and "Traceback" not in result.output, (argv, result.output)
+    assert fake_nsys.calls(nsys_bin) == [] and stored(db_url) == 0
+    # A --keep folder that does not exist yet is made (as before), so a run can name a new one.
+    fresh = tmp_path / "new" / "keep"
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "2", "--keep", str(fresh)])
+    assert result.exit_code == 0, result.output
+    assert fresh.is_dir()
