@@ -10,6 +10,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kernelmill.runtime.registry import answer_detail
 from kernelmill.service.api.schemas import JobOut, KernelSummary, Page, WorkersOut
 from kernelmill.settings import Settings, get_settings
 
@@ -45,11 +46,7 @@ def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot reach {url}: {exc}", unreachable=True) from None
     if resp.status_code >= 400:
-        try:
-            detail = resp.json().get("detail", resp.text)
-        except ValueError:
-            detail = resp.text
-        raise ServerError(f"server answered {resp.status_code}: {detail}")
+        raise ServerError(f"server answered {resp.status_code}: {answer_detail(resp)}")
     try:
         data = resp.json()
     except ValueError:

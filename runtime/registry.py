@@ -1040,6 +1040,21 @@ def _excerpt(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def answer_detail(resp: Any, limit: int = 80) -> str:
+    """Why an HTTP answer refused a request, in one line: kernelmill's reason (the Problem body's ``detail``),
+    else an excerpt of what answered (another server's HTML error page, a proxy's text)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("detail"), str):
+        return body["detail"]
+    text = " ".join(resp.text.split())
+    if not text:
+        return "an empty answer"
+    return f"not a kernelmill answer: {text[:limit]!r}" + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:
     """(the JSON of ``resp``, or why it is unusable)."""
     try:

@@ -9,6 +9,7 @@ from typing import Any
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.runtime import ops
+from kernelmill.runtime.registry import answer_detail
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,9 @@ def tune_model(
                     where = base or client.base_url
                     raise TuneError(f"cannot reach the service at {where}: {exc}", jobs, unreachable=True) from None
                 if resp.status_code >= 400:
-                    raise TuneError(f"the service refused the {op} job ({resp.status_code}): {resp.text}", jobs)
+                    raise TuneError(
+                        f"the service refused the {op} job ({resp.status_code}): {answer_detail(resp)}", jobs
+                    )
                 job, instead = _created_job(resp)
                 if job is None:
                     raise TuneError(

@@ -282,6 +282,51 @@ def test_an_answer_that_is_not_the_apis_is_one_line_and_exit_2(monkeypatch, body
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+PAGE_404 = b"<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head>\n<body>" + b"<p>nothing here</p>" * 200
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "said"),
+    [
+        (404, PAGE_404, "server answered 404: not a kernelmill answer: '<!DOCTYPE html> <html><head><title>404 Not"),
+        (500, b'["a", "list"]', 'server answered 500: not a kernelmill answer: \'["a", "list"]\''),
+        (403, b"", "server answered 403: an empty answer"),
+        (422, b'{"detail": "arch: sm_9999 is not a GPU nvcc targets"}', "server answered 422: arch: sm_9999 is"),
+    ],
+)
+def test_a_refusal_from_another_server_is_one_short_line(monkeypatch, status, body, said):
+    """Another web server's error page was printed whole (kilobytes of HTML); a JSON list was a traceback."""
+
+    def request(method, url, headers=None, timeout=None, **kw):
+        return httpx.Response(status, content=body, request=httpx.Request(method, url))
+
+    monkeypatch.setattr(httpx, "request", request)
+    result = CliRunner().invoke(app, ["jobs", "--server", SERVER])
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert len(result.output) < 400
+
+
+def test_tune_model_refused_by_another_server_is_one_short_line(monkeypatch):
+    class Refusing:
+        base_url = SERVER
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def post(self, path, **kw):
+            return httpx.Response(404, content=PAGE_404)
+
+    monkeypatch.setattr(httpx, "Client", lambda base_url, timeout: Refusing())
+    result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
+    assert result.exit_code == 2, result.output
+    assert "the service refused the embedding job (404): not a kernelmill answer: '<!DOCTYPE" in result.output
+    assert len(result.output) < 500
+
+
 @pytest.mark.parametrize("state, code", [("cancelled", 1), ("failed", 1), ("done", 0), ("running", 0)])
 def test_tune_exits_1_when_its_job_ends_failed_or_cancelled(state, code, monkeypatch):
     """A script sees a job that did not finish in the exit code (it was 0); one still running after Ctrl-C is

@@ -772,9 +772,8 @@ def test_tune_model_failures_name_the_jobs_already_submitted(service, tmp_path):
             self.posts += 1
             return service.post(*args, **kwargs) if self.posts < 3 else httpx.Response(503, text="draining")
 
-    with pytest.raises(
-        runtime.TuneError, match=r"refused the \w+ job \(503\): draining; submitted before it: job 1, 2"
-    ):
+    refused = r"refused the \w+ job \(503\): not a kernelmill answer: 'draining'; submitted before it: job 1, 2"
+    with pytest.raises(runtime.TuneError, match=refused):
         runtime.tune_model(model, ids, client=Refusing(), dtype="float16", trials=4, seconds=30)
     with pytest.raises(runtime.TuneError, match="cannot reach the service at http://127.0.0.1:9") as unreachable:
         runtime.tune_model(model, ids, server="http://127.0.0.1:9", dtype="float16")
