@@ -439,13 +439,44 @@ def _check_scheduler(address: str) -> None:
     while True:
         try:
             socket.create_connection((host, port), timeout=5.0).close()
-            return
+            break
         except OSError as exc:
             if time.monotonic() >= deadline:
                 why = exc.strerror or exc
                 message = f"cannot reach the Dask scheduler at {address} (tried for {SCHEDULER_WAIT_S:g} s): {why}"
                 raise fail(message, EXIT_UNAVAILABLE) from None
         time.sleep(0.5)
+    # Something listens there; another server (or a silent socket) would leave Dask waiting for ever.
+    if why := _not_a_scheduler(f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"):
+        raise fail(f"{address} is not a Dask scheduler: {why}", EXIT_UNAVAILABLE)
+
+
+def _not_a_scheduler(address: str, timeout_s: float | None = None) -> str | None:
+    """None when a Dask scheduler answers Dask's handshake and ``identity`` at ``address`` within
+    ``timeout_s`` (default SCHEDULER_WAIT_S); else what answered instead, in words."""
+    import asyncio
+
+    timeout_s = SCHEDULER_WAIT_S if timeout_s is None else timeout_s
+
+    from distributed.comm import connect
+
+    async def identity() -> object:
+        comm = await connect(address, timeout=timeout_s)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        answer = asyncio.run(asyncio.wait_for(identity(), timeout_s))
+    except TimeoutError:
+        return f"no Dask answer within {timeout_s:g} s"
+    except Exception as exc:  # noqa: BLE001 - whatever the peer did to Dask's protocol, in one line
+        said = str(exc).splitlines()[0] if str(exc) else ""
+        return f"it does not speak Dask's protocol ({type(exc).__name__}: {said})"
+    kind = answer.get("type") if isinstance(answer, dict) else None
+    return None if kind == "Scheduler" else f"it answers as {kind or 'something else'}, not as a scheduler"
 
 
 @app.command()

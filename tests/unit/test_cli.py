@@ -1,5 +1,6 @@
 import json
 import socket
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -169,8 +170,10 @@ def test_a_database_that_cannot_be_opened_is_one_line_before_anything_runs(monke
 
 
 def test_worker_refuses_a_gpu_count_below_one_and_a_host_without_gpus(monkeypatch):
+    from kernelmill import cli
     from kernelmill.service import executor
 
+    monkeypatch.setattr(cli, "_not_a_scheduler", lambda address: None)  # the socket below stands in for one
     monkeypatch.delenv("KERNELMILL_FAKE_DEVICE", raising=False)
     monkeypatch.setattr(executor, "count_gpus", lambda: (0, "nvidia-smi lists no GPU"))
     with socket.create_server(("127.0.0.1", 0)) as scheduler:  # reachable: the checks after that one decide
@@ -190,6 +193,7 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
     from kernelmill import cli
 
     monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 5.0)
+    monkeypatch.setattr(cli, "_not_a_scheduler", lambda address: None)  # the late listener stands in for one
     port = _free_port()
     listening = []
     timer = threading.Timer(0.7, lambda: listening.append(socket.create_server(("127.0.0.1", port))))
@@ -239,3 +243,38 @@ def test_serve_shows_kernelmills_own_info_lines():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "job 1 was running when the service stopped" in done.stderr and "not shown" not in done.stderr
+
+
+def test_a_port_that_is_not_a_dask_scheduler_is_one_line_and_exit_3(monkeypatch, tmp_path):
+    """Something listening that is not a scheduler (a web server, a silent socket) left `serve` and `worker`
+    waiting on Dask's handshake for ever."""
+    import http.server
+    import threading
+
+    from distributed import LocalCluster
+
+    from kernelmill import cli
+
+    monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 1.0)
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/serve.db")
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as silent:
+            for port in (silent.getsockname()[1], web.server_address[1]):
+                address = f"tcp://127.0.0.1:{port}"
+                for argv in (
+                    ["worker", "--scheduler", address],
+                    ["serve", "--port", str(_free_port()), "--scheduler", address],
+                ):
+                    started = time.monotonic()
+                    result = runner.invoke(app, argv)
+                    assert result.exit_code == 3, result.output
+                    assert f"error: {address} is not a Dask scheduler: no Dask answer within 1 s" in result.output
+                    assert "Traceback" not in result.output and time.monotonic() - started < 10
+    finally:
+        web.shutdown()
+        web.server_close()
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        assert cli._not_a_scheduler(cluster.scheduler_address) is None
+        cli._check_scheduler(cluster.scheduler_address)  # returns: a scheduler answers
