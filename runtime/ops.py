@@ -146,6 +146,13 @@ def _expect(op: str, name: str, t: Tensor, shape: tuple[int, ...], of: str) -> N
         raise ValueError(f"{op}: {name} {t.shape} for {of}: expected {shape}")
 
 
+def _last_dim(op: str, x: Tensor) -> int:
+    """The size of ``x``'s last dim, which ``op`` works along; a ValueError for a 0-d tensor, which has none."""
+    if not x.shape:
+        raise ValueError(f"{op}: a 0-d input has no last dim to work along; give it at least 1 dim")
+    return x.shape[-1]
+
+
 def _matrix(op: str, name: str, w: Tensor) -> tuple[int, int]:
     if w.ndim != 2:
         raise ValueError(f"{op}: {name} {w.shape} is not a matrix")
@@ -183,7 +190,7 @@ def _f32(t: Tensor) -> np.ndarray:
 
 
 def _cpu(a: np.ndarray) -> Tensor:
-    return Tensor.from_numpy(np.ascontiguousarray(a, dtype=np.float32), "cpu", "float32")
+    return Tensor.from_numpy(np.require(a, np.float32, "C"), "cpu", "float32")
 
 
 _ZEROS: dict[tuple, Tensor] = {}
@@ -248,7 +255,7 @@ def _sdpa_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a (..., K) @ b (K, N) -> (..., N)."""
     k, n = _matrix("matmul", "b", b)
-    if a.shape[-1] != k:
+    if _last_dim("matmul", a) != k:
         raise ValueError(f"matmul: {a.shape} @ {b.shape}")
     m = a.numel // k if k else 0
     dtype = _float_dtype(a, b)
@@ -263,7 +270,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
     """act(x + b) with b broadcast over the last dim."""
     act = canonical_act(act)
-    cols = x.shape[-1]
+    cols = _last_dim("bias_act", x)
     rows = x.numel // cols if cols else 0
     if b.shape != (cols,):
         raise ValueError(f"bias_act: bias {b.shape} for input {x.shape}")
@@ -279,6 +286,8 @@ def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
 def activation(x: Tensor, act: str) -> Tensor:
     """act(x) elementwise (on the GPU: the bias_act kernel with a zero bias)."""
     act = canonical_act(act)
+    if not x.shape:  # elementwise: a 0-d tensor is one element
+        return activation(x.reshape(1), act).reshape()
     if not x.is_cuda:
         return bias_act(x, _cpu(np.zeros(x.shape[-1], np.float32)), act)
     return bias_act(x, _zeros((x.shape[-1],), x.dtype), act)
@@ -289,6 +298,9 @@ def relu(x: Tensor) -> Tensor:
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU as torch's ``F.gelu``: erf (``approximate="none"``) or its tanh approximation (``"tanh"``)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate={approximate!r}; use 'none' (erf) or 'tanh'")
     return activation(x, "gelu_tanh" if approximate == "tanh" else "gelu_erf")
 
 
@@ -300,7 +312,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> 
     """act(x @ w + b): x (..., K), w (K, N), b (N,) or None."""
     act = canonical_act(act)
     k, n = _matrix("linear", "weight", w)
-    if x.shape[-1] != k:
+    if _last_dim("linear", x) != k:
         raise ValueError(f"linear: input {x.shape} for weight {w.shape} (in_features, out_features)")
     if b is None:
         y = matmul(x, w)
@@ -331,7 +343,7 @@ def add(x: Tensor, y: Tensor) -> Tensor:
 
 def softmax(x: Tensor) -> Tensor:
     """softmax over the last dim."""
-    cols = x.shape[-1]
+    cols = _last_dim("softmax", x)
     rows = x.numel // cols if cols else 0
     dtype = _float_dtype(x)
     if not x.is_cuda:
@@ -344,7 +356,7 @@ def softmax(x: Tensor) -> Tensor:
 
 def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residual: Tensor | None = None) -> Tensor:
     """LayerNorm over the last dim of x (of x + residual when given: the fused post-LN residual block)."""
-    cols = x.shape[-1]
+    cols = _last_dim("layernorm", x)
     rows = x.numel // cols if cols else 0
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"layernorm: residual {residual.shape} for input {x.shape}")
@@ -379,7 +391,7 @@ def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: st
     act = canonical_act(act)
     d_in, d_hidden = _matrix("fused_mlp", "w1", w1)
     d_out = _matrix("fused_mlp", "w2", w2)[1]
-    if x.shape[-1] != d_in or w2.shape[0] != d_hidden:
+    if _last_dim("fused_mlp", x) != d_in or w2.shape[0] != d_hidden:
         raise ValueError(f"fused_mlp: input {x.shape}, w1 {w1.shape}, w2 {w2.shape}")
     _expect("fused_mlp", "b1", b1, (d_hidden,), f"w1 {w1.shape}")
     _expect("fused_mlp", "b2", b2, (d_out,), f"w2 {w2.shape}")

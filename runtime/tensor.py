@@ -121,7 +121,7 @@ class Tensor:
         a = np.asarray(a)
         if dtype is None:
             dtype = "float32" if a.dtype == np.float64 else dtype_name(a.dtype)
-        a = np.ascontiguousarray(a.astype(numpy_dtype(dtype), copy=False))
+        a = np.require(a, numpy_dtype(dtype), "C")  # not ascontiguousarray: it makes a 0-d array 1-d
         device = _check_device(device)
         if device == "cpu":
             return cls(a.shape, dtype, "cpu", array=a)

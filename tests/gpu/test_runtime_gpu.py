@@ -516,6 +516,17 @@ def test_dlpack_round_trip_without_copies(backend, dtype):
     assert float(tt[3, 5]) == 46.0  # the capsule kept the runtime's buffer alive
 
 
+def test_a_0d_tensor_on_the_gpu(backend, registry):
+    t = Tensor.from_numpy(np.array(-1.5, np.float32), "cuda")
+    assert t.shape == () and t.numpy().shape == () and float(t.numpy()) == -1.5
+    with ops.using_registry(registry):
+        out = ops.gelu(t)
+        assert out.shape == () and out.is_cuda
+        torch.testing.assert_close(to_torch(out), torch.nn.functional.gelu(torch.tensor(-1.5, device="cuda")))
+        with pytest.raises(ValueError, match="a 0-d input has no last dim"):
+            ops.softmax(t)
+
+
 def test_cuda_array_interface_and_runtime_ops_on_torch_memory(backend, registry):
     a = torch.randn(33, 65, device="cuda")
     b = torch.randn(33, 65, device="cuda")

@@ -60,6 +60,14 @@ def test_activations_and_bias_act():
     close(ops.bias_act(x, b, "gelu"), F.gelu(th(x) + th(b)))
     with pytest.raises(ValueError, match="unknown activation"):
         ops.activation(x, "tanhshrink")
+    scalar = t(scale=3.0)  # 0-d: elementwise ops keep it 0-d; ops along the last dim say it has none
+    close(ops.gelu(scalar), F.gelu(th(scalar)))
+    assert ops.relu(scalar).shape == () and ops.add(scalar, scalar).shape == ()
+    for op in (ops.softmax, lambda x: ops.linear(x, t(1, 1)), lambda x: ops.layernorm(x, t(1), t(1))):
+        with pytest.raises(ValueError, match="a 0-d input has no last dim to work along"):
+            op(scalar)
+    with pytest.raises(ValueError, match="gelu: approximate='tanhh'; use 'none' \\(erf\\) or 'tanh'"):
+        ops.gelu(x, approximate="tanhh")  # was erf GELU, silently
 
 
 def test_erf_is_accurate():

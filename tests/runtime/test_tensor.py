@@ -25,6 +25,18 @@ def test_from_numpy_shares_and_converts():
     assert from_numpy(np.arange(3)).dtype == "int64"
 
 
+def test_a_0d_array_stays_0d():
+    """np.ascontiguousarray made it (1,): the round trip changed its shape, and ops met a dim it lacked."""
+    t = from_numpy(np.array(2.5, np.float32))
+    assert t.shape == () and t.ndim == 0 and t.numel == 1 and t.numpy().shape == () and float(t.numpy()) == 2.5
+    assert from_numpy(np.float64(-1.0), dtype="float16").numpy().shape == ()
+    back = to_torch(t)
+    assert tuple(back.shape) == () and float(back) == 2.5
+    strided = np.arange(12, dtype=np.float32).reshape(3, 4).T  # not C-contiguous: copied into a new array
+    c = from_numpy(strided)
+    assert c.strides == (3, 1) and np.array_equal(c.numpy(), strided)
+
+
 def test_reshape_rows_clone_copy():
     t = from_numpy(np.arange(24, dtype=np.float32))
     v = t.reshape(2, -1, 3)
