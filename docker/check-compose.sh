@@ -4,9 +4,10 @@
 # Uses `docker compose` (v2 plugin) when it exists, else `docker-compose` (v1.29 from Debian), and as
 # root installs Debian's docker-compose with apt-get when neither is there. The file must stay valid
 # for both. Fails when:
-#   - compose rejects the file (with docker/.env.example as its .env);
+#   - compose rejects the file (with docker/.env.example as its .env, its empty secrets filled in);
 #   - compose.yaml reads a variable docker/.env.example does not list;
-#   - the required secrets (POSTGRES_PASSWORD, KERNELMILL_API_TOKEN) are not enforced when unset.
+#   - the required secrets (POSTGRES_PASSWORD, KERNELMILL_API_TOKEN) are not enforced when unset or left
+#     empty as .env.example leaves them.
 set -euo pipefail
 cd "$(dirname "$0")"
 here="$(pwd)"
@@ -49,18 +50,33 @@ run_config() {
         "${compose[@]}" --env-file "$env_file" -f "$file" config "$@"
 }
 
-# 2. The file is valid with the example settings.
-run_config "$example" -q
-echo "check-compose: services: $(run_config "$example" --services | sort | tr '\n' ' ')"
-
-# 3. Without the secrets, compose refuses to render it.
+secrets=(POSTGRES_PASSWORD KERNELMILL_API_TOKEN)
 tmp="$(mktemp)"
-trap 'rm -f "$tmp"' EXIT
-for secret in POSTGRES_PASSWORD KERNELMILL_API_TOKEN; do
-    grep -v "^${secret}=" "$example" >"$tmp"
+filled="$(mktemp)"
+trap 'rm -f "$tmp" "$filled"' EXIT
+
+# 2. The file is valid with the example settings, once the secrets it leaves empty are set.
+for secret in "${secrets[@]}"; do
+    if ! grep -qx "${secret}=" "$example"; then
+        echo "check-compose: docker/.env.example must leave $secret empty (a copied secret would be shared)" >&2
+        exit 1
+    fi
+done
+sed -e 's/^POSTGRES_PASSWORD=$/POSTGRES_PASSWORD=check-only/' \
+    -e 's/^KERNELMILL_API_TOKEN=$/KERNELMILL_API_TOKEN=check-only/' "$example" >"$filled"
+run_config "$filled" -q
+echo "check-compose: services: $(run_config "$filled" --services | sort | tr '\n' ' ')"
+
+# 3. Without a secret, or with it empty as in .env.example, compose refuses to render it.
+for secret in "${secrets[@]}"; do
+    grep -v "^${secret}=" "$filled" >"$tmp"
     if run_config "$tmp" -q >/dev/null 2>&1; then
         echo "check-compose: compose.yaml accepted a missing $secret (it must be required)" >&2
         exit 1
     fi
 done
+if run_config "$example" -q >/dev/null 2>&1; then
+    echo "check-compose: compose.yaml accepted the empty secrets of docker/.env.example" >&2
+    exit 1
+fi
 echo "check-compose: docker/compose.yaml is valid"
