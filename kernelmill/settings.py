@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -97,6 +97,24 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="request bodies larger than this get 413")
     batch_size: int = Field(8, ge=1, description="candidates per evaluation batch")
     worker_answer_timeout_s: float = Field(900.0, gt=0, description="a GPU worker silent this long is replaced")
+
+    @field_validator("cache_dir", mode="before")
+    @classmethod
+    def _cache_dir_named(cls, value: object) -> object:
+        # An empty KERNELMILL_CACHE_DIR would be Path(""): the current folder, filled with cubins.
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty; unset it for the default (~/.cache/kernelmill) or name a folder")
+        return value
+
+    @field_validator("api_token")
+    @classmethod
+    def _token_fits_a_header(cls, value: str | None) -> str | None:
+        # Clients send it in an HTTP header, which carries ASCII only: another token could never be matched.
+        if value is not None and (not value.isascii() or not value.isprintable() or value != value.strip()):
+            raise ValueError("must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
+        if value == "":
+            raise ValueError("is empty; unset it to leave writes open, or set a token")
+        return value
 
 
 class SettingsError(ValueError):

@@ -213,6 +213,11 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
         ({"KERNELMILL_PORT": "99999"}, "error: KERNELMILL_PORT='99999': Input should be less than or equal to 65535"),
         ({"KERNELMILL_EXECUTOR": "bogus"}, "error: KERNELMILL_EXECUTOR='bogus': String should match pattern"),
         ({"KERNELMILL_PLUGINS": "no_such_plugin_mod"}, "error: KERNELMILL_PLUGINS: cannot import 'no_such_plugin_mod'"),
+        # Path("") is the current folder: the cubin cache landed wherever the command ran.
+        ({"KERNELMILL_CACHE_DIR": ""}, "error: KERNELMILL_CACHE_DIR='': Value error, is empty; unset it for"),
+        # A header carries ASCII only: no request could ever match this token, so no write could be made.
+        ({"KERNELMILL_API_TOKEN": "clé"}, "error: KERNELMILL_API_TOKEN='clé': Value error, must be printable ASCII"),
+        ({"KERNELMILL_API_TOKEN": ""}, "error: KERNELMILL_API_TOKEN='': Value error, is empty; unset it to leave"),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
