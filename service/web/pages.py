@@ -137,11 +137,13 @@ async def cancel_job(
     refused = forms.check_write(
         settings, forms.parse_body(await request.body()), request.cookies.get(forms.CSRF_COOKIE)
     )
-    if refused is None and job.state in views.ACTIVE:
-        store.request_cancel(job_id)
+    status = 403
+    if refused is None and job.state not in views.ACTIVE:  # it ended while the page was open: say so
+        refused, status = f"the job had already ended ({job.state})", 409
     if refused is not None:
         context = _job_context(request, store, job_id) or {}
-        return render(request, "job.html", {**context, "cancel_error": refused}, status_code=403, nav="jobs")
+        return render(request, "job.html", {**context, "cancel_error": refused}, status_code=status, nav="jobs")
+    store.request_cancel(job_id)
     return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{job_id}", status_code=303)
 
 

@@ -168,6 +168,9 @@ def test_cancel_button(empty):
     assert done.status_code == 303 and done.headers["location"] == f"/jobs/{job_id}"
     assert empty.get(f"/api/jobs/{job_id}").json()["state"] == "cancelled"
     assert "Cancel job" not in empty.get(f"/jobs/{job_id}").text
+    # From a page opened before the job ended: said, not a silent redirect to a page that looks unchanged.
+    again = empty.post(f"/jobs/{job_id}/cancel", data={"csrf": csrf(empty)}, follow_redirects=False)
+    assert again.status_code == 409 and "Not cancelled: the job had already ended (cancelled)" in again.text
     assert empty.post("/jobs/999/cancel", data={"csrf": csrf(empty)}).status_code == 404
 
 
