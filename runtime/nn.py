@@ -102,6 +102,11 @@ class Module:
         return self.forward(*tensors)
 
     @property
+    def in_features(self) -> int | None:
+        """The size of the last dim a row-wise module's input must have; None where any size goes."""
+        return None
+
+    @property
     def pads_inputs(self) -> bool:
         """Whether ``prepare_padded`` pads (``Model(..., buckets=)``): row-wise modules pad their rows."""
         return self.rowwise
@@ -117,6 +122,10 @@ class Module:
             return prepared, None
         x = prepared[0]
         lead, features = x.shape[:-1], x.shape[-1]
+        if self.in_features is not None and features != self.in_features:  # said of the input as given, unpadded
+            raise ValueError(
+                f"input {x.shape}: its last dim must be {self.in_features}, the features {type(self).__name__} takes"
+            )
         rows = math.prod(lead)
         size = bucket_for(rows, buckets)
         if size == rows and x.ndim == 2:
@@ -213,6 +222,10 @@ class MLP(Module):
     def random(cls, d_in: int, d_hidden: int, d_out: int, act: str = "gelu_erf", seed: int = 0) -> MLP:
         return cls(Linear.random(d_in, d_hidden, seed=seed), Linear.random(d_hidden, d_out, seed=seed + 1), act)
 
+    @property
+    def in_features(self) -> int:
+        return self.up.in_features
+
     def forward(self, x: Tensor) -> Tensor:
         return ops.fused_mlp(x, self.up.weight, self.up.bias, self.down.weight, self.down.bias, self.act)
 
@@ -222,6 +235,10 @@ class LayerNorm(Module):
 
     def __init__(self, gamma: Any, beta: Any, eps: float = 1e-12) -> None:
         self.gamma, self.beta, self.eps = _param(gamma), _param(beta), float(eps)
+
+    @property
+    def in_features(self) -> int:
+        return self.gamma.shape[0]
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """LayerNorm(x), or LayerNorm(x + residual) in one kernel."""
@@ -251,6 +268,11 @@ class Sequential(Module):
     @property
     def rowwise(self) -> bool:
         return all(layer.rowwise for layer in self.layers)
+
+    @property
+    def in_features(self) -> int | None:
+        # The first layer that fixes a width; the ones before it (activations) keep any.
+        return next((layer.in_features for layer in self.layers if layer.in_features is not None), None)
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.layers:

@@ -343,6 +343,19 @@ def test_resize_inputs_makes_an_example_request_a_buckets_size(bert_dir):
         MultiHeadAttention.from_torch(*(np.ones((8, 8)), np.ones(8)) * 4, heads=2).resize_inputs(4, np.ones((4, 8)))
 
 
+def test_a_bucketed_model_names_the_input_as_given_not_as_padded():
+    """The error read "fused_mlp: input (8, 15)" for a (3, 15) input: the padded shape, never given."""
+    from kernelmill.runtime.nn import MLP, Activation, LayerNorm, Sequential
+
+    body = [Activation("relu"), MLP.random(16, 48, 16, "gelu_tanh"), LayerNorm(np.ones(16), np.zeros(16))]
+    for module in (Sequential(*body), body[1], body[2]):
+        model = runtime.Model(module, device="cpu", buckets=[8, 64])
+        for shape in ((3, 15), (2, 3, 15)):
+            with pytest.raises(ValueError, match=rf"^input \({shape[0]}, .*15\): its last dim must be 16, the "):
+                model(np.zeros(shape, np.float32))
+        assert model(np.ones((3, 16), np.float32)).shape == (3, 16)
+
+
 # -- MLP state_dicts: the layers' order and what a state_dict may hold ----------------------------------------
 
 
