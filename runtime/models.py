@@ -447,6 +447,15 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
         )
     if not linears:
         raise ValueError(f"the state_dict has no 2-D '<name>.weight' entries (Linear layers); {_MLP_LAYOUT}")
+    # An nn.Embedding's table is a 2-D weight without a bias, as a bias-free Linear's is; a square one chains
+    # and would run as a matrix product. Its name gives it away.
+    for name in linears:
+        last = name.rpartition(".")[2].lower()
+        if _key(name, "bias") not in arrays and ("emb" in last or last in ("wte", "wpe")):
+            raise ValueError(
+                f"{_key(name, 'weight')} looks like an embedding table (module {name!r}, no bias), not a Linear; "
+                f"{_MLP_LAYOUT} (an MLP fed token ids is not; a bias-free Linear so named: rename its key)"
+            )
     for name in linears:
         weight, bias = arrays[_key(name, "weight")], arrays.get(_key(name, "bias"))
         if bias is not None and bias.shape != weight.shape[:1]:

@@ -482,6 +482,21 @@ def test_mlp_state_dicts_with_stray_entries_are_refused(tmp_path):
     assert _matches_torch(_load_mlp(tmp_path, linear.state_dict()), linear, 8) < 1e-6
 
 
+def test_an_embedding_table_is_not_read_as_a_bias_free_linear(tmp_path):
+    """A square nn.Embedding ahead of a Linear chained, and loaded as a matrix product of its inputs."""
+    for rows in (16, 100):
+        table, fc = torch.nn.Embedding(rows, 16), torch.nn.Linear(16, 8)
+        for name in ("embed", "tok_embeddings", "wte"):
+            state = {f"{name}.weight": table.weight, "fc.weight": fc.weight, "fc.bias": fc.bias}
+            with pytest.raises(
+                ValueError, match=rf"^{name}.weight looks like an embedding table \(module '{name}', no"
+            ):
+                _load_mlp(tmp_path, state)
+    # A bias-free Linear under another name still loads, and runs as torch's.
+    bias_free = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    assert _matches_torch(_load_mlp(tmp_path, bias_free.state_dict()), bias_free, 16) < 1e-5
+
+
 # -- BERT checkpoints: what is refused at load, and why ---------------------------------------------------------
 
 
