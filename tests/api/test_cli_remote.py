@@ -187,25 +187,31 @@ def test_tune_model_without_following_and_stopped_watching(serve, job_client, mo
     assert [tc.get(f"/api/jobs/{i}").json()["state"] for i in (7, 12)] == ["queued", "queued"]
 
 
+class _OneAnswer:
+    """httpx.Client's stand-in for tune-model: every POST gets ``response``."""
+
+    base_url = SERVER
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def post(self, path, **kw):
+        return self.response
+
+
 def test_tune_model_names_an_answer_that_is_not_a_job_in_one_line(monkeypatch):
     """A proxy's page where the service should be: one line, exit 2 (was 'error: Expecting value: line 1 ...')."""
     timeouts = []
 
-    class Garbling:
-        base_url = SERVER
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def post(self, path, **kw):
-            return httpx.Response(200, content=b"<html>oops</html>")
-
     def client(base_url, timeout):
         timeouts.append(timeout)
-        return Garbling()
+        return _OneAnswer(httpx.Response(200, content=b"<html>oops</html>"))
 
     monkeypatch.setattr(httpx, "Client", client)
     result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
@@ -308,19 +314,7 @@ def test_a_refusal_from_another_server_is_one_short_line(monkeypatch, status, bo
 
 
 def test_tune_model_refused_by_another_server_is_one_short_line(monkeypatch):
-    class Refusing:
-        base_url = SERVER
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def post(self, path, **kw):
-            return httpx.Response(404, content=PAGE_404)
-
-    monkeypatch.setattr(httpx, "Client", lambda base_url, timeout: Refusing())
+    monkeypatch.setattr(httpx, "Client", lambda base_url, timeout: _OneAnswer(httpx.Response(404, content=PAGE_404)))
     result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
     assert result.exit_code == 2, result.output
     assert "the service refused the embedding job (404): not a kernelmill answer: '<!DOCTYPE" in result.output
