@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kernelmill import __version__
-from kernelmill.kernels.compile import CompileError, Compiler, NvccMissing, normalize_arch
+from kernelmill.kernels.compile import CompileError, Compiler, NvccMissing, normalize_arch, too_old, unknown_gpu
 from kernelmill.kernels.ops import OPS, get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import RenderError
@@ -193,8 +193,11 @@ def compile(  # noqa: A001 - the command's name
 ) -> None:
     """Compile one variant with nvcc and print the ptxas report (or the compile error)."""
     variant = _variant(op, family, dtype, param, attr)
+    target = normalize_arch(arch) if arch else None
+    if target and (why := too_old(target) or unknown_gpu(target)):  # nvcc would fail on it: exit 1, not 2
+        raise SpecError(why)
     try:
-        compiled = variant.compile(Compiler(), normalize_arch(arch) if arch else None)
+        compiled = variant.compile(Compiler(), target)
     except NvccMissing as exc:
         raise fail(str(exc), EXIT_UNAVAILABLE) from None
     except CompileError as exc:
@@ -456,9 +459,9 @@ def _not_a_scheduler(address: str, timeout_s: float | None = None) -> str | None
     ``timeout_s`` (default SCHEDULER_WAIT_S); else what answered instead, in words."""
     import asyncio
 
-    timeout_s = SCHEDULER_WAIT_S if timeout_s is None else timeout_s
-
     from distributed.comm import connect
+
+    timeout_s = SCHEDULER_WAIT_S if timeout_s is None else timeout_s
 
     async def identity() -> object:
         comm = await connect(address, timeout=timeout_s)

@@ -36,20 +36,25 @@ def base_arch(arch: str) -> str:
     return arch.rstrip("af")
 
 
-#: The GPUs nvcc targets from sm_80 on (CUDA 12.9 and 13.0; sm_101 became sm_110 in 13.0). A job or a compile
-#: for any other arch would wait for ever or fail in nvcc: refused up front instead.
+def too_old(arch: str) -> str | None:
+    """Why GPU ``arch`` (e.g. "sm_75") cannot run kernelmill's kernels, or None."""
+    base = base_arch(arch)
+    if int(base.removeprefix("sm_")) < MIN_SM:
+        return f"kernelmill's kernels need sm_{MIN_SM} or newer, not {base}"
+    return None
+
+
+#: The GPUs nvcc targets from sm_80 on (CUDA 12.9 and 13.0; sm_101 became sm_110 in 13.0).
 KNOWN_SMS: tuple[int, ...] = (80, 86, 87, 88, 89, 90, 100, 101, 103, 110, 120, 121)
 
 
-def unsupported(arch: str) -> str | None:
-    """Why GPU ``arch`` (e.g. "sm_75", "sm_999") cannot run kernelmill's kernels, or None."""
+def unknown_gpu(arch: str) -> str | None:
+    """Why an arch a user names (a job's, ``compile --arch``) is no GPU nvcc targets ("sm_999"), or None. A job
+    for it would wait for ever and a compile would fail in nvcc. Not asked of a GPU that is there: one newer
+    than this list runs wherever its nvcc targets it."""
     base = base_arch(arch)
-    number = int(base.removeprefix("sm_"))
-    if number < MIN_SM:
-        return f"kernelmill's kernels need sm_{MIN_SM} or newer, not {base}"
-    if number not in KNOWN_SMS:
-        known = ", ".join(f"sm_{n}" for n in KNOWN_SMS)
-        return f"{base} is not a GPU nvcc targets; known: {known}"
+    if int(base.removeprefix("sm_")) not in KNOWN_SMS:
+        return f"{base} is not a GPU nvcc targets; known: {', '.join(f'sm_{n}' for n in KNOWN_SMS)}"
     return None
 
 

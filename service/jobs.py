@@ -22,7 +22,7 @@ from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space, default_families, search_precision
 from kernelmill.agents.strategies import strategy_class
-from kernelmill.kernels.compile import base_arch, normalize_arch, unsupported
+from kernelmill.kernels.compile import base_arch, normalize_arch, too_old, unknown_gpu
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
@@ -119,7 +119,7 @@ def _job_arch(arch: str) -> str:
         base = base_arch(normalize_arch(arch))
     except ValueError as exc:
         raise JobError(f"arch: {exc}, or auto (the worker's GPU)") from None
-    if reason := unsupported(base):
+    if reason := too_old(base) or unknown_gpu(base):
         raise JobError(f"arch: {reason}")
     return base
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kernelmill.kernels.compile import base_arch, unsupported
+from kernelmill.kernels.compile import base_arch, too_old
 
 try:  # ml_dtypes gives NumPy a real bfloat16 (the JAX project's package)
     from ml_dtypes import bfloat16 as _np_bfloat16
@@ -228,7 +228,7 @@ class Family(ABC):
         on any other GPU, nor do ``params`` that need sm_90 (``needs_sm90``) on an older one: SpecError says
         so, rather than nvcc failing on a target like compute_80a or on the template's #error."""
         base = base_arch(arch)
-        if reason := unsupported(base):
+        if reason := too_old(base):
             raise SpecError(reason)
         if params is not None and int(base.removeprefix("sm_")) < 90 and (why := self.needs_sm90(params)):
             raise SpecError(f"family {self.name} {why}: it runs on sm_90 or newer, not {base}")

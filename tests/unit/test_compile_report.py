@@ -1,6 +1,14 @@
 import pytest
 
-from kernelmill.kernels.compile import CompileError, arch_flags, base_arch, normalize_arch, parse_ptxas, unsupported
+from kernelmill.kernels.compile import (
+    CompileError,
+    arch_flags,
+    base_arch,
+    normalize_arch,
+    parse_ptxas,
+    too_old,
+    unknown_gpu,
+)
 
 LOG = (
     "ptxas info    : 0 bytes gmem\n"
@@ -37,11 +45,11 @@ def test_base_arch_drops_the_target_suffix(given, want):
     assert base_arch(given) == want
 
 
-def test_unsupported_judges_the_base_arch():
-    assert unsupported("sm_90a") is None and unsupported("sm_80") is None
-    assert "sm_80 or newer, not sm_75" in unsupported("sm_75")
-    assert unsupported("sm_100f") is None and unsupported("sm_121") is None
-    assert "sm_999 is not a GPU nvcc targets" in unsupported("sm_999")
+def test_too_old_judges_the_base_arch():
+    assert too_old("sm_90a") is None and too_old("sm_80") is None
+    assert "sm_80 or newer, not sm_75" in too_old("sm_75")
+    assert unknown_gpu("sm_100f") is None and unknown_gpu("sm_121") is None and unknown_gpu("sm_90a") is None
+    assert "sm_999 is not a GPU nvcc targets" in unknown_gpu("sm_999") and too_old("sm_999") is None
 
 
 def test_normalize_arch_rejects_garbage():
