@@ -227,13 +227,57 @@ def erfc(x: np.ndarray) -> np.ndarray:
     return np.where(x64 >= 0, h, 2.0 - h)
 
 
+#: A & S 7.1.26's coefficients, highest power first (erfc(a) = poly(t) exp(-a^2), t = 1 / (1 + P a)).
+_ERFC_P, _ERFC_POLY = 0.3275911, (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+
+
+def _gelu_erf_f32(x: np.ndarray) -> np.ndarray:
+    """0.5 x erfc(-x / sqrt 2) on float32, in place on two temporaries: erfc (A & S 7.1.26) of |x| / sqrt 2,
+    and 2 minus it where x >= 0, so that no branch cancels (3x faster than the float64 erfc above)."""
+    a = np.abs(x)
+    a *= np.float32(1.0 / math.sqrt(2.0))
+    t = a * np.float32(_ERFC_P)
+    t += np.float32(1.0)
+    np.reciprocal(t, out=t)
+    p = t * np.float32(_ERFC_POLY[0])
+    for c in _ERFC_POLY[1:]:
+        p += np.float32(c)
+        p *= t
+    np.square(a, out=a)
+    np.negative(a, out=a)
+    with np.errstate(under="ignore"):
+        np.exp(a, out=a)
+    p *= a  # erfc(|x| / sqrt 2)
+    np.subtract(np.float32(2.0), p, out=p, where=x >= 0)
+    p *= x
+    p *= np.float32(0.5)
+    return p
+
+
+def _gelu_tanh_f32(x: np.ndarray) -> np.ndarray:
+    """x / (1 + exp(-2 sqrt(2 / pi) (x + 0.044715 x^3))) on float32 (the reference's form; x**3 is a slow pow)."""
+    u = x * x
+    u *= x
+    u *= np.float32(0.044715)
+    u += x
+    u *= np.float32(-2.0 * math.sqrt(2.0 / math.pi))
+    with np.errstate(over="ignore"):  # exp = inf for very negative x: the GELU is -0 there
+        np.exp(u, out=u)
+    u += np.float32(1.0)
+    return np.divide(x, u, out=u)
+
+
 def _act_np(x: np.ndarray, act: str) -> np.ndarray:
     """act on float32 CPU activations, in the float64 references' forms (kernels/ops: ACT_FUNCTIONS), which do
-    not cancel for negative x; erf GELU uses the vectorized erfc above (its reference calls math.erfc per
-    element, far too slow for a model's activations)."""
-    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x: silu and tanh GELU are -0 there
-        y = 0.5 * x * erfc(-x / math.sqrt(2.0)) if act == "gelu_erf" else ACT_FUNCTIONS[act](x)
-    return np.asarray(y, dtype=np.float32)
+    not cancel for negative x, computed in float32: the GELUs by the functions above (the erf reference calls
+    math.erfc per element, far too slow for a model's activations)."""
+    x = np.asarray(x, dtype=np.float32)
+    if act == "gelu_erf":
+        return _gelu_erf_f32(x)
+    if act == "gelu_tanh":
+        return _gelu_tanh_f32(x)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x: silu is -0 there
+        return np.asarray(ACT_FUNCTIONS[act](x), dtype=np.float32)
 
 
 def _softmax_np(x: np.ndarray) -> np.ndarray:

@@ -70,6 +70,17 @@ def test_activations_and_bias_act():
         ops.gelu(x, approximate="tanhh")  # was erf GELU, silently
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_cpu_gelus_in_float32_match_torch_in_float64_over_a_wide_range(approximate):
+    x = np.linspace(-12, 12, 20001).astype(np.float32)
+    want = F.gelu(torch.from_numpy(x).double(), approximate=approximate).numpy()
+    got = ops.gelu(Tensor.from_numpy(x), approximate=approximate).numpy().astype(np.float64)
+    assert np.max(np.abs(got - want)) < 1e-6
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-7
+    near = np.abs(x) < 3  # where a model's activations are: relative error too
+    assert np.max(np.abs(got - want)[near] / np.maximum(np.abs(want[near]), 1e-3)) < 1e-4
+
+
 def test_erf_is_accurate():
     x = np.linspace(-6, 6, 10001)
     assert np.max(np.abs(ops.erf(x) - torch.erf(torch.from_numpy(x)).numpy())) < 2e-7
