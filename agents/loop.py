@@ -8,7 +8,6 @@ from its recorded trials and never re-runs them.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,7 +142,10 @@ def run_job(
     spec = get_op(plan.op)
     facts = evaluator.facts()
     deadline = clock() + plan.budget_seconds
-    per_shape = max(1, math.ceil(plan.budget_trials / max(1, len(plan.shapes))))
+    # The trial budget split over the shapes, the first ones taking the remainder: never more in all. (A job
+    # has at least as many trials as shapes: service.jobs.validate_submission.)
+    n_shapes = max(1, len(plan.shapes))
+    shares = [max(1, plan.budget_trials // n_shapes + (i < plan.budget_trials % n_shapes)) for i in range(n_shapes)]
     space = Space(spec, plan.dtype, plan.families)
     total = failed = 0
     histories = {format_shape(s): recorder.observations(format_shape(s)) for s in plan.shapes}
@@ -151,7 +153,7 @@ def run_job(
         total += len(history)
         failed += sum(1 for o in history if not o.ok)
 
-    for shape in plan.shapes:
+    for shape, per_shape in zip(plan.shapes, shares, strict=False):
         key = format_shape(shape)
         history = histories[key]
         measured, baseline = recorder.baseline(key)
@@ -165,7 +167,9 @@ def run_job(
         best = min((o.median_ms for o in history if o.ok), default=None)
         since_gain = 0
         warm = [c for c in recorder.warm_start(key) if c in shape_space] if plan.warm_start else []
-        warm += shape_defaults(shape_space, tuple(shape), facts)
+        # Each candidate once, first mention first: a warm start may also be a shape default, and a batch that
+        # held it twice ran it twice and counted a trial the store does not keep.
+        warm = _first_of_each([*warm, *shape_defaults(shape_space, tuple(shape), facts)])
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"
@@ -203,14 +207,20 @@ def run_job(
                     since_gain += 1
                     best = min(best, r.median_ms)
             if on_progress:
-                on_progress(
-                    Progress(plan.job_id, key, total, failed, per_shape * len(plan.shapes), best, baseline, kept)
-                )
+                on_progress(Progress(plan.job_id, key, total, failed, sum(shares), best, baseline, kept))
         _profile_best(plan, evaluator, recorder, shape, history)
         recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))
         if clock() > deadline:
             break
     return "done"
+
+
+def _first_of_each(candidates: list[Candidate]) -> list[Candidate]:
+    """``candidates`` without repeats (by key), in order of first mention."""
+    firsts: dict[str, Candidate] = {}
+    for c in candidates:
+        firsts.setdefault(c.key, c)
+    return list(firsts.values())
 
 
 def trial_facts(result: TrialResult) -> dict[str, Any]:

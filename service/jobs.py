@@ -73,6 +73,8 @@ def validate_submission(
         raise JobError(str(exc)) from None
     if not 1 <= budget_trials <= settings.max_budget_trials:
         raise JobError(f"budget.trials must be in 1..{settings.max_budget_trials}, got {budget_trials}")
+    if budget_trials < len(parsed):  # the budget is split over the shapes, each needs a trial at least
+        raise JobError(f"budget.trials: {budget_trials} cannot try {len(parsed)} shapes (one trial each at least)")
     if not 0 < budget_seconds <= settings.max_budget_seconds:
         raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
     if not families and not default_families(spec, dtype):

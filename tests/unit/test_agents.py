@@ -117,6 +117,31 @@ def test_loop_spends_budget_per_shape_records_failures_and_publishes():
     assert progress[-1].trials == 30 and progress[-1].speedup == pytest.approx(1.0 / progress[-1].best_ms)
 
 
+def test_the_trial_budget_is_split_over_the_shapes_and_never_exceeded():
+    """A budget of 4 over 3 shapes ran 2 a shape (6 trials): each shape took the budget divided and rounded up."""
+    rec = MemoryRecorder()
+    progress = []
+    shapes = [(256, 256), (64, 1000), (128, 512)]
+    run_job(plan(shapes=shapes, budget_trials=4), FakeEvaluator(fail_every=0), rec, progress.append)
+    assert [len(rec.trials[k]) for k in ("256x256", "64x1000", "128x512")] == [2, 1, 1]
+    assert progress[-1].trials == 4 and progress[-1].budget == 4
+
+
+def test_a_warm_start_that_is_also_a_shape_default_is_tried_once():
+    """It went into the first batch twice: run twice on the GPU, and a trial counted that the store drops."""
+    from kernelmill.agents.loop import shape_defaults
+    from kernelmill.agents.space import Space
+    from kernelmill.kernels.ops import get_op
+
+    space = Space(get_op("softmax"), "float16").for_shape((256, 256))
+    default = shape_defaults(space, (256, 256), FakeEvaluator().facts())[0]
+    rec = MemoryRecorder()
+    rec.warm = [default.because("warm start: best of softmax 512x512")]
+    run_job(plan(shapes=[(256, 256)], budget_trials=6), FakeEvaluator(fail_every=0), rec)
+    keys = [r.candidate.key for r in rec.trials["256x256"]]
+    assert len(keys) == 6 and len(set(keys)) == 6 and keys[0] == default.key
+
+
 def test_loop_resumes_from_history_without_rerunning():
     rec = MemoryRecorder()
     run_job(plan(budget_trials=10), FakeEvaluator(), rec)
