@@ -129,6 +129,13 @@ def tune_model(
             get_op(op).resolve_attrs(dict(attrs))
         except SpecError as exc:
             raise ValueError(f"this model's {op} has no GPU kernel to tune ({exc}); nothing was submitted") from None
+    most = max((min(len(shapes), MAX_SHAPES_PER_JOB) for shapes in groups.values()), default=0)
+    if trials < most:  # a job splits its trials over its shapes, one at least each: the service would refuse it
+        busiest = max(groups, key=lambda k: len(groups[k]))[0]
+        raise ValueError(
+            f"trials={trials} cannot try the {most} {busiest} shapes of one job (one trial each at least): give "
+            f"trials >= {most}; nothing was submitted"
+        )
     base = (server or os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
     own_client = client is None
     if own_client:

@@ -742,6 +742,12 @@ def test_tune_model_refuses_a_model_with_attributes_no_kernel_takes_before_submi
     with pytest.raises(ValueError, match=r"this model's \w*layernorm has no GPU kernel to tune \(.*eps.*0\.001"):
         runtime.tune_model(model, np.arange(10).reshape(2, 5), client=client, dtype="float16", trials=2)
     assert client.posts == 0
+    # Fewer trials than a job's shapes: the service would refuse that job (each shape needs one), after others.
+    config["layer_norm_eps"] = 1e-12
+    model = runtime.Model(runtime.BertModel.random(config), device="cpu")
+    with pytest.raises(ValueError, match=r"^trials=1 cannot try the 2 linear shapes of one job .* trials >= 2; noth"):
+        runtime.tune_model(model, np.arange(10).reshape(2, 5), client=client, dtype="float16", trials=1)
+    assert client.posts == 0
 
 
 def test_tune_model_takes_what_forward_takes(service):
