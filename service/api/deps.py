@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import SpecError
 from kernelmill.service.db.store import Store
 from kernelmill.settings import Settings
 
@@ -33,3 +35,14 @@ async def require_writer(request: Request, credentials: HTTPAuthorizationCredent
             detail="this server needs 'Authorization: Bearer <token>' for writes (KERNELMILL_API_TOKEN)",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+async def op_filter(op: str | None = Query(None, description="only this op's rows")) -> str | None:
+    """A list's ``op=`` filter: None where it is not given or empty; 422 for an op that does not exist (a typo
+    would otherwise answer an empty page, as if nothing were there)."""
+    if op is None or not op.strip():
+        return None
+    try:
+        return get_op(op).name
+    except SpecError as exc:
+        raise HTTPException(422, detail=str(exc)) from None

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from kernelmill.agents.space import search_precision
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
-from kernelmill.service.api.deps import get_settings_dep, get_store, require_writer
+from kernelmill.service.api.deps import get_settings_dep, get_store, op_filter, require_writer
 from kernelmill.service.api.schemas import (
     Budget,
     JobCreate,
@@ -62,6 +62,7 @@ def job_out(store: Store, job: Job) -> JobOut:
         strategy=job.strategy,
         budget=Budget(trials=job.budget_trials, seconds=job.budget_seconds),
         state=job.state,
+        cancel_requested=bool(job.cancel_requested) and job.state in ("queued", "running"),
         error=job.error,
         worker=job.worker,
         device_name=job.device_name,
@@ -114,7 +115,7 @@ def create_job(
 def list_jobs(
     store: Store = Depends(get_store),
     state: Literal["queued", "running", "done", "failed", "cancelled"] | None = None,
-    op: str | None = None,
+    op: str | None = Depends(op_filter),
     limit: int = Query(50, ge=1, le=MAX_JOBS_PAGE),
     offset: Offset = 0,
 ) -> Page[JobOut]:

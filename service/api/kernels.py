@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kernelmill.kernels.compile import normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
-from kernelmill.service.api.deps import get_store
+from kernelmill.service.api.deps import get_store, op_filter
 from kernelmill.service.api.schemas import BestKernelOut, KernelId, KernelOut, KernelSummary, Offset, Page, problems
 from kernelmill.service.db.models import Kernel
 from kernelmill.service.db.store import Store, attrs_key, nearest_shape
@@ -39,8 +39,9 @@ def _kernel_out(store: Store, kernel_id: int, kernel: Kernel | None = None) -> K
 
 def _query_arch(arch: str | None) -> str | None:
     """A query's arch as kernels are served under it ("90" -> "sm_90"; "sm_90a" stays: wgmma kernels are
-    served as sm_90a); SpecError where it is no arch at all, which could only match nothing."""
-    if arch is None:
+    served as sm_90a); None where none is given, or it is empty (as the dashboard's "any arch" sends it);
+    SpecError where it is no arch at all, which could only match nothing."""
+    if arch is None or not arch.strip():
         return None
     try:
         return normalize_arch(arch)
@@ -51,7 +52,7 @@ def _query_arch(arch: str | None) -> str | None:
 @router.get("", responses=problems(422))
 def list_kernels(
     store: Store = Depends(get_store),
-    op: str | None = None,
+    op: str | None = Depends(op_filter),
     dtype: str | None = None,
     arch: str | None = None,
     precision: str | None = None,
@@ -390,7 +391,7 @@ def query_attrs(attr: list[str], act: str | None) -> dict[str, str]:
         if name in raw:
             raise SpecError(f"attribute {name} given twice")
         raw[name] = value.strip()
-    if act:
+    if act is not None:  # act= empty is refused as attr=act: is, not read as "not given"
         if "act" in raw:
             raise SpecError("act given twice: as act= and as attr=act:")
         raw["act"] = act

@@ -104,6 +104,9 @@ class JobOut(BaseModel):
     strategy: str
     budget: Budget
     state: str
+    cancel_requested: bool = Field(
+        False, description="a cancel was asked and the running job stops after its current batch of trials"
+    )
     error: str | None
     worker: str | None
     device_name: str | None

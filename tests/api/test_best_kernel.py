@@ -10,7 +10,8 @@ import pytest
 from kernelmill.service.api import kernels
 from kernelmill.service.db.store import Store
 from tests.api.conftest import wait_state
-from tests.store.test_store import new_job, publish
+from tests.store.test_store import new_job, publish, row
+from tests.store.test_store import served as stored_kernel
 
 BEST = "/api/kernels/best"
 
@@ -231,3 +232,15 @@ def test_an_arch_is_read_as_kernels_are_served_under_it_and_garbage_is_422(clien
         assert best(client, f"op=softmax&shape=256x256&dtype=float16&arch={arch}").json()["id"] == served["id"]
         assert [k["id"] for k in client.get(f"/api/kernels?arch={arch}").json()["items"]] == [served["id"]]
     assert best(client, "op=softmax&shape=256x256&dtype=float16&arch=sm_90a").status_code == 404  # wgmma's
+    # Empty is no filter, as the dashboard's "any arch" sends it: it was read as sm_90, the default target, and
+    # hid the kernels of every other GPU.
+    store = client.app.state.store
+    ampere = row("rowwise", ms=0.5)
+    ampere["arch"] = "sm_80"
+    job = new_job(store, shapes=[(512, 512)], state="done")
+    store.publish(job, store.record_trials(job.id, "512x512", [ampere])[0], stored_kernel())
+    on_ampere = best(client, "op=softmax&shape=512x512&dtype=float16&arch=")
+    assert on_ampere.status_code == 200 and on_ampere.json()["arch"] == "sm_80"
+    assert client.get("/api/kernels?arch=").json()["total"] == client.get("/api/kernels").json()["total"] == 2
+    empty_act = best(client, "op=linear&shape=64x64x64&act=")  # read as "not given": act=none's 404
+    assert empty_act.status_code == 422 and "act='' is not allowed" in empty_act.json()["detail"]

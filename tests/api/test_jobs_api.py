@@ -51,14 +51,21 @@ def test_list_jobs_filters_and_pages(client):
     assert page["total"] == 3 and len(page["items"]) == 2 and page["items"][0]["id"] == ids[-1]
     assert client.get("/api/jobs", params={"state": "done", "op": "softmax"}).json()["total"] == 3
     assert client.get("/api/jobs", params={"op": "matmul"}).json()["total"] == 0
+    assert client.get("/api/jobs", params={"op": ""}).json()["total"] == 3  # empty: no filter
+    for url in ("/api/jobs?op=sofmax", "/api/kernels?op=sofmax"):  # a typo answered an empty page
+        resp = client.get(url)
+        assert resp.status_code == 422 and "unknown op 'sofmax'" in resp.json()["detail"], url
 
 
 def test_cancel(client):
     job = client.post("/api/jobs", json={**SOFTMAX_JOB, "budget": {"trials": 4000, "seconds": 600}}).json()
     resp = client.post(f"/api/jobs/{job['id']}/cancel")
     assert resp.status_code == 200
+    # A running job says its cancel is pending (it looked like any running job); a queued one ends at once.
+    answer = resp.json()
+    assert answer["cancel_requested"] is True if answer["state"] == "running" else answer["state"] == "cancelled"
     job = wait_state(client, job["id"])
-    assert job["state"] == "cancelled"
+    assert job["state"] == "cancelled" and job["cancel_requested"] is False
     again = client.post(f"/api/jobs/{job['id']}/cancel")
     assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
 
