@@ -585,6 +585,9 @@ def tune(
             "family computing in the dtype itself (matmul's tensorcore family, float32 as TF32, only when named)",
         ),
     ] = None,
+    arch: Annotated[
+        str, typer.Option(help="with --server: the GPU to tune for, e.g. sm_90 (auto: any worker's)")
+    ] = "auto",
     server: ServerOpt = None,
 ) -> None:
     """Tune a kernel: submit a job to a server, or run it here on this GPU when no server is given."""
@@ -593,8 +596,12 @@ def tune(
 
     settings = get_settings()
     attrs = parse_pairs(attr, "--attr")
+    if arch != "auto" and not server:
+        raise fail("--arch needs --server: without one the job runs here, on this GPU")
     try:
-        fields = validate_submission(settings, op, shape, dtype, strategy, budget, seconds, attrs, families=family)
+        fields = validate_submission(
+            settings, op, shape, dtype, strategy, budget, seconds, attrs, arch=arch, families=family
+        )
     except JobError as exc:
         raise fail(str(exc)) from None
     if server:

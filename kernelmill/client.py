@@ -96,6 +96,8 @@ def tune_remote(server: str, fields: dict[str, Any], console: Console, poll_s: f
     }
     if fields.get("families"):  # only when named: a service from before families refuses the field
         body["families"] = fields["families"]
+    if fields.get("arch", "auto") != "auto":
+        body["arch"] = fields["arch"]
     job = _request("POST", f"{base}/api/jobs", json=body, expect=JobOut)
     console.print(f"job {job['id']} submitted to {base}")
     return follow_jobs(base, [job], console, poll_s)[0]
@@ -117,7 +119,7 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
             while any(j["state"] in ("queued", "running") for j in jobs):
                 queued = next((j for j in jobs if j["state"] == "queued"), None)
                 if queued is not None and not said_idle and time.monotonic() >= next_check:
-                    said_idle, next_check = _say_why_queued(base, queued["id"], bar.console), time.monotonic() + 15.0
+                    said_idle, next_check = _say_why_queued(base, queued, bar.console), time.monotonic() + 15.0
                 time.sleep(poll_s)
                 for i, job in enumerate(jobs):
                     if job["state"] not in ("queued", "running"):
@@ -143,19 +145,27 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
     return jobs
 
 
-def _say_why_queued(base: str, job_id: int, console: Console) -> bool:
-    """While a job waits: if the server has no GPU worker, says so once with the server's reason (else the
-    bar would sit at "queued" with no word of why). True once said, or where the server cannot tell."""
+def _say_why_queued(base: str, job: dict[str, Any], console: Console) -> bool:
+    """While a job waits: if the server has no GPU worker, or none with the job's GPU (arch), says so once with
+    the reason (else the bar would sit at "queued" with no word of why). True once said, or where the server
+    cannot tell."""
+    from kernelmill.service.jobs import no_worker_for
+
     try:
         workers = _request("GET", f"{base}/api/workers", expect=WorkersOut)
     except ServerError:  # only a hint: watching the job goes on
         return True
-    if workers.get("workers"):
+    stop = "Ctrl-C stops watching; the job stays queued"
+    if not workers.get("workers"):
+        console.print(
+            f"{base} has no GPU worker: {workers.get('reason') or 'none has joined'}. Job {job['id']} waits in the "
+            f"queue until one joins ({stop})."
+        )
+        return True
+    why = no_worker_for(job.get("arch"), [w.get("arch") for w in workers["workers"]])
+    if why is None:
         return False
-    console.print(
-        f"{base} has no GPU worker: {workers.get('reason') or 'none has joined'}. Job {job_id} waits in the queue "
-        "until one joins (Ctrl-C stops watching; the job stays queued)."
-    )
+    console.print(f"Job {job['id']} waits: {why}. It starts when one joins ({stop}), or cancel it.")
     return True
 
 

@@ -133,6 +133,16 @@ def runs_on(job_arch: str | None, worker_arch: str | None) -> bool:
     return worker_arch is not None and base_arch(worker_arch) == base_arch(job_arch)
 
 
+def no_worker_for(job_arch: str | None, worker_archs: Sequence[str | None]) -> str | None:
+    """Why a job for ``job_arch`` waits although GPU workers are attached: none of them has its GPU (as
+    "no GPU worker has sm_80; the workers have sm_90"); None where one does, none is attached, or a worker's
+    GPU is not known yet."""
+    if not worker_archs or any(a is None for a in worker_archs) or any(runs_on(job_arch, a) for a in worker_archs):
+        return None
+    archs = ", ".join(sorted({base_arch(a) for a in worker_archs if a}))
+    return f"no GPU worker has {job_arch}; the workers have {archs}"
+
+
 class StoreRecorder:
     """The loop's Recorder backed by the store."""
 
@@ -305,13 +315,11 @@ class JobRunner:
             thread = threading.Thread(target=self._run, args=(job, worker.name), name=f"job-{job.id}", daemon=True)
             self._running[job.id] = thread
             thread.start()
-        if not workers or any(w.arch is None for w in workers):
-            return  # a worker's GPU is not known yet
-        archs = sorted({base_arch(w.arch) for w in workers})
-        for job in queued:  # said once a job; GET /api/workers lists the workers and their archs
-            if job.id not in self._said_waiting and not any(runs_on(job.arch, a) for a in archs):
+        archs = [w.arch for w in workers]
+        for job in queued:  # said once a job; the job page and `kernelmill tune` say it too
+            if job.id not in self._said_waiting and (why := no_worker_for(job.arch, archs)):
                 self._said_waiting.add(job.id)
-                log.warning("job %s waits for an %s worker; the workers have %s", job.id, job.arch, ", ".join(archs))
+                log.warning("job %s waits: %s", job.id, why)
 
     def _run(self, job: Job, worker: str) -> None:
         try:

@@ -21,6 +21,7 @@ from kernelmill.service.api.deps import get_settings_dep, get_store
 from kernelmill.service.api.schemas import MAX_ID
 from kernelmill.service.db.models import JOB_STATES
 from kernelmill.service.db.store import Store
+from kernelmill.service.jobs import no_worker_for
 from kernelmill.service.web import filters, forms, views
 from kernelmill.settings import Settings
 
@@ -107,7 +108,11 @@ def _job_context(request: Request, store: Store, job_id: int) -> dict[str, Any] 
     status = q.get("status") or None
     if job_id > MAX_ID:
         return None
-    return views.job_page(store, job_id, sort, order, status, _page_number(q.get("page")))
+    context = views.job_page(store, job_id, sort, order, status, _page_number(q.get("page")))
+    if context is not None and context["job"].state == "queued":  # waiting for a GPU none of the workers has?
+        archs = [w.arch for w in request.app.state.executor.workers()]
+        context["waiting_why"] = no_worker_for(context["job"].arch, archs)
+    return context
 
 
 @router.get("/jobs/{job_id:int}")

@@ -82,6 +82,26 @@ def test_a_job_queued_on_a_server_without_gpu_workers_says_why(serve, monkeypatc
     assert sleeps and tc.get("/api/jobs/1").json()["state"] == "queued"
 
 
+def test_a_job_for_a_gpu_no_worker_has_says_so(serve, monkeypatch):
+    """It sat at "queued" with no word of why: the reason was a line in the service's log."""
+    tc = serve(workers=1)  # an sm_90
+    monkeypatch.setattr(
+        cli_client,
+        "time",
+        SimpleNamespace(sleep=lambda s: (_ for _ in ()).throw(KeyboardInterrupt), monotonic=time.monotonic),
+    )
+    result = CliRunner().invoke(app, [*TUNE, "--arch", "sm_80"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "Job 1 waits: no GPU worker has sm_80; the workers have sm_90. It starts when one joins" in out
+    page = tc.get("/jobs/1").text
+    assert (
+        "no GPU worker has sm_80; the workers have sm_90" in page and tc.get("/api/jobs/1").json()["state"] == "queued"
+    )
+    here = CliRunner().invoke(app, ["tune", "softmax", "--shape", "64x64", "--arch", "sm_80"])
+    assert here.exit_code == 2 and "--arch needs --server" in here.output
+
+
 def test_an_unreachable_server_is_one_line_and_exit_3():
     for argv in (["tune", "softmax", "--shape", "64x64"], ["jobs"], [*TUNE_MODEL]):
         result = CliRunner().invoke(app, [*argv, "--server", "http://127.0.0.1:9"])
