@@ -47,7 +47,8 @@ def create_app(
 
     app.add_middleware(kernels.BestKernelFastPath)  # best-kernel cache hits, before routing
     app.add_middleware(NoNulInUrl)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # added last: outside the fast path
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # outside the fast path
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(request: Request, exc: RequestValidationError):
@@ -77,6 +78,25 @@ class NoNulInUrl:
             body = {"detail": "a NUL character (%00) in the URL: no name or filter holds one"}
             return await JSONResponse(body, status_code=422)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+class HeadAsGet:
+    """HEAD answered as GET without its body (health monitors, ``curl -I``): FastAPI's routes take GET alone,
+    so a HEAD was 405 everywhere."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        return await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class BodyLimit:

@@ -46,3 +46,15 @@ async def op_filter(op: str | None = Query(None, description="only this op's row
         return get_op(op).name
     except SpecError as exc:
         raise HTTPException(422, detail=str(exc)) from None
+
+
+async def json_body(request: Request) -> None:
+    """415 for a body not sent as JSON (a form, text/plain, no Content-Type: curl -d sends a form): FastAPI
+    reads it as no object at all, and the 422 said 'Input should be a valid dictionary'."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise HTTPException(
+            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+            detail=f"the body is {kind or 'sent without a Content-Type'}: send it as JSON, with "
+            "'Content-Type: application/json'",
+        )

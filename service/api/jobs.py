@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from kernelmill.agents.space import search_precision
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
-from kernelmill.service.api.deps import get_settings_dep, get_store, op_filter, require_writer
+from kernelmill.service.api.deps import get_settings_dep, get_store, json_body, op_filter, require_writer
 from kernelmill.service.api.schemas import (
     Budget,
     JobCreate,
@@ -87,8 +87,8 @@ def _job_or_404(store: Store, job_id: int) -> Job:
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
-    dependencies=[Depends(require_writer)],
-    responses=problems(400, 401, 413, 422),
+    dependencies=[Depends(require_writer), Depends(json_body)],
+    responses=problems(400, 401, 413, 415, 422),
 )
 def create_job(
     body: JobCreate, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from fastapi import Path, Query
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, StrictFloat, StrictInt
 
 # Ids past the id columns (INTEGER: 32 bits on PostgreSQL) and offsets past 64-bit integers cannot name a row:
 # 422, not a driver overflow (500).
@@ -42,6 +42,7 @@ _PROBLEMS = {
     404: "no such id, or no tuned kernel for the problem",
     409: "the job is already finished",
     413: "request body over KERNELMILL_MAX_BODY_BYTES",
+    415: "the body is not sent as JSON (Content-Type: application/json)",
     422: "the request is malformed or names something unknown; `detail` says what",
 }
 
@@ -53,8 +54,9 @@ def problems(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    trials: int = Field(64, ge=1, description="trials over all shapes")
-    seconds: float = Field(3600.0, gt=0, description="wall-clock limit")
+    # Strict: JSON true is no number of trials (it was read as 1), nor "60" a number of seconds.
+    trials: StrictInt = Field(64, ge=1, description="trials over all shapes (at least one a shape)")
+    seconds: StrictFloat = Field(3600.0, gt=0, description="wall-clock limit")
 
 
 class JobCreate(BaseModel):

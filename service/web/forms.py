@@ -173,9 +173,10 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
         trials = int(form.trials)
     else:
         errors["trials"] = f"a whole number of trials, 1 to {settings.max_budget_trials}"
-    try:
+    # A decimal number in ASCII: float() reads "1_0", "１０", "inf" and "nan" too.
+    if re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*", form.seconds):
         seconds = float(form.seconds)
-    except ValueError:
+    else:
         errors["seconds"] = f"a number of seconds, up to {settings.max_budget_seconds:g}"
 
     shapes = form.shape_list()

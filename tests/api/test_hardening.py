@@ -201,6 +201,15 @@ def test_attributes_and_ops_are_names_not_code(client):
     assert client.post("/api/jobs", json={**SOFTMAX_JOB, "op": CUDA}).status_code == 422
     assert client.post("/api/jobs", json={**SOFTMAX_JOB, "strategy": CUDA}).status_code == 422
     raw = client.post("/api/jobs", content=CUDA.encode(), headers={"content-type": "text/x-cuda"})
-    assert raw.status_code == 422
+    assert raw.status_code == 415 and "send it as JSON" in raw.json()["detail"]
     assert client.get("/api/jobs").json()["total"] == 0
     assert client.post("/api/jobs", json={**mlp, "attrs": {"act": "relu"}}).status_code == 201
+
+
+def test_head_is_answered_as_get_without_a_body(client):
+    """HEAD was 405 on every route (monitors and curl -I use it)."""
+    for url in ("/api/health", "/api/jobs", "/", "/jobs"):
+        got, head = client.get(url), client.head(url)
+        assert head.status_code == got.status_code == 200 and head.content == b"", url
+        assert head.headers["content-type"] == got.headers["content-type"], url
+    assert client.head("/api/jobs/999").status_code == 404

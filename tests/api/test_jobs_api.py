@@ -86,6 +86,8 @@ def test_cancel(client):
         ({"shapes": [[True, 64]]}, "shapes.0.list[int].0: Input should be a valid integer"),
         ({"shapes": [[1e3, 64]]}, "Input should be a valid integer"),
         ({"budget": {"trials": 0, "seconds": 10}}, "budget.trials"),
+        ({"budget": {"trials": True, "seconds": 10}}, "budget.trials: Input should be a valid integer"),  # was 1
+        ({"budget": {"trials": 4, "seconds": "10"}}, "budget.seconds: Input should be a valid number"),
         ({"shapes": [[64, 64], [128, 128], [256, 256]], "budget": {"trials": 2, "seconds": 10}}, "2 cannot try 3"),
         ({"budget": {"trials": 10**6, "seconds": 10}}, "budget.trials"),
         ({"budget": {"trials": 10, "seconds": 10**9}}, "budget.seconds"),

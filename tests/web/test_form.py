@@ -89,6 +89,9 @@ def test_op_attributes_are_submitted(empty):
         ({"trials": "1000000"}, "trials", "budget.trials"),
         ({"seconds": "1e9"}, "seconds", "budget.seconds"),
         ({"seconds": "soon"}, "seconds", "number of seconds"),
+        ({"seconds": "1_0"}, "seconds", "number of seconds"),  # float() reads these: as trials, refused
+        ({"seconds": "１０"}, "seconds", "number of seconds"),
+        ({"seconds": "nan"}, "seconds", "number of seconds"),
         ({"arch": "hopper"}, "arch", "sm_90"),
         ({"arch": "sm_75"}, "arch", "need sm_80 or newer, not sm_75"),
         ({"shapes": "64x64\n128x64\n64x64"}, "shapes", "64x64 is given twice"),
