@@ -6,6 +6,7 @@ browsers; the REST API under /api is untouched.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernelmill import __version__
+from kernelmill.kernels.compile import normalize_arch
 from kernelmill.service.api.deps import get_settings_dep, get_store
 from kernelmill.service.api.schemas import MAX_ID
 from kernelmill.service.db.models import JOB_STATES
@@ -162,7 +164,10 @@ def kernel(request: Request, kernel_id: int, store: Store = Depends(get_store)) 
 
 @router.get("/compare")
 def compare(request: Request, store: Store = Depends(get_store), arch: str | None = None) -> Response:
-    return render(request, "compare.html", views.compare(store, arch or None), nav="compare")
+    arch = arch if arch and arch.strip() else None
+    with contextlib.suppress(ValueError):  # as the API reads it ("90" is sm_90); no arch at all matches nothing
+        arch = normalize_arch(arch) if arch else None
+    return render(request, "compare.html", views.compare(store, arch), nav="compare")
 
 
 def mount_static(app: FastAPI) -> None:

@@ -285,6 +285,10 @@ def test_compare_grid(seeded):
     assert "/jobs/new?op=softmax&amp;shapes=4096x4096&amp;dtype=float32" in html
     assert "attr.fused_mlp.act=gelu_tanh" in html
     assert "No kernel served for sm_75" in _text(seeded.get("/compare?arch=sm_75").text)
+    # The arch read as the API reads it: "90" showed "No kernel served for 90".
+    by_number = seeded.get("/compare?arch=90").text
+    assert len(re.findall(r'class="cell-chip"', by_number)) == 5 and "No kernel served" not in by_number
+    assert "No kernel served for hopper" in _text(seeded.get("/compare?arch=hopper").text)
 
 
 def test_compare_names_the_gpu_model_of_each_chip_where_there_are_several(tmp_path):
