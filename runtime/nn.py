@@ -18,12 +18,14 @@ from kernelmill.kernels.ops.base import numpy_dtype
 from kernelmill.runtime import ops
 from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor
 
+_BF16 = numpy_dtype("bfloat16")
+
 
 def _param(a: Any) -> Tensor:
     if isinstance(a, Tensor):
         return a
-    a = np.asarray(a)
-    return Tensor.from_numpy(a.astype(np.float32) if a.dtype.kind == "f" else a)
+    a = host_array(a)  # a torch Parameter (requires grad) or a bfloat16 tensor too
+    return Tensor.from_numpy(a.astype(np.float32) if a.dtype.kind == "f" or a.dtype == _BF16 else a)
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int:
@@ -186,7 +188,7 @@ class Linear(Module):
     @classmethod
     def from_torch(cls, weight: Any, bias: Any = None, act: str = "none") -> Linear:
         """From torch's (out_features, in_features) weight."""
-        return cls(np.ascontiguousarray(np.asarray(weight, dtype=np.float32).T), bias, act)
+        return cls(np.ascontiguousarray(host_array(weight).astype(np.float32).T), bias, act)
 
     @classmethod
     def random(cls, in_features: int, out_features: int, act: str = "none", seed: int = 0) -> Linear:
@@ -291,8 +293,8 @@ class MultiHeadAttention(Module):
     @classmethod
     def from_torch(cls, wq, bq, wk, bk, wv, bv, wo, bo, heads: int) -> MultiHeadAttention:
         """From torch-layout (out, in) q, k, v and output projections (BERT's query/key/value/output.dense)."""
-        w = np.concatenate([np.asarray(a, dtype=np.float32) for a in (wq, wk, wv)], axis=0)
-        b = np.concatenate([np.asarray(a, dtype=np.float32) for a in (bq, bk, bv)])
+        w = np.concatenate([host_array(a).astype(np.float32) for a in (wq, wk, wv)], axis=0)
+        b = np.concatenate([host_array(a).astype(np.float32) for a in (bq, bk, bv)])
         return cls(Linear.from_torch(w, b), Linear.from_torch(wo, bo), heads)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:

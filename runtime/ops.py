@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import logging
 import math
 from collections.abc import Iterator
@@ -123,6 +125,27 @@ def _backend():
     from kernelmill.runtime.backend import get_backend
 
     return get_backend()
+
+
+def _takes_tensors(fn):
+    """Refuses arguments annotated ``Tensor`` that are not runtime Tensors, with a TypeError naming the op and
+    the argument: a NumPy array or a torch tensor failed deep inside (an AttributeError on ``numel``)."""
+    params = list(inspect.signature(fn).parameters.values())
+    checked = [(i, p.name) for i, p in enumerate(params) if str(p.annotation).startswith("Tensor")]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for i, name in checked:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if value is not None and not isinstance(value, Tensor):
+                kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+                raise TypeError(
+                    f"{fn.__name__}: {name} is a {kind}, not a runtime Tensor; wrap it with runtime.from_numpy "
+                    "or runtime.from_torch"
+                )
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _on_cuda(*tensors: Tensor | None) -> bool:
@@ -296,6 +319,7 @@ def _sdpa_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
 # -- ops --------------------------------------------------------------------------------------------------
 
 
+@_takes_tensors
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """a (..., K) @ b (K, N) -> (..., N)."""
     k, n = _matrix("matmul", "b", b)
@@ -311,6 +335,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
+@_takes_tensors
 def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
     """act(x + b) with b broadcast over the last dim."""
     act = canonical_act(act)
@@ -327,20 +352,23 @@ def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
     return out
 
 
+@_takes_tensors
 def activation(x: Tensor, act: str) -> Tensor:
     """act(x) elementwise (on the GPU: the bias_act kernel with a zero bias)."""
     act = canonical_act(act)
     if not x.shape:  # elementwise: a 0-d tensor is one element
         return activation(x.reshape(1), act).reshape()
-    if not x.is_cuda:
-        return bias_act(x, _cpu(np.zeros(x.shape[-1], np.float32)), act)
+    if not x.is_cuda:  # a zero bias of x's dtype: a float16 CPU tensor took a float32 one and was refused
+        return bias_act(x, Tensor.from_numpy(np.zeros(x.shape[-1], numpy_dtype(x.dtype)), "cpu", x.dtype), act)
     return bias_act(x, _zeros((x.shape[-1],), x.dtype), act)
 
 
+@_takes_tensors
 def relu(x: Tensor) -> Tensor:
     return activation(x, "relu")
 
 
+@_takes_tensors
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     """GELU as torch's ``F.gelu``: erf (``approximate="none"``) or its tanh approximation (``"tanh"``)."""
     if approximate not in ("none", "tanh"):
@@ -348,10 +376,12 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return activation(x, "gelu_tanh" if approximate == "tanh" else "gelu_erf")
 
 
+@_takes_tensors
 def silu(x: Tensor) -> Tensor:
     return activation(x, "silu")
 
 
+@_takes_tensors
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> Tensor:
     """act(x @ w + b): x (..., K), w (K, N), b (N,) or None."""
     act = canonical_act(act)
@@ -372,6 +402,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> 
     return out
 
 
+@_takes_tensors
 def add(x: Tensor, y: Tensor) -> Tensor:
     """x + y (same shapes: residual connections)."""
     if x.shape != y.shape:
@@ -385,6 +416,7 @@ def add(x: Tensor, y: Tensor) -> Tensor:
     return out
 
 
+@_takes_tensors
 def softmax(x: Tensor) -> Tensor:
     """softmax over the last dim."""
     cols = _last_dim("softmax", x)
@@ -398,6 +430,7 @@ def softmax(x: Tensor) -> Tensor:
     return out
 
 
+@_takes_tensors
 def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residual: Tensor | None = None) -> Tensor:
     """LayerNorm over the last dim of x (of x + residual when given: the fused post-LN residual block)."""
     cols = _last_dim("layernorm", x)
@@ -430,6 +463,7 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
 FUSED_MLP_DEFAULT_MAX_BATCH = 0
 
 
+@_takes_tensors
 def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: str = "gelu_erf") -> Tensor:
     """act(x @ w1 + b1) @ w2 + b2 in one fused_mlp kernel (two linear kernels for acts it lacks)."""
     act = canonical_act(act)
@@ -462,6 +496,7 @@ def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: st
     return out
 
 
+@_takes_tensors
 def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any = None) -> Tensor:
     """word[ids] + pos[0..seq-1] + types[type_ids] for ids (batch, seq) -> (batch, seq, hidden).
 
@@ -515,6 +550,7 @@ def device_ids(ids: Any, dtype: str) -> Tensor:
     return Tensor.from_numpy(pack_ids(np.asarray(ids), dtype), "cuda", dtype)
 
 
+@_takes_tensors
 def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     """Multi-head self-attention on packed q|k|v (batch, seq, 3*hidden) with an additive key mask
     (batch, seq) or None -> (batch, seq, hidden), heads side by side (one fused kernel on the GPU)."""
@@ -537,6 +573,7 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     return out
 
 
+@_takes_tensors
 def narrow(x: Tensor, length: int) -> Tensor:
     """``x[:, :length]`` of a (batch, seq, ...) tensor, contiguous: a view where batch is 1, else a copy (one
     strided copy on the GPU)."""
@@ -555,6 +592,7 @@ def narrow(x: Tensor, length: int) -> Tensor:
     return out
 
 
+@_takes_tensors
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, seq, head_dim) q, k, v (PyTorch's layout) with an
     additive key mask (batch, seq) or None -> (batch, heads, seq, head_dim). On the GPU one fused kernel (the

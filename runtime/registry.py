@@ -610,7 +610,9 @@ class KernelRegistry:
         import httpx
 
         try:
-            return self._read_within(self._http(), path, params, self.timeout_s if within is None else within)
+            return request_within(
+                self._http(), "GET", path, self.timeout_s if within is None else within, params=params
+            )
         except httpx.HTTPError as exc:
             self._offline_reason = f"{type(exc).__name__}: {exc}"
             log.warning(
@@ -619,23 +621,6 @@ class KernelRegistry:
                 self._offline_reason,
             )
             return None
-
-    def _read_within(self, client, path: str, params: Mapping[str, Any], within: float) -> Any:
-        """The response to GET ``path``, its body read within ``within`` seconds (httpx.ReadTimeout if not)."""
-        import httpx
-
-        deadline = time.monotonic() + within
-        if not hasattr(client, "stream"):  # an httpx.Client-like object without streaming: its own timeouts
-            return client.get(path, params=params)
-        with client.stream("GET", path, params=params) as streamed:
-            body = []
-            for chunk in streamed.iter_bytes():
-                body.append(chunk)
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout(f"no whole answer to {path} within {within:g} s", request=streamed.request)
-        # The body is decoded: the new response must not decode it again.
-        headers = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _TRANSFER_HEADERS]
-        return httpx.Response(streamed.status_code, headers=headers, content=b"".join(body), request=streamed.request)
 
     def _log_answer(self, kind: str, message: str, *args: Any) -> None:
         """Logs an unusable answer from a reachable service: the first of each ``kind`` at WARNING, later ones
@@ -1033,6 +1018,26 @@ CUBIN_READS = 10
 
 #: Headers that describe how a body was sent, not what it is: dropped once it is read and decoded.
 _TRANSFER_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+
+
+def request_within(client: Any, method: str, path: str, within: float, **kwargs: Any) -> Any:
+    """``client``'s answer to ``method path``, its whole body read within ``within`` seconds (httpx.ReadTimeout
+    if not: httpx's own timeouts bound each read, so a server that sends a byte a second held a caller for
+    ever). A client without ``stream`` (a test's stand-in) answers with its own timeouts."""
+    import httpx
+
+    deadline = time.monotonic() + within
+    if not hasattr(client, "stream"):
+        return getattr(client, method.lower())(path, **kwargs)
+    with client.stream(method, path, **kwargs) as streamed:
+        body = []
+        for chunk in streamed.iter_bytes():
+            body.append(chunk)
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"no whole answer to {path} within {within:g} s", request=streamed.request)
+    # The body is decoded: the new response must not decode it again.
+    headers = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _TRANSFER_HEADERS]
+    return httpx.Response(streamed.status_code, headers=headers, content=b"".join(body), request=streamed.request)
 
 
 def _excerpt(text: str, limit: int = 200) -> str:

@@ -124,7 +124,9 @@ class Tensor:
         a = np.require(a, numpy_dtype(dtype), "C")  # not ascontiguousarray: it makes a 0-d array 1-d
         device = _check_device(device)
         if device == "cpu":
-            return cls(a.shape, dtype, "cpu", array=a)
+            # Shared, unless read-only (a memory map, bytes): ops and to_torch consumers may write, and writing
+            # there crashed the process or changed an immutable object.
+            return cls(a.shape, dtype, "cpu", array=a if a.flags.writeable else a.copy())
         t = cls.empty(a.shape, dtype, "cuda")
         if t.nbytes:
             _backend().upload(t.ptr, a)

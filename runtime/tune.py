@@ -9,7 +9,7 @@ from typing import Any
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.runtime import ops
-from kernelmill.runtime.registry import answer_detail
+from kernelmill.runtime.registry import answer_detail, request_within
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ def tune_model(
                     "attrs": attrs_of[(op, job_dtype, _)],
                     "budget": {"trials": trials, "seconds": seconds},
                 }
-                try:
-                    resp = client.post("/api/jobs", json=body, headers=headers)
+                try:  # the whole answer within the read timeout: a server sending a byte a second held it for ever
+                    resp = request_within(client, "POST", "/api/jobs", SUBMIT_TIMEOUT_S, json=body, headers=headers)
                 except httpx.HTTPError as exc:
                     where = base or client.base_url
                     raise TuneError(f"cannot reach the service at {where}: {exc}", jobs, unreachable=True) from None

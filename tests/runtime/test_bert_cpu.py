@@ -356,6 +356,21 @@ def test_a_bucketed_model_names_the_input_as_given_not_as_padded():
         assert model(np.ones((3, 16), np.float32)).shape == (3, 16)
 
 
+def test_modules_are_built_from_torch_parameters_and_bfloat16_tensors():
+    """np.asarray refused a Parameter that requires grad, and torch's bfloat16."""
+    from kernelmill.runtime.nn import LayerNorm, Linear, Sequential
+
+    lin, ln = torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)
+    model = runtime.Model(
+        Sequential(Linear.from_torch(lin.weight, lin.bias), LayerNorm(ln.weight, ln.bias, ln.eps)), "cpu"
+    )
+    x = np.random.default_rng(3).standard_normal((5, 8)).astype(np.float32)
+    with torch.no_grad():
+        assert rel_err(model.forward(x).numpy(), ln(lin(torch.from_numpy(x))).numpy()) < 1e-6
+    half = Linear.from_torch(lin.weight.detach().bfloat16(), lin.bias.detach().bfloat16())
+    assert half.weight.dtype == "float32" and half.weight.shape == (8, 4)
+
+
 # -- MLP state_dicts: the layers' order and what a state_dict may hold ----------------------------------------
 
 

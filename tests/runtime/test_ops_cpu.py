@@ -81,6 +81,20 @@ def test_the_cpu_gelus_in_float32_match_torch_in_float64_over_a_wide_range(appro
     assert np.max(np.abs(got - want)[near] / np.maximum(np.abs(want[near]), 1e-3)) < 1e-4
 
 
+def test_ops_take_runtime_tensors_of_any_float_dtype():
+    half = Tensor.from_numpy(np.linspace(-2, 2, 12, dtype=np.float16).reshape(3, 4))
+    close(ops.relu(half), torch.relu(th(half).float()))  # refused: its zero bias was float32
+    close(ops.gelu(half), F.gelu(th(half).float()))
+    x = np.ones((2, 3), np.float32)
+    for call, name, kind in (
+        (lambda: ops.linear(x, t(3, 2)), "linear: x", "numpy.ndarray"),  # AttributeError: no attribute 'numel'
+        (lambda: ops.softmax(torch.ones(2, 3)), "softmax: x", "torch.Tensor"),
+        (lambda: ops.add(t(2, 3), [[1.0] * 3] * 2), "add: y", "list"),
+    ):
+        with pytest.raises(TypeError, match=rf"^{name} is a {kind}, not a runtime Tensor; wrap it with runtime"):
+            call()
+
+
 def test_erf_is_accurate():
     x = np.linspace(-6, 6, 10001)
     assert np.max(np.abs(ops.erf(x) - torch.erf(torch.from_numpy(x)).numpy())) < 2e-7

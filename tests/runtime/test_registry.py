@@ -21,6 +21,7 @@ from kernelmill.kernels.compile import CompileError
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.matmul import TensorCoreCore
 from kernelmill.kernels.render import render
+from kernelmill.runtime import registry as registry_module
 from kernelmill.runtime.registry import CUBIN_READS, DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
@@ -137,13 +138,13 @@ def test_a_cubin_may_take_longer_in_all_than_a_lookup(tmp_path, monkeypatch):
     calls: list = []
     reg = KernelRegistry(client=_mock_service(_fused_kernel(), calls), arch="sm_90", cache_dir=tmp_path, timeout_s=0.5)
     bounds = {}
-    read = KernelRegistry._read_within
+    read = registry_module.request_within
 
-    def recording(self, client, path, params, within):
+    def recording(client, method, path, within, **kwargs):
         bounds[path.rsplit("/", 1)[-1]] = within
-        return read(self, client, path, params, within)
+        return read(client, method, path, within, **kwargs)
 
-    monkeypatch.setattr(KernelRegistry, "_read_within", recording)
+    monkeypatch.setattr(registry_module, "request_within", recording)
     assert reg.get("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"}).cubin == b"served-cubin"
     assert bounds == {"best": 0.5, "cubin": 0.5 * CUBIN_READS}
 
@@ -491,13 +492,13 @@ def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path,
     ]
 
 
-def test_a_service_that_trickles_its_answer_is_given_up_within_the_timeout(tmp_path, caplog):
-    """httpx's timeouts bound each read: a server sending a byte every 50 ms would hold a lookup for as long as
-    it likes. The registry reads an answer within timeout_s in all, then takes the service for unreachable."""
+def _trickling_server(status: bytes) -> tuple[socket.socket, list, str]:
+    """A server that answers ``status`` with a 1000-byte body sent a byte every 50 ms: (its listening socket,
+    to close; the connections it accepted; its URL)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    accepted = []
+    accepted: list = []
 
     def trickle():
         while True:
@@ -508,7 +509,9 @@ def test_a_service_that_trickles_its_answer_is_given_up_within_the_timeout(tmp_p
             accepted.append(conn)
             conn.recv(65536)
             try:
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                )
                 for _ in range(1000):
                     conn.sendall(b" ")
                     time.sleep(0.05)
@@ -517,9 +520,14 @@ def test_a_service_that_trickles_its_answer_is_given_up_within_the_timeout(tmp_p
             finally:
                 conn.close()
 
-    thread = threading.Thread(target=trickle, daemon=True)
-    thread.start()
-    server = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    threading.Thread(target=trickle, daemon=True).start()
+    return listener, accepted, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_service_that_trickles_its_answer_is_given_up_within_the_timeout(tmp_path, caplog):
+    """httpx's timeouts bound each read: a server sending a byte every 50 ms would hold a lookup for as long as
+    it likes. The registry reads an answer within timeout_s in all, then takes the service for unreachable."""
+    listener, accepted, server = _trickling_server(status=b"200 OK")
     reg = KernelRegistry(server, arch="sm_90", cache_dir=tmp_path, timeout_s=0.5, compiler=_NoCompile())
     start = time.monotonic()
     try:
@@ -836,6 +844,15 @@ def test_tune_model_connects_within_seconds_and_bounds_each_answer(monkeypatch):
     finally:
         listener.close()
     assert hung.value.unreachable and time.monotonic() - start < 5
+    # One that answers a byte every 50 ms: each byte restarted httpx's read timeout, for ever.
+    listener, _, server = _trickling_server(status=b"201 Created")
+    start = time.monotonic()
+    try:
+        with pytest.raises(runtime.TuneError, match="no whole answer to /api/jobs within 0.3 s") as slow:
+            runtime.tune_model(model, np.zeros((2, 16), np.float32), server=server)
+    finally:
+        listener.close()
+    assert slow.value.unreachable and time.monotonic() - start < 5
 
 
 def test_tune_model_tunes_the_dtype_a_cpu_model_was_loaded_for(service, caplog):

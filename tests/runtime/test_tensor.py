@@ -37,6 +37,17 @@ def test_a_0d_array_stays_0d():
     assert c.strides == (3, 1) and np.array_equal(c.numpy(), strided)
 
 
+def test_read_only_memory_is_copied_not_shared():
+    """Shared, a torch tensor made of it by to_torch wrote into a bytes object (or a read-only memory map:
+    a segmentation fault)."""
+    frozen = bytes(16)
+    t = from_numpy(np.frombuffer(frozen, np.float32))
+    to_torch(t).fill_(1.0)
+    assert frozen == bytes(16) and t.numpy().tolist() == [1.0] * 4
+    writable = np.zeros(4, np.float32)
+    assert from_numpy(writable).numpy() is writable  # still shared where it may be written
+
+
 def test_reshape_rows_clone_copy():
     t = from_numpy(np.arange(24, dtype=np.float32))
     v = t.reshape(2, -1, 3)
