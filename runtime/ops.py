@@ -176,6 +176,11 @@ def _last_dim(op: str, x: Tensor) -> int:
     return x.shape[-1]
 
 
+def _heads(op: str, heads: Any) -> None:
+    if isinstance(heads, bool) or not isinstance(heads, int | np.integer) or heads < 1:
+        raise ValueError(f"{op}: heads must be a positive integer, not {heads!r}")
+
+
 def _matrix(op: str, name: str, w: Tensor) -> tuple[int, int]:
     if w.ndim != 2:
         raise ValueError(f"{op}: {name} {w.shape} is not a matrix")
@@ -504,7 +509,13 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
     ``device_ids`` makes (batch, seq, 3), which is what a captured forward passes."""
     packed = isinstance(ids, Tensor) and ids.is_cuda and ids.ndim == 3 and ids.shape[-1] == ID_ELEMS
     ids_np = None if isinstance(ids, Tensor) else np.asarray(ids)
+    if not packed:
+        _token_ids("ids", ids_np if ids_np is not None else ids)
     batch, seq = (ids.shape[:2] if packed else ids.shape) if ids_np is None else ids_np.shape
+    if type_ids is not None and not (isinstance(type_ids, Tensor) and type_ids.ndim == 3):
+        tshape = _token_ids("type_ids", type_ids if isinstance(type_ids, Tensor) else np.asarray(type_ids))
+        if tshape != (batch, seq):
+            raise ValueError(f"embedding: type_ids {tshape} for ids {(batch, seq)}")
     vocab, hidden = _matrix("embedding", "word embeddings", word)
     for name, table in (("position", pos), ("token type", types)):
         if table.ndim != 2 or table.shape[1] != hidden:
@@ -536,6 +547,16 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
     return out
 
 
+def _token_ids(name: str, ids: Any) -> tuple[int, ...]:
+    """The shape of (batch, seq) integer token ids; a ValueError naming them where they are another rank or
+    not integers (NumPy failed on a float index, after the range check had passed)."""
+    kind = np.dtype(numpy_dtype(ids.dtype)).kind if isinstance(ids, Tensor) else ids.dtype.kind
+    if ids.ndim != 2 or kind not in "iu":
+        dtype = ids.dtype if isinstance(ids, Tensor) else ids.dtype.name
+        raise ValueError(f"embedding: {name} must be integers of shape (batch, seq), not {dtype} {tuple(ids.shape)}")
+    return tuple(ids.shape)
+
+
 def _host_ints(x: Any) -> np.ndarray:
     return x.numpy() if isinstance(x, Tensor) else np.asarray(x)
 
@@ -554,6 +575,9 @@ def device_ids(ids: Any, dtype: str) -> Tensor:
 def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     """Multi-head self-attention on packed q|k|v (batch, seq, 3*hidden) with an additive key mask
     (batch, seq) or None -> (batch, seq, hidden), heads side by side (one fused kernel on the GPU)."""
+    if qkv.ndim != 3:
+        raise ValueError(f"attention: qkv {qkv.shape}, expected (batch, seq, 3 * hidden)")
+    _heads("attention", heads)
     batch, seq, width = qkv.shape
     if width % (3 * heads):
         raise ValueError(f"attention: width {width} is not 3 * heads({heads}) * head_dim")
@@ -577,6 +601,8 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
 def narrow(x: Tensor, length: int) -> Tensor:
     """``x[:, :length]`` of a (batch, seq, ...) tensor, contiguous: a view where batch is 1, else a copy (one
     strided copy on the GPU)."""
+    if x.ndim < 2:
+        raise ValueError(f"narrow: x {x.shape}, expected (batch, seq, ...)")
     batch, seq, *rest = x.shape
     if not 0 <= length <= seq:
         raise ValueError(f"narrow: length {length} out of 0..{seq}")

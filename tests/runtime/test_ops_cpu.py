@@ -137,6 +137,26 @@ def test_embedding():
         ops.embedding(RNG.integers(0, 50, size=(1, 13)), word, pos, types)
     with pytest.raises(IndexError):
         ops.embedding(np.array([[0, 50]]), word, pos, types)
+    # What NumPy failed on deep inside (a float index, a 1-D unpack, a broadcast), named instead.
+    for args, message in (
+        ((ids.astype(np.float64), word, pos, types), r"ids must be integers of shape \(batch, seq\), not float64"),
+        ((ids[0], word, pos, types), r"ids must be integers of shape \(batch, seq\), not int64 \(9,\)"),
+        ((ids, word, pos, types, tids[:, :4]), r"type_ids \(2, 4\) for ids \(2, 9\)"),
+        ((ids, word, pos, types, tids.astype(np.float32)), "type_ids must be integers"),
+    ):
+        with pytest.raises(ValueError, match=f"^embedding: {message}"):
+            ops.embedding(*args)
+
+
+def test_attention_and_narrow_check_their_arguments():
+    qkv = t(2, 5, 24)
+    for heads in (0, -2, 2.0, True):  # ZeroDivisionError, a reshape error, or a float head count before
+        with pytest.raises(ValueError, match=f"^attention: heads must be a positive integer, not {heads!r}"):
+            ops.attention(qkv, heads)
+    with pytest.raises(ValueError, match=r"^attention: qkv \(5, 24\), expected \(batch, seq, 3 \* hidden\)"):
+        ops.attention(t(5, 24), 2)
+    with pytest.raises(ValueError, match=r"^narrow: x \(5,\), expected \(batch, seq, ...\)"):
+        ops.narrow(t(5), 2)
 
 
 def test_attention_matches_torch_sdpa():
