@@ -427,7 +427,11 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
     that reading is a guess (_refuse_ambiguous_blocks), a ValueError. Entries
     that are not a Linear's 2-D weight or 1-D bias (LayerNorm, BatchNorm, other keys) are a ValueError."""
     act = ops.canonical_act(act)
-    arrays = {str(k): _float_array(v) for k, v in sd.items()}
+    if names := [k for k in sd if not isinstance(k, str)]:
+        raise ValueError(
+            f"the state_dict has keys that are not names: {', '.join(map(repr, names[:4]))}; {_MLP_LAYOUT}"
+        )
+    arrays = {k: _float_array(v) for k, v in sd.items()}
     linears = []  # in the state_dict's order
     for key, a in arrays.items():
         name, _, leaf = key.rpartition(".")
@@ -1248,6 +1252,20 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
         return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
 
 
+def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
+    """A HuggingFace ``pytorch_model.bin``: a state_dict of tensors by name (as ``save_pretrained`` writes it,
+    or wrapped in {"state_dict": ...}), as float32 arrays; ValueError naming what it holds instead."""
+    loaded = _torch_load(path)
+    if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict of tensors")
+    wrong = [f"{k!r} ({_describe(v)})" for k, v in loaded.items() if not isinstance(k, str) or not hasattr(v, "float")]
+    if wrong:
+        raise ValueError(f"{path} holds entries that are not named tensors: {', '.join(wrong[:4])}")
+    return {k: host_array(v.float()) for k, v in loaded.items()}
+
+
 def _torch_load(path: Path) -> Any:
     try:
         import torch
@@ -1300,7 +1318,7 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         if (path / "model.safetensors").exists():
             sd = _load_safetensors(path / "model.safetensors")
         elif (path / "pytorch_model.bin").exists():
-            sd = {k: host_array(v.float()) for k, v in _torch_load(path / "pytorch_model.bin").items()}
+            sd = _bin_state_dict(path / "pytorch_model.bin")
         else:
             raise ValueError(f"{path} has neither model.safetensors nor pytorch_model.bin")
         return BertModel.from_state_dict(sd, config)

@@ -118,6 +118,8 @@ class Tensor:
     def from_numpy(cls, a: Any, device: str = "cpu", dtype: str | None = None) -> Tensor:
         """A tensor with ``a``'s values (converted to ``dtype``). On the CPU it shares ``a``'s memory
         when no conversion or copy for contiguity is needed."""
+        if type(a).__module__.startswith("torch"):  # np.asarray fails on grad and bfloat16 tensors
+            raise TypeError("from_numpy takes a NumPy array; a torch tensor goes through runtime.from_torch")
         a = np.asarray(a)
         if dtype is None:
             dtype = "float32" if a.dtype == np.float64 else dtype_name(a.dtype)
@@ -174,6 +176,8 @@ class Tensor:
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
 
     # -- data movement -----------------------------------------------------------------
@@ -258,6 +262,8 @@ class Tensor:
 
     def rows(self, start: int, stop: int) -> Tensor:
         """Rows start..stop-1 of the first dim (a view: contiguous rows of a contiguous tensor)."""
+        if not self.shape:
+            raise ValueError("rows of a 0-d tensor: it has no first dim")
         if not 0 <= start <= stop <= self.shape[0]:
             raise IndexError(f"rows {start}..{stop} out of 0..{self.shape[0]}")
         shape = (stop - start, *self.shape[1:])
@@ -321,6 +327,8 @@ def from_torch(t: Any) -> Tensor:
     wrapped through ``detach()``, a view of the same memory: the runtime computes no gradients."""
     import torch
 
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_torch takes a torch.Tensor, not a {type(t).__name__} (runtime.from_numpy takes arrays)")
     t = t.detach()  # no copy; torch refuses .numpy() on a tensor that requires grad
     if not t.is_contiguous():
         raise ValueError("from_torch needs a contiguous tensor (call .contiguous() first)")

@@ -180,6 +180,22 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         runtime.load_model(tmp_path, device="cpu")
     with pytest.raises(FileNotFoundError, match="missing.pt: no such model"):
         runtime.load_model(tmp_path / "missing.pt", device="cpu")
+    int_keys = tmp_path / "int_keys.pt"
+    torch.save({0: torch.ones(2, 2)}, int_keys)  # a KeyError: '0'
+    with pytest.raises(ValueError, match="^the state_dict has keys that are not names: 0;"):
+        runtime.load_model(int_keys, device="cpu", act="relu")
+    # A HF directory whose pytorch_model.bin is not a state_dict of tensors: AttributeErrors before.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    (hf / "config.json").write_text(json.dumps(config))
+    for content, message in (
+        ([torch.zeros(2)], "pytorch_model.bin holds a list, not a state_dict of tensors"),
+        ({"state_dict": {"step": 3}}, "pytorch_model.bin holds entries that are not named tensors: 'step' \\(not a"),
+    ):
+        torch.save(content, hf / "pytorch_model.bin")
+        with pytest.raises(ValueError, match=message):
+            runtime.load_model(hf, device="cpu")
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,20 @@ def test_read_only_memory_is_copied_not_shared():
     assert from_numpy(writable).numpy() is writable  # still shared where it may be written
 
 
+def test_the_wrong_kind_of_input_is_named():
+    import torch
+
+    with pytest.raises(TypeError, match="from_torch takes a torch.Tensor, not a ndarray"):
+        from_torch(np.ones(3))  # AttributeError: no attribute 'detach'
+    with pytest.raises(TypeError, match="from_numpy takes a NumPy array; a torch tensor goes through"):
+        from_numpy(torch.ones(3, requires_grad=True))
+    scalar = from_numpy(np.array(1.0, np.float32))
+    with pytest.raises(TypeError, match="len\\(\\) of a 0-d tensor"):
+        len(scalar)
+    with pytest.raises(ValueError, match="rows of a 0-d tensor"):
+        scalar.rows(0, 1)
+
+
 def test_reshape_rows_clone_copy():
     t = from_numpy(np.arange(24, dtype=np.float32))
     v = t.reshape(2, -1, 3)
