@@ -104,6 +104,9 @@ def check_bert_config(config: dict[str, Any], where: str = "config.json") -> Non
         ops.canonical_act(config.get("hidden_act", "gelu"))
     except ValueError as exc:
         raise ValueError(f"{where}: hidden_act: {exc}") from None
+    eps = config.get("layer_norm_eps", 1e-12)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+        raise ValueError(f"{where}: layer_norm_eps must be a small positive number, got {eps!r}")
 
 
 def _bert_dims(config: dict[str, Any], shape_of: Callable[[str], tuple[int, ...]]) -> dict[str, tuple[int, str]]:
@@ -201,7 +204,8 @@ class BertModel(Module):
         ids = ids[None] if ids.ndim == 1 else ids
         seq = ids.shape[-1] if ids.ndim == 2 else 0
         size = bucket_for(seq, buckets)
-        if ids.ndim != 2 or not seq or size not in buckets or size > self.embeddings.pos.shape[0]:
+        unpadded = ids.ndim != 2 or not seq or ids.dtype.kind not in "iu"  # wrong: prepare says so, of the ids given
+        if unpadded or size not in buckets or size > self.embeddings.pos.shape[0]:
             return self.prepare(input_ids, attention_mask, token_type_ids), None  # which says what is wrong
         pad = ((0, 0), (0, size - seq))
         mask = np.ones(ids.shape)
@@ -508,6 +512,8 @@ def _knobs(params: dict[str, Any]) -> str:
 def _buckets(buckets: Sequence[int] | None) -> tuple[int, ...] | None:
     if buckets is None:
         return None
+    if isinstance(buckets, Iterator):  # a generator: read once, here (the check below consumed it)
+        buckets = list(buckets)
     # A string is a sequence of digits ("32" gave buckets 2 and 3) and int() cuts 7.9 to 7: neither is taken.
     whole = isinstance(buckets, Iterable) and not isinstance(buckets, (str, bytes))
     whole = whole and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in buckets)

@@ -97,7 +97,7 @@ class Module:
         if kwargs:
             raise TypeError(f"{type(self).__name__} takes no keyword inputs")
         device, dtype = self.device, self.dtype
-        return tuple(_as_input(x, device, dtype) for x in inputs)
+        return tuple(_as_input(x, device, dtype, ints_are_values=self.rowwise) for x in inputs)
 
     def forward_prepared(self, *tensors: Tensor) -> Tensor:
         """forward on prepare()'s tensors: device work only (no host syncs), so it can be captured."""
@@ -167,12 +167,14 @@ def host_array(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _as_input(x: Any, device: str, dtype: str) -> Tensor:
+def _as_input(x: Any, device: str, dtype: str, ints_are_values: bool = False) -> Tensor:
     from kernelmill.runtime.tensor import as_tensor
 
     t = as_tensor(x)
-    want = dtype if t.dtype in FLOAT_DTYPES else t.dtype
-    return t.to(device, want)
+    # A row-wise module's integers are values in the model's dtype, as float64 always was (an int64 input failed
+    # in the first op with "expected tensors of one float dtype"); elsewhere they may be indices: kept.
+    numeric = t.dtype in FLOAT_DTYPES or (ints_are_values and t.dtype in ("int32", "int64"))
+    return t.to(device, dtype if numeric else t.dtype)
 
 
 class Linear(Module):

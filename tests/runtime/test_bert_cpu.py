@@ -206,6 +206,10 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         ("[1, 2]", "config.json holds a JSON list, not an object"),
         ('{"num_hidden_layers": 2}', "config.json: num_attention_heads must be a positive whole number, got None"),
         ('{"num_hidden_layers": "2", "num_attention_heads": 2}', "num_hidden_layers must be a positive whole number"),
+        (
+            '{"num_hidden_layers": 1, "num_attention_heads": 2, "layer_norm_eps": "abc"}',
+            "config.json: layer_norm_eps must be a small positive number, got 'abc'",
+        ),
     ],
 )
 def test_a_broken_config_json_is_a_one_line_error_naming_the_file(tmp_path, config, message):
@@ -329,6 +333,10 @@ def test_buckets_need_a_module_that_pads_and_positive_sizes(bert_dir):
     for bad in ([0, 8], [], ["x"], 8, "32", [7.9], [True]):  # "32" was buckets 2 and 3, 7.9 was 7
         with pytest.raises(ValueError, match="buckets must be positive integers"):
             runtime.load_model(path, device="cpu", buckets=bad)
+    assert runtime.load_model(path, device="cpu", buckets=(b for b in (16, 8))).buckets == (8, 16)  # was refused
+    # A wrong type of ids names the ids given, not the padded ones ("got float64 (1, 8)" for a (1, 3) input).
+    with pytest.raises(ValueError, match=r"input_ids must be integers of shape \(batch, seq\), got float64 \(1, 3\)"):
+        runtime.load_model(path, device="cpu", buckets=[8]).forward(np.ones((1, 3)))
 
 
 def test_resize_inputs_makes_an_example_request_a_buckets_size(bert_dir):
@@ -385,6 +393,15 @@ def test_modules_are_built_from_torch_parameters_and_bfloat16_tensors():
         assert rel_err(model.forward(x).numpy(), ln(lin(torch.from_numpy(x))).numpy()) < 1e-6
     half = Linear.from_torch(lin.weight.detach().bfloat16(), lin.bias.detach().bfloat16())
     assert half.weight.dtype == "float32" and half.weight.shape == (8, 4)
+
+
+def test_an_mlp_takes_integer_inputs_as_values():
+    """As float64 always was; an int64 input failed in the first op ("expected tensors of one float dtype")."""
+    from kernelmill.runtime.nn import MLP, Sequential
+
+    model = runtime.Model(Sequential(MLP.random(4, 8, 4, "relu")), device="cpu")
+    ints = np.arange(8).reshape(2, 4)
+    assert np.array_equal(model.forward(ints).numpy(), model.forward(ints.astype(np.float32)).numpy())
 
 
 # -- MLP state_dicts: the layers' order and what a state_dict may hold ----------------------------------------
