@@ -28,7 +28,6 @@ class Settings(BaseSettings):
     verify_seeds: int = Field(
         3, ge=1, description="random input sets per verification (at least one per kind of input an op draws)"
     )
-    bench_warmup: int = Field(5, ge=0)
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
     kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
     nvtx: bool = Field(

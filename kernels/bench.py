@@ -8,6 +8,7 @@ on the same stream of the same context, in the same process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -196,8 +197,18 @@ def _torch():
     try:
         import torch
     except ImportError:
+        _say_no_baseline("PyTorch is not installed here")
         return None
-    return torch if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        _say_no_baseline(f"this PyTorch ({torch.__version__}) has no CUDA")
+        return None
+    return torch
+
+
+@functools.cache
+def _say_no_baseline(why: str) -> None:
+    """Once a process: without PyTorch on the GPU a job runs and serves kernels with no baseline to compare."""
+    log.warning("no PyTorch baseline: %s; kernels are tuned and served without a speedup (install torch)", why)
 
 
 def to_torch(array: np.ndarray):
