@@ -249,6 +249,8 @@ def bench(
     if param and not family:
         raise SpecError("--param needs --family")
     names = [family] if family else [name for name, fam in spec.families.items() if dtype in fam.dtypes]
+    if not names:  # bad input, before "no GPU" is said
+        raise SpecError(f"no {op} family supports {dtype}")
     # Each family at the shape defaults (what runs untuned), with --param on top: checked before the GPU is
     # looked for, then sized for its SM count.
     variants = [_variant(op, name, dtype, param, attr, dims) for name in names]
@@ -386,7 +388,9 @@ def _print_bench(report: dict[str, Any]) -> None:
 def _server_option(value: str | None) -> str | None:
     """--server (or KERNELMILL_SERVER) checked as it is parsed: a malformed URL is one line and exit 2."""
     from kernelmill.client import ServerError, server_url
+    from kernelmill.settings import default_server
 
+    value = value or default_server()  # typer reads the environment; .env is the settings'
     if not value:
         return None
     try:
@@ -424,14 +428,15 @@ SCHEDULER_WAIT_S = 10.0
 
 def _check_scheduler(address: str) -> None:
     """Fails (exit 3) when a tcp:// Dask scheduler address does not accept connections within SCHEDULER_WAIT_S
-    (Dask itself waits 20 s, then the service dies with a traceback); other schemes are left to Dask."""
+    (Dask itself waits 20 s, then the service dies with a traceback), or something else answers there; other
+    schemes are bad input (exit 2)."""
     import socket
     import time
     from urllib.parse import urlsplit
 
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    if parts.scheme != "tcp":
-        return
+    if parts.scheme != "tcp":  # tls:// needs a security config kernelmill does not pass; the others crashed the start
+        raise fail(f"scheduler address {address!r}: kernelmill joins Dask schedulers over tcp:// only")
     try:
         host, port = parts.hostname, parts.port or 8786
     except ValueError:

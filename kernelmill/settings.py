@@ -83,6 +83,7 @@ class Settings(BaseSettings):
     # -- service ---------------------------------------------------------------
     database_url: str = Field("sqlite:///./kernelmill.db", description="any SQLAlchemy URL (PostgreSQL works)")
     api_token: str | None = Field(None, description="when set, writes need 'Authorization: Bearer <token>'")
+    server: str | None = Field(None, description="the kernelmill service the runtime and the CLI's --server use")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     access_log: bool = Field(True, description="uvicorn's log line per request (KERNELMILL_ACCESS_LOG=false: off)")
@@ -139,7 +140,16 @@ def get_settings() -> Settings:
             _current = Settings()
         except ValidationError as exc:
             raise SettingsError(_named(exc)) from None
+        except UnicodeDecodeError as exc:  # the .env file in the current folder
+            raise SettingsError(
+                f".env is not UTF-8 text ({exc.reason} at byte {exc.start}); fix or remove it"
+            ) from None
     return _current
+
+
+def default_server() -> str | None:
+    """KERNELMILL_SERVER from the environment (read each time: a process may set it late), else from .env."""
+    return os.environ.get("KERNELMILL_SERVER") or get_settings().server or None
 
 
 def override_settings(**values) -> Settings:

@@ -44,8 +44,8 @@ def too_old(arch: str) -> str | None:
     return None
 
 
-#: The GPUs nvcc targets from sm_80 on (CUDA 12.9 and 13.0; sm_101 became sm_110 in 13.0).
-KNOWN_SMS: tuple[int, ...] = (80, 86, 87, 88, 89, 90, 100, 101, 103, 110, 120, 121)
+#: The GPUs nvcc 13 targets from sm_80 on (sm_101 of CUDA 12.9 became sm_110).
+KNOWN_SMS: tuple[int, ...] = (80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121)
 
 
 def unknown_gpu(arch: str) -> str | None:
@@ -53,8 +53,12 @@ def unknown_gpu(arch: str) -> str | None:
     for it would wait for ever and a compile would fail in nvcc. Not asked of a GPU that is there: one newer
     than this list runs wherever its nvcc targets it."""
     base = base_arch(arch)
-    if int(base.removeprefix("sm_")) not in KNOWN_SMS:
+    number = int(base.removeprefix("sm_"))
+    if number not in KNOWN_SMS:
         return f"{base} is not a GPU nvcc targets; known: {', '.join(f'sm_{n}' for n in KNOWN_SMS)}"
+    suffix = arch.removeprefix(base)
+    if (suffix == "a" and number < 90) or (suffix == "f" and number < 100):  # compute_80a, compute_90f: none
+        return f"{arch} is no nvcc target: the 'a' suffix starts at sm_90, the 'f' suffix at sm_100"
     return None
 
 
@@ -172,7 +176,7 @@ def normalize_arch(arch: str | None) -> str:
     if not arch:
         return DEFAULT_ARCH
     text = arch.strip().lower().replace("compute_", "sm_")
-    m = re.fullmatch(r"(?:sm_?)?(\d+)\.?(\d)?([af]?)", text)
+    m = re.fullmatch(r"(?:sm_?)?([0-9]+)\.?([0-9])?([af]?)", text, re.ASCII)
     if not m:
         raise ValueError(f"malformed arch {arch!r}; expected e.g. sm_90")
     major_minor = m.group(1) + (m.group(2) or "")

@@ -200,8 +200,8 @@ def find_nsys(name: str | None = None) -> str | None:
 
         name = get_settings().nsys
     found = shutil.which(name)
-    if found or name != "nsys":
-        return found
+    if found or name != "nsys":  # absolute: nsys runs in a work folder, where ./nsys is not found
+        return os.path.abspath(found) if found else None
     candidates = [os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nsys")]
     for pattern in NSYS_GLOBS:
         candidates += sorted(glob.glob(pattern), reverse=True)

@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,7 +50,7 @@ from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
 from kernelmill.kernels.render import RenderError, render
 from kernelmill.runtime.check import Check, FirstUseChecks, NoVerifiedKernel, gpu_folder, write_atomically
-from kernelmill.settings import get_settings
+from kernelmill.settings import default_server, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +208,7 @@ class KernelRegistry:
         use_local_cache: bool = True,
         check: bool | None = None,
     ) -> None:
-        self.server = (server if server is not None else os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
+        self.server = (server if server is not None else default_server() or "").rstrip("/")
         self.backend = backend
         if arch is None:
             arch = backend.arch if backend is not None else None

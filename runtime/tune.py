@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from kernelmill.kernels.ops import get_op
@@ -102,7 +101,7 @@ def tune_model(
     import httpx
 
     from kernelmill.runtime.models import Model
-    from kernelmill.settings import get_settings
+    from kernelmill.settings import default_server, get_settings
 
     if dtype is None and isinstance(model, Model):
         asked = getattr(model, "requested_dtype", model.dtype)
@@ -136,7 +135,7 @@ def tune_model(
             f"trials={trials} cannot try the {most} {busiest} shapes of one job (one trial each at least): give "
             f"trials >= {most}; nothing was submitted"
         )
-    base = (server or os.environ.get("KERNELMILL_SERVER") or "").rstrip("/")
+    base = (server or default_server() or "").rstrip("/")
     own_client = client is None
     if own_client:
         if not base:

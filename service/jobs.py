@@ -65,6 +65,9 @@ def validate_submission(
             raise JobError(f"shapes: {format_shape(tuple(twice))} is given twice")
         resolved_attrs = spec.resolve_attrs(attrs or {})
         families = _families(spec, dtype, families)
+        if families and job_arch != "auto":  # a family that cannot run on the job's GPU (wgmma off sm_90)
+            for name in families:
+                spec.family(name).target(job_arch)
     except SpecError as exc:
         raise JobError(str(exc)) from None
     try:

@@ -123,7 +123,9 @@ def migrate(engine: Engine, revision: str = "head") -> None:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # Alembic's config interpolates "%": a URL holding one (sqlite:///:memory: renders as %3A, a percent-encoded
+    # password) failed as "invalid interpolation syntax".
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     # Processes opening a new database together (API replicas, `serve` and the CLI): one migrates, the others
     # wait for it and then find the database at head.
     with _sqlite_file_lock(engine), engine.begin() as conn:

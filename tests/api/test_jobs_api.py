@@ -95,6 +95,10 @@ def test_cancel(client):
         ({"arch": "hopper"}, "arch"),
         ({"arch": "sm_20"}, "arch: kernelmill's kernels need sm_80 or newer, not sm_20"),
         ({"arch": "sm_9999"}, "arch: sm_9999 is not a GPU nvcc targets; known: sm_80"),
+        (  # a job no worker could run: every trial of it would fail, on an sm_80 or any other GPU
+            {"op": "matmul", "shapes": [[64, 64, 64]], "families": ["wgmma"], "arch": "sm_80"},
+            "family wgmma uses sm_90a instructions: it runs on sm_90 only, not sm_80",
+        ),
         ({"shapes": [[1024, 1024], [4096, 512], [1024, 1024]]}, "shapes: 1024x1024 is given twice"),
         ({"shapes": [[1024, 1024], "1024x1024"]}, "shapes: 1024x1024 is given twice"),
         ({"surprise": 1}, "surprise"),

@@ -100,6 +100,18 @@ def test_opening_applies_migrations_to_head(store):
         again.close()
 
 
+def test_a_database_url_holding_a_percent_sign_opens(tmp_path):
+    """Alembic's config read "%" as interpolation: "invalid interpolation syntax" for sqlite:///:memory:
+    (rendered %3A) or a file or password with a "%" in it."""
+    for url in ("sqlite:///:memory:", f"sqlite:///{tmp_path}/a%b.db"):
+        opened = Store(url)
+        try:
+            assert alembic_version(opened) == [head_revision()]
+        finally:
+            opened.close()
+    assert (tmp_path / "a%b.db").exists()
+
+
 def test_downgrade_to_base_and_upgrade_again(store):
     new_job(store)
     downgrade(store.engine, "base")

@@ -43,6 +43,10 @@ def test_render_prints_source_with_params():
         (["compile", "matmul", "-f", "wgmma", "--arch", "sm_80"], "family wgmma uses sm_90a instructions"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "sm_70"], "kernelmill's kernels need sm_80 or newer"),
         (["compile", "softmax", "-f", "warp_row", "--arch", "sm_999"], "sm_999 is not a GPU nvcc targets"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", "sm_80a"], "sm_80a is no nvcc target"),  # nvcc: exit 1
+        (["compile", "softmax", "-f", "warp_row", "--arch", "sm_101"], "sm_101 is not a GPU nvcc targets"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", "sm_٩٠"], "malformed arch"),
+        (["bench", "linear_t", "-s", "1x1x1", "-d", "float32"], "no linear_t family supports float32"),  # "no GPU"
         (["compile", "softmax", "-f", "cluster_row", "--arch", "sm_80"], "cluster_row shares a row between 8 blocks"),
         (
             ["compile", "matmul", "-f", "gemv", "-p", "k_splits=2", "--arch", "sm_86"],
@@ -280,6 +284,30 @@ def test_a_port_that_is_not_a_dask_scheduler_is_one_line_and_exit_3(monkeypatch,
     finally:
         web.shutdown()
         web.server_close()
-    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp://", dashboard_address=None) as cluster:
         assert cli._not_a_scheduler(cluster.scheduler_address) is None
         cli._check_scheduler(cluster.scheduler_address)  # returns: a scheduler answers
+    # Other schemes crashed the service's start with a traceback after its banner (tls:// needs a security
+    # config kernelmill does not pass): bad input now, before anything starts.
+    for address in ("tls://127.0.0.1:1", "inproc://x", "ws://127.0.0.1:1"):
+        result = runner.invoke(app, ["serve", "--port", str(_free_port()), "--scheduler", address])
+        assert result.exit_code == 2 and "kernelmill joins Dask schedulers over tcp:// only" in result.output
+        assert "serving on" not in result.output
+
+
+def test_a_dot_env_that_is_not_utf8_is_one_line_and_kernelmill_server_is_read_from_it(tmp_path):
+    """A byte that is not UTF-8 in ./.env was a 50-line traceback from every command, `version` included;
+    KERNELMILL_SERVER in .env was ignored while every other setting there was read."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELMILL_")}
+    (tmp_path / ".env").write_bytes(b"KERNELMILL_PORT=8000\n# caf\xe9\n")
+    bad = subprocess.run([sys.executable, "-m", "kernelmill", "version"], cwd=tmp_path, env=env, capture_output=True)
+    assert bad.returncode == 2 and bad.stderr.decode().strip().splitlines() == [
+        "error: .env is not UTF-8 text (invalid continuation byte at byte 26); fix or remove it"
+    ]
+    (tmp_path / ".env").write_text("KERNELMILL_SERVER=ftp://not-a-server\n")
+    read = subprocess.run([sys.executable, "-m", "kernelmill", "jobs"], cwd=tmp_path, env=env, capture_output=True)
+    assert read.returncode == 2 and "malformed server URL 'ftp://not-a-server'" in read.stderr.decode()

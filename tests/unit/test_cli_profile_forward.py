@@ -140,3 +140,14 @@ def test_where_the_profile_goes_and_its_time_limit_are_checked_before_nsys(nsys_
     result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "2", "--keep", str(fresh)])
     assert result.exit_code == 0, result.output
     assert fresh.is_dir()
+
+
+def test_a_relative_kernelmill_nsys_is_found_from_the_work_folder_nsys_runs_in(tmp_path, db_url, monkeypatch):
+    """./tools/nsys was started from nsys's temporary work folder, where it is not: a FileNotFoundError
+    traceback."""
+    fake_nsys.install(tmp_path / "tools", "ok")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KERNELMILL_NSYS", "./tools/nsys")
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "2"])
+    assert result.exit_code == 0, result.output
+    assert fake_nsys.calls(tmp_path / "tools") and stored(db_url) == 1
