@@ -149,7 +149,7 @@ def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable o
             {
                 "op": op.name,
                 "shape": "x".join(op.dims),
-                "dtypes": list(DTYPES),
+                "dtypes": [dt for dt in DTYPES if any(dt in fam.dtypes for fam in op.families.values())],
                 "attributes": {a.name: list(a.values) for a in op.attributes},
                 "families": families,
             }
@@ -797,13 +797,15 @@ def profile_forward(
     timeout_s: Annotated[float, typer.Option(help="limit for nsys and for nsys stats, each")] = 1800.0,
 ) -> None:
     """Run a model's forwards under Nsight Systems with NVTX ranges per op; print and store the summary."""
-    from kernelmill.runtime.profile import ForwardFailed, ForwardSpec, NsysNoReport, NsysUnavailable
+    from kernelmill.runtime.profile import ForwardFailed, ForwardSpec, NsysNoReport, NsysUnavailable, find_nsys
     from kernelmill.runtime.profile import profile_forward as run_profile
 
     spec = ForwardSpec(model, preset, batch, seq, dtype, act, iters, warmup, graphs, server)
     spec.check()
     if not 0 < timeout_s < math.inf:
         raise fail(f"--timeout-s must be a number of seconds above 0, not {timeout_s}")
+    if find_nsys() is None:  # before --keep's folder is made
+        raise fail(_NO_NSYS, EXIT_NO_PROFILER)
     # What the profile is written to is checked before it runs: a profile takes minutes and is not lost at the end.
     if keep is not None:
         _output_dir(keep, "--keep")
@@ -813,11 +815,7 @@ def profile_forward(
         with console.status(f"nsys: {iters} forwards of {spec.model_name}"):
             result = run_profile(spec, keep_dir=keep, timeout_s=timeout_s)
     except NsysUnavailable:
-        raise fail(
-            "nsys not found: install Nsight Systems (its nsys command) and put it on PATH, or set KERNELMILL_NSYS; "
-            "nothing profiled",
-            EXIT_NO_PROFILER,
-        ) from None
+        raise fail(_NO_NSYS, EXIT_NO_PROFILER) from None
     except ForwardFailed as exc:
         if exc.kind == "no_gpu":
             raise fail(f"no GPU here ({exc.reason}); nothing profiled", EXIT_UNAVAILABLE) from None
@@ -845,6 +843,12 @@ def profile_forward(
             json_out.write_text(json.dumps(summary, indent=2))
         except OSError as exc:  # gone or read-only since the check: the summary is printed (and stored) above
             raise fail(f"--json {json_out}: {exc.strerror or exc}; the summary is above", 1) from None
+
+
+_NO_NSYS = (
+    "nsys not found: install Nsight Systems (its nsys command) and put it on PATH, or set KERNELMILL_NSYS; "
+    "nothing profiled"
+)
 
 
 def _output_dir(path: Path, option: str) -> None:

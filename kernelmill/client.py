@@ -33,6 +33,8 @@ def server_url(url: str) -> str:
         raise ServerError(f"malformed server URL {url!r} ({exc}): {hint}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ServerError(f"malformed server URL {url!r}: {hint}")
+    if parsed.port is not None and not 0 < parsed.port < 65536:  # httpx takes 99999, then cannot connect
+        raise ServerError(f"malformed server URL {url!r}: port {parsed.port} is out of range 1..65535; {hint}")
     return url.rstrip("/")
 
 

@@ -135,6 +135,8 @@ class ForwardSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
         preset = PRESETS.get(self.preset or "", {})
+        if preset.get("kind") == "bert" and self.act is not None:  # it was ignored
+            raise ValueError(f"--act is for an MLP; {self.preset}'s activation is its config's hidden_act (GELU)")
         if preset.get("kind") == "bert" and self.seq > preset["max_position_embeddings"]:
             raise ValueError(f"--seq {self.seq} > {preset['max_position_embeddings']} positions of {self.preset}")
 

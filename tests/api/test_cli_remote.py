@@ -111,7 +111,7 @@ def test_an_unreachable_server_is_one_line_and_exit_3():
     assert "cannot reach http://127.0.0.1:9/api/jobs" in result.output and "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("url", ["http://[::1", "localhost:8000", "http://"])
+@pytest.mark.parametrize("url", ["http://[::1", "localhost:8000", "http://", "http://127.0.0.1:99999"])
 def test_a_malformed_server_url_is_one_line_and_exit_2(url, monkeypatch):
     for argv in (["jobs", "--server", url], ["kernels", "--server", url], [*TUNE_MODEL, "--server", url]):
         result = CliRunner().invoke(app, argv)

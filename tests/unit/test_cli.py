@@ -20,6 +20,9 @@ def test_ops_json_lists_every_op_family_and_space():
         assert len(entry["families"]) >= 1
         for fam in entry["families"]:
             assert all(size > 0 for size in fam["space_size"].values())
+        # The op's dtypes are those some family of it supports (linear_t listed float32, which none takes).
+        assert set(entry["dtypes"]) == {dt for fam in entry["families"] for dt in fam["dtypes"]}
+    assert next(e for e in listing if e["op"] == "linear_t")["dtypes"] == ["float16", "bfloat16"]
 
 
 def test_render_prints_source_with_params():

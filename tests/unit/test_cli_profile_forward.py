@@ -40,11 +40,12 @@ def nsys_bin(tmp_path, monkeypatch):
 
 def test_without_nsys_one_line_and_its_own_exit_code(tmp_path, monkeypatch, db_url):
     fake_nsys.nowhere(monkeypatch, tmp_path)
-    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny"])
+    keep = tmp_path / "reports" / "run1"
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--keep", str(keep)])
     assert result.exit_code == EXIT_NO_PROFILER == 4, result.output
     assert "nsys not found" in result.output and "nothing profiled" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 3
-    assert stored(db_url) == 0
+    assert stored(db_url) == 0 and not (tmp_path / "reports").exists()  # no folder made for a profile not run
 
 
 @pytest.mark.parametrize(
@@ -55,6 +56,7 @@ def test_without_nsys_one_line_and_its_own_exit_code(tmp_path, monkeypatch, db_u
         (["/no/such/model"], "no model at"),
         (["--preset", "mlp-tiny", "-d", "int8"], "unknown dtype"),
         (["--preset", "bert-tiny", "--seq", "100000"], "positions"),
+        (["--preset", "bert-tiny", "--act", "relu"], "--act is for an MLP"),  # it was ignored
     ],
 )
 def test_bad_input_exits_2_before_nsys(argv, message, nsys_bin):
