@@ -73,6 +73,7 @@ def evaluate(
     except DeviceFault as exc:
         result.status, result.reason, result.poisoned = FAULT, exc.reason, exc.poisoned
         return result
+    cache = cache if cache is not None else ReferenceCache()  # the check after timing reuses the references
     check = verify(device, bound, seeds, timeout_s=timeout_s, cache=cache)
     result.verification = check
     if not check.ok:
@@ -86,7 +87,15 @@ def evaluate(
             # bounds there (a race, say) is as wrong as one that did while verified.
             if why := bound.out_of_bounds():
                 result.status, result.reason = WRONG_RESULT, f"{why} while timed"
+                return result
         except DeviceFault as exc:
             status = TIMEOUT if exc.timed_out else FAULT
             result.status, result.reason, result.poisoned = status, f"{exc.reason} while timed", exc.poisoned
+            return result
+        # And once more after them, outputs poisoned: a kernel that stops working once launched enough (split-k
+        # arrival counts left non-zero, so no block reduces) wrote nothing while timed, and was timed faster.
+        again = verify(device, bound, [check.checks[-1].seed], timeout_s=timeout_s, cache=cache)
+        if not again.ok:
+            result.status, result.poisoned = again.status, again.poisoned
+            result.reason = f"after {warmup + reps} timed launches: {again.reason}"
     return result

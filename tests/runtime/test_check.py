@@ -34,6 +34,9 @@ class SoftmaxKernel:
         if self.behaviour == "hang_again" and again:
             self.device.poisoned = True
             raise DeviceFault("kernel still running after 10.0 s (hang)", poisoned=True, timed_out=True)
+        launched = self.device.launches.count(self.entry)
+        if self.behaviour == "stops_writing" and launched > 3:  # right while verified, then writes nothing
+            return
         if self.behaviour == "drift" and again:  # a second run on the same output adds to it
             self.device.copy_in(buffers[1], self.device.download(buffers[1], (1,), np.float32) * 2)
             return
@@ -292,6 +295,16 @@ def test_a_kernel_that_fails_only_when_run_again_is_passed_over(tmp_path):
         hangs.get("softmax", SHAPE, "float32")
     (record,) = map(json.loads, _texts(tmp_path / "h"))
     assert record["status"] == "timeout" and not record["ok"]
+
+
+def test_a_kernel_that_stops_writing_once_launched_enough_is_passed_over(tmp_path):
+    """Right for the 3 seeds, then it writes nothing (split-k arrival counts left non-zero do that): its runs
+    again found the right values of the launch before in its output, and it passed."""
+    reg, _ = _registry(tmp_path, wrong_for(again={"softmax/warp_row": "stops_writing"}))
+    entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.family == "block_row" and "default warp_row failed its first-use check" in entry.note
+    (failed,) = [r for r in map(json.loads, _texts(tmp_path)) if not r["ok"]]
+    assert failed["reason"].startswith("wrong result when run again: y: 32768 non-finite elements (unwritten")
 
 
 def _texts(root):
