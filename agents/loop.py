@@ -8,6 +8,7 @@ from its recorded trials and never re-runs them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -208,7 +209,13 @@ def run_job(
                     best = min(best, r.median_ms)
             if on_progress:
                 on_progress(Progress(plan.job_id, key, total, failed, sum(shares), best, baseline, kept))
-        _profile_best(plan, evaluator, recorder, shape, history)
+        # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).
+        if recorder.cancelled():
+            return "cancelled"
+        if clock() <= deadline:  # profiling takes seconds a shape: not past the time budget
+            _profile_best(plan, evaluator, recorder, shape, history, deadline, clock)
+        if recorder.cancelled():
+            return "cancelled"
         recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))
         if clock() > deadline:
             break
@@ -234,12 +241,23 @@ def trial_facts(result: TrialResult) -> dict[str, Any]:
     return facts
 
 
-def _profile_best(plan: JobPlan, evaluator: Evaluator, recorder: Recorder, shape, history) -> None:
-    """ncu on the fastest verified trials of a shape (each profile stored with its trial)."""
+def _profile_best(
+    plan: JobPlan,
+    evaluator: Evaluator,
+    recorder: Recorder,
+    shape,
+    history,
+    deadline: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """ncu on the fastest verified trials of a shape (each profile stored with its trial), while the time
+    budget lasts and no cancel is asked."""
     if plan.profile_top_k <= 0:
         return
     ranked = sorted((o for o in history if o.ok and not o.facts.get("profile")), key=lambda o: o.median_ms)
     for obs in ranked[: plan.profile_top_k]:
+        if clock() > deadline or recorder.cancelled():
+            break
         metrics = evaluator.profile(plan.op, shape, plan.dtype, plan.attrs, obs.candidate)
         obs.facts["profile"] = metrics
         recorder.record_profile(format_shape(shape), obs.candidate, metrics)

@@ -255,6 +255,7 @@ class JobRunner:
         self.progress: dict[int, Progress] = {}
 
     def start(self) -> None:
+        self._stop.clear()  # started again after stop(): its poll thread ended at once, and no job ran
         self._recover()
         self._thread = threading.Thread(target=self._poll, name="kernelmill-jobs", daemon=True)
         self._thread.start()
@@ -325,6 +326,7 @@ class JobRunner:
                 log.warning("job %s waits: %s", job.id, why)
 
     def _run(self, job: Job, worker: str) -> None:
+        started = False
         try:
             try:
                 evaluator = self.executor.evaluator(worker)
@@ -339,6 +341,7 @@ class JobRunner:
             if self.store.start_job(job.id, worker, facts.name, self.name, self.lease_s) is None:
                 log.info("job %s was cancelled, or started by another service, before it started on %s", job.id, worker)
                 return
+            started = True
             plan = JobPlan(
                 job.id,
                 job.op,
@@ -355,19 +358,24 @@ class JobRunner:
             try:
                 state = run_job(plan, evaluator, recorder, self._on_progress)
             except GpuUnavailable as exc:  # the GPU went away mid-job: what was recorded stays, the job resumes
-                self.store.requeue_job(job.id)
+                self.store.requeue_job(job.id, self.name)
                 self._bench(worker, job, exc)
                 return
             finally:
                 recorder.checkpoint()
+            # Only while this runner still holds the job: one whose lease lapsed (a stop that outlived its wait)
+            # must not queue again, or end, a job another runner has taken over.
             if state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
-                log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
-                self.store.requeue_job(job.id)
-            else:
-                self.store.finish_job(job.id, state)
+                if self.store.requeue_job(job.id, self.name):
+                    log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
+            elif not self.store.finish_job(job.id, state, runner=self.name):
+                log.warning(
+                    "job %s ended here (%s) after another service took it over: left to that one", job.id, state
+                )
         except Exception as exc:  # noqa: BLE001 - a failed job is recorded, the service stays up
             log.exception("job %s failed", job.id)
-            self.store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}")
+            if started:  # only a job this runner started (a device-row race before it is no reason to fail it)
+                self.store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}", runner=self.name)
         finally:
             self.executor.release(worker)
             self._running.pop(job.id, None)

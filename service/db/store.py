@@ -305,9 +305,20 @@ class Store:
             ).rowcount
         return self.get_job(job_id) if moved else None
 
-    def requeue_job(self, job_id: int) -> None:
-        """A running job back in the queue, to resume from its recorded trials: no GPU, no owner."""
-        self.update_job(job_id, **_REQUEUED)
+    def requeue_job(self, job_id: int, runner: str | None = None) -> bool:
+        """A running job back in the queue, to resume from its recorded trials: no GPU, no owner. With
+        ``runner``, only while that runner still holds it (a runner whose lease lapsed must not move a job
+        another one took over); whether it moved."""
+        return self._update_held(job_id, runner, _REQUEUED)
+
+    def _update_held(self, job_id: int, runner: str | None, values: dict[str, Any]) -> bool:
+        """``values`` set on the job, where ``runner`` is None or still holds it running: one conditional UPDATE."""
+        if runner is None:
+            self.update_job(job_id, **values)
+            return True
+        with self.session() as s, s.begin():
+            held = update(Job).where(Job.id == job_id, Job.runner == runner, Job.state == "running")
+            return bool(s.execute(held.values(**values)).rowcount)
 
     def renew_leases(self, runner: str, job_ids: Iterable[int], lease_s: float) -> None:
         """``runner`` still runs ``job_ids``: their leases hold ``lease_s`` seconds more."""
@@ -358,8 +369,9 @@ class Store:
         with self.session() as s, s.begin():
             s.execute(update(Job).where(Job.id == job_id).values(seconds_used=Job.seconds_used + max(0.0, seconds)))
 
-    def finish_job(self, job_id: int, state: str, error: str | None = None) -> Job:
-        return self.update_job(job_id, state=state, error=error, finished_at=utcnow())
+    def finish_job(self, job_id: int, state: str, error: str | None = None, runner: str | None = None) -> bool:
+        """The job ended in ``state``; with ``runner``, only while that runner still holds it; whether it did."""
+        return self._update_held(job_id, runner, dict(state=state, error=error, finished_at=utcnow()))
 
     def request_cancel(self, job_id: int) -> Job:
         """Queued jobs are cancelled at once; running ones at the loop's next check. Conditional UPDATEs: a job
@@ -663,6 +675,12 @@ class Store:
     # -- devices ---------------------------------------------------------------------
 
     def upsert_device(self, worker: str, **fields: Any) -> DeviceRow:
+        try:
+            return self._upsert_device(worker, fields)
+        except IntegrityError:  # another service inserted the same worker's row first: update that one
+            return self._upsert_device(worker, fields)
+
+    def _upsert_device(self, worker: str, fields: dict[str, Any]) -> DeviceRow:
         with self.session() as s, s.begin():
             row = s.scalar(select(DeviceRow).where(DeviceRow.worker == worker))
             if row is None:

@@ -256,3 +256,16 @@ def test_a_running_job_keeps_its_lease_and_gets_no_second_start(store):
         runner.stop()
     assert store.lapsed_jobs() == [] and len(store.trials(job.id)) == 40
     assert first is not None
+
+
+def test_a_runner_started_again_after_a_stop_runs_jobs(store):
+    """Its poll thread ended at once (the stop flag was never cleared): new jobs stayed queued for ever."""
+    runner = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url, batch_size=8), poll_s=0.02)
+    runner.start()
+    runner.stop()
+    runner.start()
+    try:
+        job = store.create_job(**{**_JOB, "budget_trials": 8})
+        wait_for(lambda: store.get_job(job.id).state == "done")
+    finally:
+        runner.stop()

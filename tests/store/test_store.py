@@ -209,6 +209,39 @@ def test_leases_a_lapsed_job_moves_once_and_a_live_one_not_at_all(store):
     assert store.get_job(live.id).state == "running"
 
 
+def test_only_the_runner_holding_a_job_may_queue_it_again_or_end_it(store):
+    """A runner whose lease lapsed (its stop outlived the wait) queued again, or ended, a job another runner
+    had taken over: the job then ran twice at once and past its trial budget."""
+    job = new_job(store)
+    store.start_job(job.id, "w0", "GPU", runner="a", lease_s=60)
+    store.renew_leases("a", [job.id], lease_s=-1)  # a's lease lapses (its poll thread was held up) ...
+    assert store.recover_lapsed(job.id) == "queued"
+    assert store.start_job(job.id, "w1", "GPU", runner="b", lease_s=60) is not None  # ... and b takes it
+    assert store.requeue_job(job.id, "a") is False and store.finish_job(job.id, "done", runner="a") is False
+    assert store.get_job(job.id).state == "running" and store.get_job(job.id).runner == "b"
+    assert store.finish_job(job.id, "done", runner="b") is True and store.get_job(job.id).state == "done"
+
+
+def test_a_device_row_inserted_by_another_service_meanwhile_is_updated(store, monkeypatch):
+    """Two services meeting the same new worker both inserted its row: the loser's IntegrityError failed a
+    job it had not even started."""
+    from sqlalchemy.exc import IntegrityError
+
+    first = store._upsert_device
+    raced = []
+
+    def race(worker, fields):
+        if not raced:
+            raced.append(worker)
+            first(worker, {"name": "GPU", "arch": "sm_90"})  # the other service's row
+            raise IntegrityError("INSERT", {}, Exception("UNIQUE constraint failed: devices.worker"))
+        return first(worker, fields)
+
+    monkeypatch.setattr(store, "_upsert_device", race)
+    row = store.upsert_device("w9", name="NVIDIA H200", arch="sm_90")
+    assert raced == ["w9"] and row.name == "NVIDIA H200" and len(store.devices()) == 1
+
+
 # -- trials -----------------------------------------------------------------------------------
 
 

@@ -162,6 +162,38 @@ def test_loop_stops_on_cancel_and_on_time():
     assert sum(len(v) for v in rec2.trials.values()) < 30
 
 
+def test_a_cancel_during_the_last_batch_or_profiling_ends_cancelled_and_publishes_nothing():
+    """It ended "done" and published: the loop asked only before each batch."""
+    rec = MemoryRecorder()
+    rec.cancel_after = 6  # reached by the last batch of the only shape
+    assert run_job(plan(shapes=[(256, 256)], budget_trials=6), FakeEvaluator(), rec) == "cancelled"
+    assert rec.published == {}
+
+
+def test_profiling_stops_at_the_time_budget():
+    """It ran past the budget (16x over in one case) and left the later shapes no time."""
+    profiled, batches = [], []
+
+    class Profiling(FakeEvaluator):
+        def evaluate(self, *args, **kwargs):
+            batches.append(1)
+            return super().evaluate(*args, **kwargs)
+
+        def profile(self, op, shape, dtype, attrs, candidate):
+            profiled.append(candidate)
+            return {"dram_pct": 50.0}
+
+    def clock() -> float:  # the one batch of trials takes the whole budget
+        return 100.0 if batches else 0.0
+
+    rec = MemoryRecorder()
+    job = plan(shapes=[(256, 256)], budget_trials=8, batch_size=8, budget_seconds=60, profile_top_k=3)
+    run_job(job, Profiling(fail_every=0), rec, clock=clock)
+    assert len(rec.trials["256x256"]) == 8 and profiled == [] and "256x256" in rec.published
+    run_job(plan(shapes=[(64, 64)], budget_trials=4, profile_top_k=2), Profiling(fail_every=0), MemoryRecorder())
+    assert len(profiled) == 2  # within the budget: the top two
+
+
 def test_loop_stops_on_plateau():
     rec = MemoryRecorder()
     run_job(plan(shapes=[(256, 256)], budget_trials=400, plateau=10, batch_size=2), FakeEvaluator(fail_every=0), rec)
