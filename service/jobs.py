@@ -152,6 +152,10 @@ class StoreRecorder:
     def __init__(self, store: Store, job_id: int, stopping: threading.Event | None = None) -> None:
         self.store, self.job_id, self.stopping = store, job_id, stopping
         self._since = time.monotonic()
+        job = store.get_job(job_id)
+        #: The GPU model this start runs on (start_job set it): trials are recorded with it, and a baseline or a
+        #: trial timed on another model (a start before, on another GPU) is neither compared nor served here.
+        self.device = job.device_name if job is not None else None
 
     def checkpoint(self) -> None:
         """Count the time since the last checkpoint against the job's budget (after each batch, and when the
@@ -167,11 +171,18 @@ class StoreRecorder:
         ]
 
     def record(self, shape: str, results: Sequence[TrialResult]) -> None:
-        self.store.record_trials(self.job_id, shape, [r.row() for r in results])
+        self.store.record_trials(self.job_id, shape, [{**r.row(), "device_name": self.device} for r in results])
         self.checkpoint()
 
     def baseline(self, shape: str) -> tuple[bool, float | None]:
-        return self.store.has_baseline(self.job_id, shape), self.store.baseline(self.job_id, shape)
+        if not self.store.has_baseline(self.job_id, shape):
+            return False, None
+        timed_on = self.store.baseline_device(self.job_id, shape)
+        if self.device and timed_on and timed_on != self.device:  # resumed on another GPU model: its own PyTorch
+            log.info("job %s %s: baseline timed on %s, this start runs on %s: timed again", self.job_id, shape,
+                     timed_on, self.device)  # fmt: skip
+            return False, None
+        return True, self.store.baseline(self.job_id, shape)
 
     def record_baseline(self, shape: str, median_ms: float | None, device_name: str) -> None:
         self.store.record_baseline(self.job_id, shape, median_ms, device_name)
@@ -215,7 +226,7 @@ class StoreRecorder:
         self.store.set_trial_profile(self.job_id, shape, candidate.family, candidate.params_json, profile)
 
     def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
-        best = self.store.best_trial(self.job_id, shape)
+        best = self.store.best_trial(self.job_id, shape, self.device)
         if best is None:
             log.info("job %s %s: no verified trial to serve", self.job_id, shape)
             return

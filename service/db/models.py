@@ -93,6 +93,7 @@ class Trial(Base):
     status: Mapped[str] = mapped_column(String(24), index=True)
     reason: Mapped[str | None] = mapped_column(Text)
     arch: Mapped[str | None] = mapped_column(String(16))
+    device_name: Mapped[str | None] = mapped_column(String(128))  # the GPU model it was timed on (migration 0009)
     variant_key: Mapped[str | None] = mapped_column(String(64))
     ptxas: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     max_rel_err: Mapped[float | None] = mapped_column(Float)

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select, text, update
+from sqlalchemy import Engine, create_engine, event, func, or_, select, text, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
@@ -480,8 +480,9 @@ class Store:
         with self.session() as s:
             return s.scalar(select(Trial.profile).where(Trial.id == trial_id))
 
-    def best_trial(self, job_id: int, shape: str) -> Trial | None:
-        """The fastest verified trial of a job's shape, cubin loaded."""
+    def best_trial(self, job_id: int, shape: str, device_name: str | None = None) -> Trial | None:
+        """The fastest verified trial of a job's shape, cubin loaded; with ``device_name``, of those timed on
+        that GPU model (or on an unrecorded one: rows from before trials had one)."""
         query = (
             select(Trial)
             .options(undefer(Trial.cubin))
@@ -489,6 +490,8 @@ class Store:
             .order_by(Trial.median_ms.asc())
             .limit(1)
         )
+        if device_name:
+            query = query.where(or_(Trial.device_name == device_name, Trial.device_name.is_(None)))
         with self.session() as s:
             return s.scalar(query)
 
@@ -543,6 +546,12 @@ class Store:
     def baseline(self, job_id: int, shape: str) -> float | None:
         with self.session() as s:
             return s.scalar(select(Baseline.median_ms).where(Baseline.job_id == job_id, Baseline.shape_key == shape))
+
+    def baseline_device(self, job_id: int, shape: str) -> str | None:
+        """The GPU model a job's baseline for ``shape`` was timed on (None: none recorded, or not said)."""
+        with self.session() as s:
+            query = select(Baseline.device_name).where(Baseline.job_id == job_id, Baseline.shape_key == shape)
+            return s.scalar(query)
 
     # -- served kernels --------------------------------------------------------------
 

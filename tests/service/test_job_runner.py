@@ -269,3 +269,32 @@ def test_a_runner_started_again_after_a_stop_runs_jobs(store):
         wait_for(lambda: store.get_job(job.id).state == "done")
     finally:
         runner.stop()
+
+
+def test_a_job_resumed_on_another_gpu_model_is_timed_and_served_on_that_model_alone(store):
+    """Its first GPU's trials and PyTorch baseline were compared with the second's: a kernel timed on an H200
+    was served for an H100 with an H200's speedup, and blocked that H100's own later kernels."""
+    from kernelmill.agents.evaluator import TrialResult
+    from kernelmill.service.jobs import StoreRecorder
+
+    def trial(ms: float, block: int) -> TrialResult:
+        return TrialResult("warp_row", {"BLOCK": block}, "ok", None, "sm_90", "vk", median_ms=ms, max_rel_err=1e-6)
+
+    def served(family, params):
+        return {"source": "// k", "launches": [], "workspace": {}}
+
+    job = store.create_job(**{**_JOB, "budget_trials": 8})
+    store.start_job(job.id, "w0", "NVIDIA H200", runner="a", lease_s=60)
+    fast = StoreRecorder(store, job.id)
+    fast.record_baseline("1024x1024", 0.050, "NVIDIA H200")
+    fast.record("1024x1024", [trial(0.010, 1)])  # timed on the H200
+    store.requeue_job(job.id, "a")
+    store.start_job(job.id, "w1", "NVIDIA H100", runner="b", lease_s=60)
+    resumed = StoreRecorder(store, job.id)
+    assert resumed.baseline("1024x1024") == (False, None)  # the H200's PyTorch is not the H100's: timed again
+    resumed.record_baseline("1024x1024", 0.080, "NVIDIA H100")
+    resumed.record("1024x1024", [trial(0.030, 2)])
+    resumed.publish_best("1024x1024", served)
+    (kernel,), _ = store.list_kernels()
+    assert (kernel.device_name, kernel.median_ms, kernel.params) == ("NVIDIA H100", 0.030, {"BLOCK": 2})
+    assert kernel.baseline_ms == 0.080
