@@ -192,6 +192,8 @@ def run_job(
             if not batch:
                 break
             results = evaluator.evaluate(plan.op, shape, plan.dtype, plan.attrs, batch)
+            if len(results) != len(batch):  # results pair with candidates by position: none can be trusted
+                raise RuntimeError(f"the evaluator answered {len(results)} results for {len(batch)} candidates")
             for cand, r in zip(batch, results, strict=True):
                 r.note = r.note or cand.note or None
             kept = [r for r in results if r.status != SKIPPED]

@@ -194,6 +194,15 @@ def test_profiling_stops_at_the_time_budget():
     assert len(profiled) == 2  # within the budget: the top two
 
 
+def test_an_evaluator_that_answers_fewer_results_than_candidates_is_named():
+    class Short(FakeEvaluator):
+        def evaluate(self, *args, **kwargs):
+            return super().evaluate(*args, **kwargs)[:-1]
+
+    with pytest.raises(RuntimeError, match=r"^the evaluator answered 7 results for 8 candidates$"):
+        run_job(plan(shapes=[(256, 256)], budget_trials=8, batch_size=8), Short(), MemoryRecorder())
+
+
 def test_loop_stops_on_plateau():
     rec = MemoryRecorder()
     run_job(plan(shapes=[(256, 256)], budget_trials=400, plateau=10, batch_size=2), FakeEvaluator(fail_every=0), rec)
