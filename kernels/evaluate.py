@@ -86,8 +86,8 @@ def evaluate(
             # verification seed's kind: attention's padding masks let a kernel skip whole key tiles.
             bound.set_inputs(variant.op.make_inputs(shape, variant.dtype, seed=0))
             result.timing = time_it(device, bound.run, warmup, reps, flusher, timeout_s)
-            # The timed launches ran on inputs and outputs left from verification: one that wrote out of
-            # bounds there (a race, say) is as wrong as one that did while verified.
+            # The timed launches ran unwatched: one that wrote out of bounds there (a race, say) is as wrong as
+            # one that did while verified.
             if why := bound.out_of_bounds():
                 result.status, result.reason = WRONG_RESULT, f"{why} while timed"
                 return result
