@@ -87,12 +87,47 @@ def test_a_hang_while_timed_is_recorded_as_a_timeout_of_that_trial(monkeypatch):
         raise DeviceFault("kernel still running after 9.0 s (hang)", poisoned=True, timed_out=True)
 
     monkeypatch.setattr(Variant, "compile", lambda self, compiler=None, arch=None: "cubin")
-    monkeypatch.setattr(ev, "BoundVariant", lambda *args: SimpleNamespace(run=None, out_of_bounds=lambda: None))
+    bound = SimpleNamespace(run=None, out_of_bounds=lambda: None, set_inputs=lambda inputs: None)
+    monkeypatch.setattr(ev, "BoundVariant", lambda *args: bound)
     monkeypatch.setattr(ev, "verify", lambda *args, **kwargs: VerifyResult(True, "ok", "float32", 1e-5, (4, 10)))
     monkeypatch.setattr(ev, "time_it", hang)
     result = ev.evaluate(Variant.create("softmax", "warp_row", "float32"), (4, 10), device=None)
     assert (result.status, result.poisoned) == ("timeout", True)
     assert result.reason == "kernel still running after 9.0 s (hang) while timed"
+
+
+def test_a_kernel_wrong_after_its_timed_launches_is_a_wrong_result(monkeypatch):
+    """One that stops writing once launched enough (split-k counts left non-zero) passed: its outputs still
+    held the verified values. It is verified once more after timing, on the last seed, outputs poisoned; and
+    it is timed on seed 0's inputs, as PyTorch is."""
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.kernels.bench import Timing
+    from kernelmill.kernels.variant import Variant
+    from kernelmill.kernels.verify import VerifyResult
+
+    timed_on, asked = [], []
+
+    def verify(device, bound, seeds, **kwargs):
+        asked.append(list(seeds) if not isinstance(seeds, int) else seeds)
+        ok = len(asked) == 1
+        result = VerifyResult(ok, "ok" if ok else "wrong_result", "float32", 1e-5, (4, 10))
+        result.checks = [SimpleNamespace(seed=7)]  # evaluate reads the last verified seed
+        result.reason = None if ok else "wrong result at 4x10: y: 40 non-finite elements"
+        return result
+
+    bound = SimpleNamespace(run=None, out_of_bounds=lambda: None, set_inputs=timed_on.append)
+    monkeypatch.setattr(Variant, "compile", lambda self, compiler=None, arch=None: "cubin")
+    monkeypatch.setattr(ev, "BoundVariant", lambda *args: bound)
+    monkeypatch.setattr(ev, "verify", verify)
+    monkeypatch.setattr(ev, "time_it", lambda *args, **kwargs: Timing.from_samples([1.0] * 3))
+    variant = Variant.create("softmax", "warp_row", "float32")
+    result = ev.evaluate(variant, (4, 10), device=None, warmup=2, reps=3)
+    assert asked == [3, [7]]  # the verification seeds, then the last of them again
+    assert result.status == "wrong_result"
+    assert result.reason == "after 5 timed launches: wrong result at 4x10: y: 40 non-finite elements"
+    (inputs,) = timed_on
+    assert inputs.keys() == variant.op.make_inputs((4, 10), "float32", seed=0).keys()
+    assert all((inputs[k] == v).all() for k, v in variant.op.make_inputs((4, 10), "float32", seed=0).items())
 
 
 def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys, monkeypatch):
