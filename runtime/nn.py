@@ -288,8 +288,7 @@ class MultiHeadAttention(Module):
     """Self-attention: one fused q|k|v projection, the attention kernel, the output projection."""
 
     def __init__(self, qkv: Linear, out: Linear, heads: int) -> None:
-        if isinstance(heads, bool) or not isinstance(heads, int | np.integer) or heads < 1:
-            raise ValueError(f"MultiHeadAttention: heads must be a positive integer, not {heads!r}")
+        ops.check_heads("MultiHeadAttention", heads)
         if qkv.out_features != 3 * out.in_features or out.in_features % heads:
             raise ValueError(f"qkv {qkv.weight.shape} / out {out.weight.shape} do not fit {heads} heads")
         self.qkv, self.out, self.heads = qkv, out, int(heads)

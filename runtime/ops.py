@@ -176,7 +176,8 @@ def _last_dim(op: str, x: Tensor) -> int:
     return x.shape[-1]
 
 
-def _heads(op: str, heads: Any) -> None:
+def check_heads(op: str, heads: Any) -> None:
+    """A ValueError naming ``op`` unless ``heads`` is a positive integer (attention and its module share it)."""
     if isinstance(heads, bool) or not isinstance(heads, int | np.integer) or heads < 1:
         raise ValueError(f"{op}: heads must be a positive integer, not {heads!r}")
 
@@ -235,10 +236,16 @@ def _zeros(shape: tuple[int, ...], dtype: str) -> Tensor:
 # -- CPU math ---------------------------------------------------------------------------------------------
 
 
+#: A & S 7.1.26's coefficients, highest power first (erfc(a) = poly(t) exp(-a^2), t = 1 / (1 + P a)).
+_ERFC_P, _ERFC_POLY = 0.3275911, (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+
+
 def _erfc_abs(a: np.ndarray) -> np.ndarray:
     """erfc(a) for a >= 0 (Abramowitz & Stegun 7.1.26, ~1.5e-7 absolute), in float64, without cancellation."""
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    t = 1.0 / (1.0 + _ERFC_P * a)
+    poly = 0.0
+    for c in _ERFC_POLY:  # Horner's rule, highest power first, then the factor t of the lowest
+        poly = (poly + c) * t
     return poly * np.exp(-a * a)
 
 
@@ -253,10 +260,6 @@ def erfc(x: np.ndarray) -> np.ndarray:
     x64 = np.asarray(x, dtype=np.float64)
     h = _erfc_abs(np.abs(x64))
     return np.where(x64 >= 0, h, 2.0 - h)
-
-
-#: A & S 7.1.26's coefficients, highest power first (erfc(a) = poly(t) exp(-a^2), t = 1 / (1 + P a)).
-_ERFC_P, _ERFC_POLY = 0.3275911, (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 
 
 def _gelu_erf_f32(x: np.ndarray) -> np.ndarray:
@@ -577,7 +580,7 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     (batch, seq) or None -> (batch, seq, hidden), heads side by side (one fused kernel on the GPU)."""
     if qkv.ndim != 3:
         raise ValueError(f"attention: qkv {qkv.shape}, expected (batch, seq, 3 * hidden)")
-    _heads("attention", heads)
+    check_heads("attention", heads)
     batch, seq, width = qkv.shape
     if width % (3 * heads):
         raise ValueError(f"attention: width {width} is not 3 * heads({heads}) * head_dim")
