@@ -134,6 +134,22 @@ class BoundVariant:
         for name in self.variant.op.inputs:
             self.device.copy_in(self.buffers[name], arrays[name].astype(self.np_dtype, copy=False))
 
+    def inputs_changed(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Which input a launch wrote to, and where, or None: ``arrays`` are what set_inputs copied in (bit for
+        bit: a NaN written over a NaN input is no change, a -0 over a 0 is one)."""
+        for name in self.variant.op.inputs:
+            want = np.ascontiguousarray(arrays[name].astype(self.np_dtype, copy=False)).reshape(-1)
+            got = self.device.download(self.buffers[name], self.tensor_shapes[name], self.np_dtype).reshape(-1)
+            bits = np.dtype(f"u{self.np_dtype.itemsize}")
+            changed = np.flatnonzero(got.view(bits) != want.view(bits))
+            if changed.size:
+                first = tuple(int(i) for i in np.unravel_index(int(changed[0]), self.tensor_shapes[name]))
+                return (
+                    f"wrote to its input {name}: {changed.size} of its {want.size} elements changed, the first at "
+                    f"{first} ({float(want[changed[0]]):.6g} became {float(got[changed[0]]):.6g})"
+                )
+        return None
+
     def poison(self) -> None:
         """Fill outputs and workspaces with NaN so unwritten elements cannot pass (not the counters, which
         every launch must leave zero)."""

@@ -3,7 +3,8 @@
 Fresh random inputs for several seeds (at least one for each kind of input the
 op draws), outputs poisoned with NaN before each launch, a tolerance set by the
 variant's arithmetic precision and the op's shape (a relative norm, and a bound
-on each element: ops.base.Tolerance). NaN never passes. The result is data:
+on each element: ops.base.Tolerance). NaN never passes, and neither does a launch that wrote outside its
+outputs (a guard byte around any buffer, or an input, changed). The result is data:
 per-seed errors and, on failure, why.
 """
 
@@ -214,16 +215,16 @@ def verify(
             bound.run()
             device.synchronize(timeout_s)
             outputs = bound.outputs()
-            out_of_bounds = bound.out_of_bounds()
+            stray = bound.out_of_bounds() or bound.inputs_changed(inputs)
         except DeviceFault as exc:
             result.ok = False
             result.status = "timeout" if exc.timed_out else "fault"
             result.reason = f"device fault at {format_shape(shape)}: {exc.reason}"
             result.poisoned = exc.poisoned
             return result
-        if out_of_bounds:
+        if stray:
             result.ok, result.status = False, "wrong_result"
-            result.reason = f"{out_of_bounds} at {format_shape(shape)} (seed {seed})"
+            result.reason = f"{stray} at {format_shape(shape)} (seed {seed})"
             return result
         for name in op.outputs:
             check = compare(outputs[name], reference[name], seed, name, tol)

@@ -178,12 +178,12 @@ class FirstUseChecks:
     def _run_again(self, bound: Any, seed: int, passed: Check) -> tuple[Check, bool]:
         """``passed`` where the kernel, run twice more on the last seed's inputs as a forward runs it again and
         again, still finishes within the timeout, writes nothing out of bounds and gives a right result each
-        time; else why not. The first run finds its last output in place (a kernel that adds to it, or waits
+        time, leaving its inputs as they were; else why not. The first run finds its last output in place (a kernel that adds to it, or waits
         on it, fails only so); the second finds its outputs and workspaces poisoned and split-k arrival counts
         as the launches before left them (a kernel that writes nothing once launched enough fails only so:
         unpoisoned, the values of the launch before stood in for its output)."""
         variant, shape = bound.variant, bound.shape
-        _, reference = self._references.get(variant.op, shape, variant.dtype, variant.attrs, seed)
+        inputs, reference = self._references.get(variant.op, shape, variant.dtype, variant.attrs, seed)
         tolerance = variant.op.tolerance(shape, variant.precision)
         for poisoned in (False, True):
             try:
@@ -191,12 +191,12 @@ class FirstUseChecks:
                     bound.poison()
                 bound.run()
                 self.device.synchronize(self.timeout_s)
-                outputs, out_of_bounds = bound.outputs(), bound.out_of_bounds()
+                outputs, stray = bound.outputs(), bound.out_of_bounds() or bound.inputs_changed(inputs)
             except DeviceFault as exc:
                 status = "timeout" if exc.timed_out else "fault"
                 return Check(False, f"run again: {exc.reason}", status=status), exc.poisoned
-            if out_of_bounds:
-                return Check(False, f"run again: {out_of_bounds}", status="wrong_result"), False
+            if stray:
+                return Check(False, f"run again: {stray}", status="wrong_result"), False
             for name in variant.op.outputs:
                 why = compare(outputs[name], reference[name], seed, name, tolerance).failure()
                 if why:

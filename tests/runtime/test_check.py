@@ -40,6 +40,9 @@ class SoftmaxKernel:
         if self.behaviour == "drift" and again:  # a second run on the same output adds to it
             self.device.copy_in(buffers[1], self.device.download(buffers[1], (1,), np.float32) * 2)
             return
+        if self.behaviour == "scribble_again" and again:  # a second run leaves its output right, its input not
+            self.device.copy_in(buffers[0], np.zeros(1, np.float32))
+            return
         if self.behaviour == "fault":
             self.device.poisoned = True  # as kernels.device.Device marks itself
             raise DeviceFault("an illegal memory access was encountered", poisoned=True)
@@ -105,7 +108,7 @@ class FirstLineCompiler:
 
 def wrong_for(*templates: str, fault: tuple[str, ...] = (), again: dict[str, str] | None = None):
     """A behaviour: "fault" for cubins of the ``fault`` templates, "wrong" for those of ``templates``, what
-    ``again`` maps a template to (hang_again, drift), "right" otherwise."""
+    ``again`` maps a template to (hang_again, drift, scribble_again), "right" otherwise."""
 
     def behaviour(cubin: bytes) -> str:
         text = cubin.decode(errors="replace")
@@ -295,6 +298,13 @@ def test_a_kernel_that_fails_only_when_run_again_is_passed_over(tmp_path):
         hangs.get("softmax", SHAPE, "float32")
     (record,) = map(json.loads, _texts(tmp_path / "h"))
     assert record["status"] == "timeout" and not record["ok"]
+
+
+def test_a_kernel_that_writes_to_its_input_when_run_again_is_passed_over(tmp_path):
+    reg, _ = _registry(tmp_path, wrong_for(again={"softmax/warp_row": "scribble_again"}))
+    assert reg.get("softmax", SHAPE, "float32").family == "block_row"
+    (failed,) = [r for r in map(json.loads, _texts(tmp_path)) if not r["ok"]]
+    assert failed["reason"].startswith("run again: wrote to its input x: 1 of its 32768 elements changed, the first")
 
 
 def test_a_kernel_that_stops_writing_once_launched_enough_is_passed_over(tmp_path):

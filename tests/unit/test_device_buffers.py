@@ -100,6 +100,37 @@ def test_verify_fails_a_right_answer_written_with_a_stray_byte_out_of_bounds():
     assert result.status == "wrong_result" and "guard bytes after y changed" in result.reason
 
 
+def test_verify_fails_a_right_answer_from_a_kernel_that_wrote_to_its_input():
+    import numpy as np
+
+    from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.variant import BoundVariant, Variant
+    from kernelmill.kernels.verify import verify
+
+    memory = HostMemory()
+    bound = BoundVariant(
+        memory, Variant.create("softmax", "warp_row", "float16"), CompiledKernel(b"", "sm_90", "k"), (4, 10)
+    )
+    x_buf, y = bound.buffers["x"], bound.buffers["y"]
+
+    def run(scratch_in_x: bool):
+        x = memory.download(x_buf, (4, 10), "float16")
+        memory.copy_in(y, get_op("softmax").reference({"x": x}, {})["y"].astype("float16"))
+        if scratch_in_x:  # the row's max kept in its first element, as scratch
+            x[2, 0] = x[2].max()
+            memory.copy_in(x_buf, x)
+
+    bound.run = lambda: run(False)
+    assert verify(memory, bound, seeds=2).ok
+    bound.run = lambda: run(True)
+    result = verify(memory, bound, seeds=4)  # some seed's row 2 does not start with its max
+    assert result.status == "wrong_result"
+    assert "wrote to its input x: 1 of its 40 elements changed, the first at (2, 0)" in result.reason
+    bound.set_inputs({"x": np.full((4, 10), -0.0, np.float16)})
+    assert "(0 became -0)" in bound.inputs_changed({"x": np.zeros((4, 10), np.float16)})  # bits, not values
+
+
 class FakeDriver:
     """pycuda.driver's Error and Event, with a context that is broken or not."""
 
