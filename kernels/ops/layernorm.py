@@ -80,8 +80,14 @@ def layer_norm64(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float)
     return (x - mean) / np.sqrt(var + eps) * gamma + beta
 
 
+#: A row's mean over its spread (half-width) on the "offset" kind's seeds, per storage type: as large as keeps a
+#: centred float32 variance well inside the type's allowance, and the row's values many steps of the type apart.
+OFFSET_RATIO = {"float32": 16.0, "float16": 256.0, "bfloat16": 16.0}
+
+
 class LayerNorm(OpSpec):
     name = "layernorm"
+    input_kinds = ("uniform", "offset")
     dims = ("rows", "cols")
     inputs = ("X", "gamma", "beta")
     outputs = ("Y",)
@@ -97,6 +103,28 @@ class LayerNorm(OpSpec):
 
     def input_scale(self, name, shape):
         return 2.0
+
+    def make_inputs(self, shape, dtype, seed):
+        """Uniform in [-2, 2]; on the "offset" kind's seeds each row is M + (M / r) U(-1, 1), |M| in 100..1000 and
+        r = OFFSET_RATIO[dtype] (with the row's first two elements at its extremes, so no row is constant). The
+        variance of such a row taken as E[x^2] - E[x]^2 in float32 loses most of its digits: that fails float32
+        and float16 by several times their allowance, while a centred variance uses a small share of it
+        (tests/unit/test_layernorm_spec.py). bfloat16 holds too few digits to tell the two apart."""
+        out = super().make_inputs(shape, dtype, seed)
+        rows, cols = shape
+        if self.input_kind(seed) == "offset":
+            rng = np.random.default_rng([seed, 1])
+            spread = 1.0 / OFFSET_RATIO[dtype]
+            mean = rng.uniform(100.0, 1000.0, size=(rows, 1)) * rng.choice([-1.0, 1.0], size=(rows, 1))
+            noise = rng.uniform(-1.0, 1.0, size=(rows, cols))
+            noise[:, :2] = (1.0, -1.0)[:cols]
+            x = mean + mean * spread * noise
+            if "R" in self.inputs:  # X + R is the row normalized: the offset rides on X, R is spread like it
+                residual = mean * spread * rng.uniform(-1.0, 1.0, size=(rows, cols))
+                out["R"] = residual.astype(np.float32).astype(out["R"].dtype)
+                x -= residual
+            out["X"] = x.astype(np.float32).astype(out["X"].dtype)
+        return out
 
     def _x(self, inputs):
         return inputs["X"].astype(np.float64)

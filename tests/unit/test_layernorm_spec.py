@@ -1,0 +1,73 @@
+"""layernorm's inputs: the "offset" kind tells a centred variance from E[x^2] - E[x]^2 (simulated in float32
+the way the row family sums: each thread's elements in turn, then a tree over the threads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import numpy_dtype
+from kernelmill.kernels.verify import compare
+
+F32 = np.float32
+THREADS = 128
+
+
+def _row_sums(x: np.ndarray) -> np.ndarray:
+    rows, cols = x.shape
+    per = -(-cols // THREADS)
+    padded = np.zeros((rows, per * THREADS), F32)
+    padded[:, :cols] = x
+    acc = np.zeros((rows, THREADS), F32)
+    for chunk in padded.reshape(rows, per, THREADS).transpose(1, 0, 2):
+        acc = acc + chunk
+    while acc.shape[1] > 1:
+        acc = acc[:, 0::2] + acc[:, 1::2]
+    return acc[:, 0]
+
+
+def _layernorm32(x, gamma, beta, eps: float, one_pass: bool) -> np.ndarray:
+    x = x.astype(F32)
+    inv = F32(1.0 / x.shape[1])
+    mean = (_row_sums(x) * inv)[:, None]
+    if one_pass:
+        var = (_row_sums(x * x) * inv)[:, None] - mean * mean
+    else:
+        var = (_row_sums((x - mean) * (x - mean)) * inv)[:, None]
+    rstd = F32(1.0) / np.sqrt(np.maximum(var, F32(0)) + F32(eps))
+    return (x - mean) * rstd * gamma.astype(F32) + beta.astype(F32)
+
+
+def _allowance_used(op_name: str, shape, dtype: str, seed: int, one_pass: bool) -> float:
+    op = get_op(op_name)
+    inputs = op.make_inputs(shape, dtype, seed)
+    x = op._x(inputs).astype(F32)  # X (+ R, summed in float32 as the kernel does)
+    y = _layernorm32(x, inputs["gamma"], inputs["beta"], 1e-12, one_pass).astype(numpy_dtype(dtype))
+    reference = op.reference(inputs, {"eps": 1e-12})["Y"]
+    return compare(y, reference, seed, "Y", op.tolerance(shape, dtype)).allowance_used
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "add_layernorm"])
+@pytest.mark.parametrize("shape", [(64, 768), (16, 4096), (32, 1000)])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_offset_rows_fail_a_one_pass_variance_and_pass_a_centred_one(op_name, shape, dtype):
+    offset_seed = 1  # seed % 2 == 1: the "offset" kind
+    assert get_op(op_name).input_kind(offset_seed) == "offset"
+    centred = _allowance_used(op_name, shape, dtype, offset_seed, one_pass=False)
+    assert centred < 0.5
+    one_pass = _allowance_used(op_name, shape, dtype, offset_seed, one_pass=True)
+    if dtype != "bfloat16":  # too few digits to tell them apart (the docstring of LayerNorm.make_inputs)
+        assert one_pass > 2.0
+    # On the uniform kind both pass: only the offset rows tell them apart.
+    assert _allowance_used(op_name, shape, dtype, 0, one_pass=True) < 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("cols", [1, 2, 3, 17])
+def test_offset_rows_are_never_constant_and_sit_far_from_zero(dtype, cols):
+    inputs = get_op("add_layernorm").make_inputs((200, cols), dtype, seed=3)
+    x = inputs["X"].astype(np.float64) + inputs["R"].astype(np.float64)
+    assert (np.abs(x).min(axis=1) > 50).all()
+    if cols > 1:
+        assert (x.max(axis=1) > x.min(axis=1)).all()
