@@ -174,10 +174,11 @@ def test_linear_t_gemv_points(device, compiler, dtype):
 class PlantedVariant(Variant):
     """A real variant whose source a test edits: the verifier must catch the damage."""
 
-    def plant(self, old: str, new: str) -> PlantedVariant:
+    def plant(self, old: str, new: str, count: int = 1) -> PlantedVariant:
+        """``old`` replaced by ``new``: its first ``count`` occurrences (-1: all)."""
         source = self.source
         assert old in source, f"plant point {old!r} not in the source"
-        object.__setattr__(self, "_planted", source.replace(old, new, 1))
+        object.__setattr__(self, "_planted", source.replace(old, new, count))
         return self
 
     @property
@@ -343,6 +344,34 @@ def test_a_write_just_out_of_bounds_is_rejected(device, compiler, write, where):
     result = verify(device, bound, seeds=2)
     assert not result.ok and result.status == "wrong_result", result.reason
     assert f"guard bytes {where} changed" in result.reason, result.reason
+
+
+def test_a_kernel_writing_to_its_input_is_rejected(device, compiler):
+    # Its output is softmax of what it found in x, and it found x changed: the input check names the write.
+    variant = _planted(
+        "if (row >= rows) return;",
+        "if (row >= rows) return;\n  if (row == 1 && lane == 0) const_cast<T*>(x)[row * cols] = from_f32<T>(7.0f);",
+    )
+    result = verify(device, BoundVariant(device, variant, variant.compile(compiler), (64, 1000)), seeds=2)
+    assert not result.ok and result.status == "wrong_result", result.reason
+    assert "wrote to its input x: 1 of its 64000 elements changed, the first at (1, 0)" in result.reason
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("shape", [(37, 768), (5, 4099)])  # rows held in registers, and rows read three times
+def test_a_one_pass_layernorm_variance_fails_on_offset_rows(device, compiler, dtype, shape):
+    # var = E[x^2] - mean^2: right on the uniform kind of input, wrong where rows sit far from zero (the offset kind).
+    base = Variant.create("layernorm", "row", dtype)
+    clean = verify(device, BoundVariant(device, base, base.compile(compiler), shape), seeds=4)
+    assert clean.ok and clean.allowance_used < 0.5, (clean.reason, clean.allowance_used)
+    planted = PlantedVariant(base.op, base.family, base.params, base.dtype, base.attrs)
+    planted.plant("? v[u][k] - mean : 0.0f;", "? v[u][k] : 0.0f;").plant("? v[k] - mean : 0.0f;", "? v[k] : 0.0f;")
+    planted.plant("* inv_cols + ", "* inv_cols - mean * mean + ", count=-1)
+    bound = BoundVariant(device, planted, planted.compile(compiler), shape)
+    seed = random.randrange(1 << 20) * 2
+    assert verify(device, bound, [seed]).ok  # the uniform kind: one pass is enough there
+    offset = verify(device, bound, [seed + 1])
+    assert not offset.ok and offset.status == "wrong_result", offset.reason
 
 
 def test_kernel_leaving_output_unwritten_is_rejected(device, compiler):
