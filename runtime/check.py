@@ -177,11 +177,11 @@ class FirstUseChecks:
 
     def _run_again(self, bound: Any, seed: int, passed: Check) -> tuple[Check, bool]:
         """``passed`` where the kernel, run twice more on the last seed's inputs as a forward runs it again and
-        again, still finishes within the timeout, writes nothing out of bounds and gives a right result each
-        time, leaving its inputs as they were; else why not. The first run finds its last output in place (a kernel that adds to it, or waits
-        on it, fails only so); the second finds its outputs and workspaces poisoned and split-k arrival counts
-        as the launches before left them (a kernel that writes nothing once launched enough fails only so:
-        unpoisoned, the values of the launch before stood in for its output)."""
+        again, still finishes within the timeout, writes nothing out of bounds or to its inputs and gives a
+        right result each time; else why not. The first run finds its last output in place (a kernel that adds
+        to it, or waits on it, fails only so); the second finds its outputs and workspaces poisoned and split-k
+        arrival counts as the launches before left them (a kernel that writes nothing once launched enough fails
+        only so: unpoisoned, the values of the launch before stood in for its output)."""
         variant, shape = bound.variant, bound.shape
         inputs, reference = self._references.get(variant.op, shape, variant.dtype, variant.attrs, seed)
         tolerance = variant.op.tolerance(shape, variant.precision)

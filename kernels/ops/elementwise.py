@@ -90,6 +90,7 @@ class VecFamily(Family):
 
 class BiasAct(OpSpec):
     name = "bias_act"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     dims = ("rows", "cols")
     inputs = ("X", "b")
     outputs = ("Y",)
@@ -132,6 +133,7 @@ class BiasAct(OpSpec):
 
 class Add(OpSpec):
     name = "add"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     dims = ("n",)
     inputs = ("X", "R")
     outputs = ("Y",)

@@ -79,6 +79,7 @@ class Gather(Family):
 
 class Embedding(OpSpec):
     name = "embedding"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     dims = ("batch", "seq", "hidden", "vocab", "type_vocab")
     inputs = ("ids", "type_ids", "word", "pos", "types")
     outputs = ("Y",)

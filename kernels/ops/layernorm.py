@@ -87,6 +87,7 @@ OFFSET_RATIO = {"float32": 16.0, "float16": 256.0, "bfloat16": 16.0}
 
 class LayerNorm(OpSpec):
     name = "layernorm"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     input_kinds = ("uniform", "offset")
     dims = ("rows", "cols")
     inputs = ("X", "gamma", "beta")

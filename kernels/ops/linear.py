@@ -89,6 +89,7 @@ GEMV_T = RowDotGemv()
 
 class Linear(OpSpec):
     name = "linear"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     matrix_bound = True
     dims = ("M", "N", "K")
     inputs = ("X", "W", "b")

@@ -629,6 +629,7 @@ WGMMA = WgmmaFamily()
 
 class Matmul(OpSpec):
     name = "matmul"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     matrix_bound = True
     dims = ("M", "N", "K")
     inputs = ("A", "B")

@@ -295,6 +295,7 @@ class SplitRow(Family):
 
 class Softmax(OpSpec):
     name = "softmax"
+    intermediates = False  # only the output is rounded (OpSpec.intermediates)
     cancels = False  # each output a positive exp over a positive sum: held to its own size
     input_kinds = ("uniform", "offset")
     dims = ("rows", "cols")

@@ -6,7 +6,7 @@ import pytest
 from ml_dtypes import bfloat16
 
 from kernelmill.kernels.bench import Timing
-from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops import OPS, get_op
 from kernelmill.kernels.ops.base import UNIT_ROUNDOFF, Tolerance
 from kernelmill.kernels.verify import compare, fresh_seeds
 
@@ -74,6 +74,25 @@ def test_tolerance_grows_with_summed_terms_and_layers_only_where_it_must():
     assert Tolerance.of("float16", cancels=False).atol_rms == 0.0
     assert get_op("softmax").tolerance((4, 1000), "float16").atol_rms == 0.0
     assert get_op("matmul").tolerance((8, 8, 4096), "float32") == Tolerance.of("float32", 4096)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ops_rounding_nothing_inside_are_allowed_one_roundoff_of_the_rms_not_eight(dtype):
+    u, summed = UNIT_ROUNDOFF[dtype], 8 * UNIT_ROUNDOFF["float32"] * math.sqrt(4096)
+    assert get_op("matmul").tolerance((8, 8, 4096), dtype).atol_rms == pytest.approx(u + summed)
+    fused = get_op("fused_mlp")
+    fused_summed = 8 * UNIT_ROUNDOFF["float32"] * math.sqrt(fused.summed_terms((8, 4096, 64, 4096)))
+    assert fused.tolerance((8, 4096, 64, 4096), dtype).atol_rms == pytest.approx(8 * u + fused_summed)
+    # TF32 rounds every product's inputs: 8 there too, for an op that rounds nothing itself.
+    tf32 = get_op("matmul").tolerance((8, 8, 4096), "tf32").atol_rms
+    assert tf32 == pytest.approx(8 * UNIT_ROUNDOFF["tf32"] + summed)
+    intermediates = {name: op.intermediates for name, op in OPS.items()}
+    assert sorted(name for name, rounds in intermediates.items() if rounds) == [
+        "attention",
+        "fused_mlp",
+        "mlp_stack",
+        "sdpa",
+    ]
 
 
 # -- The tolerance against simulated kernels: float32 accumulation, the storage type's rounding where kernels
