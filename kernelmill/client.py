@@ -10,7 +10,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kernelmill.runtime.registry import answer_detail
+from kernelmill.runtime.registry import answer_detail, excerpt
 from kernelmill.service.api.schemas import JobOut, KernelSummary, Page, WorkersOut
 from kernelmill.settings import Settings, get_settings
 
@@ -52,7 +52,7 @@ def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
     try:
         data = resp.json()
     except ValueError:
-        raise ServerError(f"{url} answered something that is not JSON: {resp.text[:60]!r}") from None
+        raise ServerError(f"{url} answered something that is not JSON: {excerpt(resp.text, 60)}") from None
     if expect is not None:
         from pydantic import TypeAdapter, ValidationError
 

@@ -665,16 +665,15 @@ class KernelRegistry:
                 served, wrong = _record(resp, _SERVED_FIELDS)
                 wrong = wrong or _wrong_rank(served, "shape", shape)
                 if wrong:
-                    notes.append(f"service answered an unusable kernel ({_excerpt(wrong)})")
+                    wrong = excerpt(wrong, 200, quote=False)
+                    notes.append(f"service answered an unusable kernel ({wrong})")
                     what = f"{spec.name} {format_shape(shape)}"
-                    self._log_answer(
-                        "unusable", "runtime: %s: the service's answer is unusable: %s", what, _excerpt(wrong)
-                    )
+                    self._log_answer("unusable", "runtime: %s: the service's answer is unusable: %s", what, wrong)
                 else:
                     answers.append(served)
             elif resp.status_code != 404:
                 notes.append(f"service answered {resp.status_code}")
-                what, body = f"{spec.name} {format_shape(shape)}", _excerpt(resp.text)
+                what, body = f"{spec.name} {format_shape(shape)}", excerpt(resp.text, 200)
                 self._log_answer(
                     f"HTTP {resp.status_code}", "runtime: %s: service answered %s: %s", what, resp.status_code, body
                 )
@@ -1039,9 +1038,12 @@ def request_within(client: Any, method: str, path: str, within: float, **kwargs:
     return httpx.Response(streamed.status_code, headers=headers, content=b"".join(body), request=streamed.request)
 
 
-def _excerpt(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters for a log line (a service's error page can be long)."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+def excerpt(text: str, limit: int = 80, quote: bool = True) -> str:
+    """``text`` in one line for a message or a log line: whitespace runs as one space, quoted (``quote``), cut
+    to ``limit`` characters with the whole length named (a service's error page can be long)."""
+    flat = " ".join(text.split())
+    cut = repr(flat[:limit]) if quote else flat[:limit]
+    return cut if len(flat) <= limit else f"{cut}... ({len(flat)} characters)"
 
 
 def answer_detail(resp: Any, limit: int = 80) -> str:
@@ -1053,10 +1055,9 @@ def answer_detail(resp: Any, limit: int = 80) -> str:
         body = None
     if isinstance(body, dict) and isinstance(body.get("detail"), str):
         return body["detail"]
-    text = " ".join(resp.text.split())
-    if not text:
+    if not resp.text.strip():
         return "an empty answer"
-    return f"not a kernelmill answer: {text[:limit]!r}" + (f"... ({len(text)} characters)" if len(text) > limit else "")
+    return f"not a kernelmill answer: {excerpt(resp.text, limit)}"
 
 
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:
@@ -1064,5 +1065,5 @@ def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:
     try:
         record = resp.json()
     except ValueError:
-        return None, f"not JSON: {resp.text[:60]!r}"
+        return None, f"not JSON: {excerpt(resp.text, 60)}"
     return record, _wrong_fields(record, fields)

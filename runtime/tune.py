@@ -8,7 +8,7 @@ from typing import Any
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.runtime import ops
-from kernelmill.runtime.registry import answer_detail, request_within
+from kernelmill.runtime.registry import answer_detail, excerpt, request_within
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,6 @@ def _created_job(resp: Any) -> tuple[dict[str, Any] | None, str]:
     if "id" not in job:
         return None, "a JSON object without an id, not a job"
     return job, ""
-
-
-def _excerpt(text: str, limit: int = 80) -> str:
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def tune_model(
@@ -168,7 +164,7 @@ def tune_model(
                 job, instead = _created_job(resp)
                 if job is None:
                     raise TuneError(
-                        f"the service answered the {op} job ({resp.status_code}) with {instead}: {_excerpt(resp.text)}",
+                        f"the service answered the {op} job ({resp.status_code}) with {instead}: {excerpt(resp.text)}",
                         jobs,
                     )
                 shown = len(body["shapes"])

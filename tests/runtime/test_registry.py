@@ -478,17 +478,17 @@ def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path,
     assert entry.source == DEFAULT and entry.note.startswith("service answered an unusable kernel (not JSON: ")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        f"runtime: add 100: service answered 500: {'boom ' * 40}... (500 characters) "
+        f"runtime: add 100: service answered 500: '{'boom ' * 40}'... (499 characters) "
         "(more such answers from http://svc are logged at DEBUG)",
-        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}' "
+        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'... (1006 characters) "
         "(more such answers from http://svc are logged at DEBUG)",
     ]
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "answer" in r.getMessage()]
     assert debug == [
-        f"runtime: add 100: service answered 500: {'boom ' * 40}... (500 characters)",
-        f"runtime: add 200: service answered 500: {'boom ' * 40}... (500 characters)",
-        f"runtime: add 200: service answered 500: {'boom ' * 40}... (500 characters)",
-        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'",
+        f"runtime: add 100: service answered 500: '{'boom ' * 40}'... (499 characters)",
+        f"runtime: add 200: service answered 500: '{'boom ' * 40}'... (499 characters)",
+        f"runtime: add 200: service answered 500: '{'boom ' * 40}'... (499 characters)",
+        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'... (1006 characters)",
     ]
 
 
@@ -800,7 +800,7 @@ def test_tune_model_failures_name_the_jobs_already_submitted(service, tmp_path):
         (b"<html>oops</html>", "something that is not JSON: '<html>oops</html>'"),
         (b"[1, 2]", "a JSON list, not a job: '[1, 2]'"),
         (b'{"detail": "ok"}', """a JSON object without an id, not a job: '{"detail": "ok"}'"""),
-        (b"x" * 100, f"something that is not JSON: '{'x' * 80}'..."),
+        (b"x" * 100, f"something that is not JSON: '{'x' * 80}'... (100 characters)"),
     ],
 )
 def test_tune_model_names_an_answer_that_is_not_a_job_and_the_jobs_before_it(service, body, what):
@@ -872,3 +872,11 @@ def test_tune_model_tunes_the_dtype_a_cpu_model_was_loaded_for(service, caplog):
     ]
     plain = runtime.Model(runtime.nn.Sequential(mlp), device="cpu")
     assert [job["dtype"] for job in runtime.tune_model(plain, x, client=service, trials=2)] == ["float32"]
+
+
+def test_an_excerpt_is_one_quoted_line_naming_the_whole_length():
+    from kernelmill.runtime.registry import excerpt
+
+    assert excerpt("<html>\n  <body>oops</body>\n</html>") == "'<html> <body>oops</body> </html>'"
+    assert excerpt("x" * 30, 10) == "'xxxxxxxxxx'... (30 characters)"
+    assert excerpt("a  b", quote=False) == "a b"
