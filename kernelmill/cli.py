@@ -571,6 +571,18 @@ StrategyOpt = Annotated[
 ]
 
 
+#: The job fields a JobError names first, as tune's options name them.
+_TUNE_OPTIONS = {"budget.trials": "--budget", "budget.seconds": "--seconds", "shapes": "--shape"}
+
+
+def _as_tune_options(message: str) -> str:
+    """A JobError's message with the job field it begins with (the API's name) as tune's option."""
+    for field, option in _TUNE_OPTIONS.items():
+        if message.startswith(field):
+            return option + message[len(field) :]
+    return message
+
+
 @app.command()
 @user_errors
 def tune(
@@ -608,7 +620,7 @@ def tune(
             settings, op, shape, dtype, strategy, budget, seconds, attrs, arch=arch, families=family
         )
     except JobError as exc:
-        raise fail(str(exc)) from None
+        raise fail(_as_tune_options(str(exc))) from None
     if server:
         from kernelmill.client import tune_remote
 

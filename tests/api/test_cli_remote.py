@@ -64,6 +64,20 @@ def test_tune_names_its_families_and_a_bad_one_is_one_line(serve, monkeypatch):
     assert bad.exit_code == 2 and "no family 'nope'" in bad.output and "Traceback" not in bad.output
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "0"], "error: --budget must be in 1..4096, got 0"),
+        (["--shape", "64x64", "--budget", "1"], "error: --budget: 1 cannot try 2 shapes (one trial each at least)"),
+        (["--seconds", "-1"], "error: --seconds must be in (0, 21600], got -1"),
+        (["--shape", "1024x1024"], "error: --shape: 1024x1024 is given twice"),
+    ],
+)
+def test_tune_names_its_options_in_a_refusal_not_the_apis_fields(args, message):
+    result = CliRunner().invoke(app, [*TUNE, *args])
+    assert result.exit_code == 2 and result.output.strip() == message
+
+
 def test_a_job_queued_on_a_server_without_gpu_workers_says_why(serve, monkeypatch):
     tc = serve(workers=0)
     sleeps = []
