@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kernelmill.runtime.registry import answer_detail, excerpt
 from kernelmill.service.api.schemas import JobOut, KernelSummary, Page, WorkersOut
+from kernelmill.service.db.models import ACTIVE_STATES
 from kernelmill.settings import Settings, get_settings
 
 
@@ -118,13 +119,13 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
                 bar.add_task(f"job {j['id']} {j['state']}", total=j["budget"]["trials"], failed=0, **_fmt(None, None))
                 for j in jobs
             ]
-            while any(j["state"] in ("queued", "running") for j in jobs):
+            while any(j["state"] in ACTIVE_STATES for j in jobs):
                 queued = next((j for j in jobs if j["state"] == "queued"), None)
                 if queued is not None and not said_idle and time.monotonic() >= next_check:
                     said_idle, next_check = _say_why_queued(base, queued, bar.console), time.monotonic() + 15.0
                 time.sleep(poll_s)
                 for i, job in enumerate(jobs):
-                    if job["state"] not in ("queued", "running"):
+                    if job["state"] not in ACTIVE_STATES:
                         continue
                     jobs[i] = job = _request("GET", f"{base}/api/jobs/{job['id']}", expect=JobOut)
                     shapes = [s for s in job["per_shape"] if s["best_ms"]]
@@ -137,7 +138,7 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
                         **_fmt(best and best["best_ms"], best and best["speedup"]),
                     )
     except KeyboardInterrupt:
-        going = [j for j in jobs if j["state"] in ("queued", "running")] or jobs
+        going = [j for j in jobs if j["state"] in ACTIVE_STATES] or jobs
         ids = ", ".join(str(j["id"]) for j in going)
         what, which = (f"job {ids} goes on", ids) if len(going) == 1 else (f"jobs {ids} go on", "ID")
         console.print(f"stopped watching; {what} (cancel: POST {base}/api/jobs/{which}/cancel)")

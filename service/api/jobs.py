@@ -22,7 +22,7 @@ from kernelmill.service.api.schemas import (
     TrialStatus,
     problems,
 )
-from kernelmill.service.db.models import Job, utcnow
+from kernelmill.service.db.models import ACTIVE_STATES, ENDED_STATES, Job, utcnow
 from kernelmill.service.db.store import Store
 from kernelmill.service.jobs import JobError, validate_submission
 from kernelmill.settings import Settings
@@ -62,7 +62,7 @@ def job_out(store: Store, job: Job) -> JobOut:
         strategy=job.strategy,
         budget=Budget(trials=job.budget_trials, seconds=job.budget_seconds),
         state=job.state,
-        cancel_requested=bool(job.cancel_requested) and job.state in ("queued", "running"),
+        cancel_requested=bool(job.cancel_requested) and job.state in ACTIVE_STATES,
         error=job.error,
         worker=job.worker,
         device_name=job.device_name,
@@ -131,7 +131,7 @@ def get_job(job_id: JobId, store: Store = Depends(get_store)) -> JobOut:
 @router.post("/{job_id}/cancel", dependencies=[Depends(require_writer)], responses=problems(401, 404, 409, 413, 422))
 def cancel_job(job_id: JobId, store: Store = Depends(get_store)) -> JobOut:
     job = _job_or_404(store, job_id)
-    if job.state in ("done", "failed", "cancelled"):
+    if job.state in ENDED_STATES:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id} is already {job.state}")
     return job_out(store, store.request_cancel(job_id))
 

@@ -28,7 +28,10 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
-JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
+#: A job's states: those it can still leave, then those it ends in.
+ACTIVE_STATES = ("queued", "running")
+ENDED_STATES = ("done", "failed", "cancelled")
+JOB_STATES = ACTIVE_STATES + ENDED_STATES
 
 
 class DeviceRow(Base):

@@ -21,7 +21,7 @@ from kernelmill import __version__
 from kernelmill.kernels.compile import normalize_arch
 from kernelmill.service.api.deps import get_settings_dep, get_store
 from kernelmill.service.api.schemas import MAX_ID
-from kernelmill.service.db.models import JOB_STATES
+from kernelmill.service.db.models import ACTIVE_STATES, JOB_STATES
 from kernelmill.service.db.store import Store
 from kernelmill.service.jobs import no_worker_for
 from kernelmill.service.web import filters, forms, views
@@ -145,7 +145,7 @@ async def cancel_job(
         settings, forms.parse_body(await request.body()), request.cookies.get(forms.CSRF_COOKIE)
     )
     status = 403
-    if refused is None and job.state not in views.ACTIVE:  # it ended while the page was open: say so
+    if refused is None and job.state not in ACTIVE_STATES:  # it ended while the page was open: say so
         refused, status = f"the job had already ended ({job.state})", 409
     if refused is not None:
         context = _job_context(request, store, job_id) or {}

@@ -18,14 +18,13 @@ from markupsafe import Markup, escape
 from kernelmill.kernels.ops import DTYPES, OPS
 from kernelmill.service.api.jobs import job_out
 from kernelmill.service.api.schemas import JobOut
-from kernelmill.service.db.models import JOB_STATES, DeviceRow, Job, Kernel, Trial, utcnow
+from kernelmill.service.db.models import ACTIVE_STATES, JOB_STATES, DeviceRow, Job, Kernel, Trial, utcnow
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import Executor
 from kernelmill.service.web import charts
 
 #: Every trial status, in the order legends and filters list them.
 STATUSES = ("ok", "wrong_result", "compile_error", "fault", "timeout", "unsupported")
-ACTIVE = ("queued", "running")
 PAGE_SIZE = 100
 RECENT_JOBS = 12
 KERNEL_LIMIT = 5000
@@ -96,7 +95,7 @@ def overview(store: Store, executor: Executor) -> dict[str, Any]:
         )
     jobs, total_jobs = store.list_jobs(limit=RECENT_JOBS)
     kernels, n_kernels = store.list_kernels(limit=KERNEL_LIMIT)
-    counts = {state: store.list_jobs(state, limit=1)[1] for state in ACTIVE}
+    counts = {state: store.list_jobs(state, limit=1)[1] for state in ACTIVE_STATES}
     return {
         "workers": workers,
         "why_none": None if workers else executor.why_none(),
@@ -269,7 +268,7 @@ def job_page(
         "job": out,
         "attrs_label": attrs_label(job.attrs),
         "run_s": run_s(job),
-        "active": job.state in ACTIVE,
+        "active": job.state in ACTIVE_STATES,
         "cancel_requested": job.cancel_requested,
         "shapes": shapes,
         "counts": _ordered_counts(Counter(t.status for t in trials)),
