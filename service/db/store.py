@@ -11,13 +11,14 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from alembic.util import CommandError
 from sqlalchemy import Engine, create_engine, event, func, or_, select, text, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
@@ -119,6 +120,22 @@ _MIGRATION_LOCK = 0x6B6D_696C_6C00  # "kmill"
 def migrate(engine: Engine, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision``."""
     from alembic import command
+
+    _migrating(engine, lambda cfg: command.upgrade(cfg, revision))
+
+
+def downgrade(engine: Engine, revision: str = "base") -> None:
+    """Undo Alembic migrations down to ``revision`` (rows are kept wherever the older schema holds them)."""
+    from alembic import command
+
+    _migrating(engine, lambda cfg: command.downgrade(cfg, revision))
+
+
+def _migrating(engine: Engine, step: Callable[[Any], None]) -> None:
+    """Run an Alembic ``step`` on one connection: serialized between processes, and on SQLite with foreign keys
+    off. SQLite drops or alters a column by rebuilding the table (batch mode); dropping the old table with
+    foreign keys on deleted or nulled every row pointing at it (ON DELETE CASCADE / SET NULL): a downgrade
+    emptied the trials and baselines. The keys are checked once the step is done, and turned on again."""
     from alembic.config import Config
 
     cfg = Config()
@@ -128,11 +145,28 @@ def migrate(engine: Engine, revision: str = "head") -> None:
     cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     # Processes opening a new database together (API replicas, `serve` and the CLI): one migrates, the others
     # wait for it and then find the database at head.
-    with _sqlite_file_lock(engine), engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+    with _sqlite_file_lock(engine), engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:  # outside any transaction: inside one SQLite ignores it
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            conn.commit()
+        try:
+            with conn.begin():
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
+                cfg.attributes["connection"] = conn
+                step(cfg)
+                if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
+                    table, rowid, parent, _ = broken[0]
+                    raise DatabaseError(
+                        f"migrating left {len(broken)} rows pointing at rows that are not there (the first: "
+                        f"{table} row {rowid}, into {parent})",
+                        unreachable=False,
+                    )
+        finally:
+            if sqlite:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                conn.commit()
 
 
 @contextmanager
@@ -160,17 +194,6 @@ def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def downgrade(engine: Engine, revision: str = "base") -> None:
-    from alembic import command
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, revision)
 
 
 @dataclass
@@ -218,6 +241,12 @@ class Store:
             self.engine = make_engine(url)
             if migrate_on_open:
                 migrate(self.engine)
+        except CommandError as exc:  # a revision this kernelmill does not know: the schema is newer than it
+            raise DatabaseError(
+                f"cannot migrate the database {_shown(url)}: {exc} (was it written by a newer kernelmill? run that "
+                "one, or a copy of the database made before it)",
+                unreachable=False,
+            ) from None
         except ArgumentError as exc:  # NoSuchModuleError too: an unknown dialect or driver
             raise DatabaseError(f"database URL {_shown(url)}: {str(exc).splitlines()[0]}", unreachable=False) from None
         except SQLAlchemyError as exc:
@@ -230,8 +259,9 @@ class Store:
                 unreachable=False,
             ) from None
         self._session = sessionmaker(self.engine, expire_on_commit=False)
-        # Publishing reads the served kernel then replaces it: serialized here (SQLite ignores FOR UPDATE)
-        # and by a row lock across processes (PostgreSQL), so a slower trial never overwrites a faster one.
+        # Publishing reads the served kernel then replaces it: serialized here, and across processes by a row
+        # lock (PostgreSQL) or the write lock taken before the read (SQLite), so a slower trial never overwrites
+        # a faster one.
         self._publish_lock = threading.Lock()
         # Bumped by every publish through this store: caches of served kernels (the API's best-kernel
         # lookups) drop what they hold when it changes.
@@ -571,6 +601,10 @@ class Store:
         key = attrs_key(job.attrs)
         precision = family_precision(job.op, trial.family, job.dtype)
         with self.session() as s, s.begin():
+            if s.get_bind().dialect.name == "sqlite":
+                # SQLite has no FOR UPDATE, and its driver begins a transaction at the first write, after this
+                # read: another process could then replace the kernel read here. Take the write lock first.
+                s.execute(text("BEGIN IMMEDIATE"))
             current = s.scalar(
                 select(Kernel)
                 .where(
@@ -601,8 +635,8 @@ class Store:
             kernel.trial_id, kernel.job_id, kernel.device_name = trial.id, job.id, job.device_name
             for name, value in fields.items():
                 setattr(kernel, name, value)
-            if kernel.baseline_ms:
-                kernel.speedup = kernel.baseline_ms / kernel.median_ms
+            # None where this trial's job timed no baseline: not the speedup of the kernel it replaces.
+            kernel.speedup = kernel.baseline_ms / kernel.median_ms if kernel.baseline_ms else None
             s.add(kernel)
         return kernel
 

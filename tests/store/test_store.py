@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from alembic.script import ScriptDirectory
@@ -123,6 +124,35 @@ def test_downgrade_to_base_and_upgrade_again(store):
     # A fresh schema: empty, and usable at once.
     assert store.list_jobs() == ([], 0)
     assert new_job(store).id >= 1
+
+
+def test_a_downgrade_and_upgrade_keep_the_rows(store):
+    """SQLite rebuilds a table to drop a column; with foreign keys on, dropping the old table deleted the
+    trials and baselines pointing at it, and nulled the served kernels' links."""
+    job = new_job(store)
+    store.record_baseline(job.id, "1024x1024", 2.0, "FakeGPU")
+    kernel = publish(store, job, (1024, 1024), 1.0)
+    downgrade(store.engine, "0007")  # drops columns of jobs and trials (0008, 0009)
+    with store.engine.connect() as conn:
+        counted = {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar() for t in ("trials", "baselines")}
+        links = conn.execute(text("SELECT job_id, trial_id FROM kernels")).one()
+    assert counted == {"trials": 1, "baselines": 1} and tuple(links) == (job.id, kernel.trial_id)
+    migrate(store.engine)
+    assert store.kernel(kernel.id).trial_id == kernel.trial_id and store.has_baseline(job.id, "1024x1024")
+    with store.engine.connect() as conn:  # the keys are enforced again afterwards
+        if store.engine.dialect.name == "sqlite":
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
+def test_a_database_newer_than_this_kernelmill_is_one_line(tmp_path):
+    from kernelmill.service.db.store import DatabaseError
+
+    url = f"sqlite:///{tmp_path}/newer.db"
+    Store(url).close()
+    with Store(url, migrate_on_open=False).engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
+    with pytest.raises(DatabaseError, match=r"Can't locate revision identified by '0999'.*newer kernelmill"):
+        Store(url)
 
 
 # -- jobs -----------------------------------------------------------------------------------
@@ -357,17 +387,25 @@ def test_each_gpu_model_of_an_arch_keeps_its_own_served_kernel(store):
             assert (kernel.median_ms, found_exact) == (ms, exact), device
 
 
+def test_a_kernel_replaced_by_one_without_a_baseline_has_no_speedup(store):
+    first, second = new_job(store), new_job(store)
+    assert publish(store, first, (1024, 1024), 1.0).speedup == pytest.approx(2.0)
+    trial = store.record_trials(second.id, "1024x1024", [row("warp", ms=0.5, BLOCK=9)])[0]
+    replaced = store.publish(store.get_job(second.id), trial, {**served(), "baseline_ms": None})  # none timed
+    assert (replaced.median_ms, replaced.baseline_ms, replaced.speedup) == (0.5, None, None)
+
+
 def test_concurrent_publishes_serve_the_fastest(store):
     """Jobs for one problem finishing together: one served row, the fastest trial.
 
-    On PostgreSQL each publisher has a store (engine) of its own, as separate service processes would:
-    the row lock, not the store's in-process lock, must keep a slower trial from overwriting a faster one.
-    A race is a matter of timing, so a few rounds run, each on a problem of its own.
+    Each publisher has a store (engine) of its own, as separate service processes would: the row lock
+    (PostgreSQL) or the write lock taken before the read (SQLite), not the store's in-process lock, must keep
+    a slower trial from overwriting a faster one. A race is a matter of timing, so a few rounds run, each on a
+    problem of its own.
     """
     times = [0.9, 0.4, 0.7, 0.3, 0.8, 0.6]
     jobs = [new_job(store) for _ in times]
-    separate = store.engine.dialect.name != "sqlite"  # SQLite serves one process only
-    publishers = [Store(store.url, migrate_on_open=False) if separate else store for _ in jobs]
+    publishers = [Store(store.url, migrate_on_open=False) for _ in jobs]
     errors = []
 
     def go(barrier, publisher, job, trial):
@@ -402,6 +440,37 @@ def test_concurrent_publishes_serve_the_fastest(store):
             if publisher is not store:
                 publisher.close()
     assert store.list_kernels()[1] == 4
+
+
+def test_a_publish_waits_for_another_that_has_read_the_served_kernel_on_sqlite(tmp_path):
+    """Two processes' stores: the slower publish has read the served kernel (2.0 ms) and is about to replace it
+    when the faster one publishes. The faster must read after the slower commits, not be overwritten by it."""
+    from sqlalchemy import event
+
+    url = f"sqlite:///{tmp_path}/two.db"
+    slow_store, fast_store = Store(url), Store(url)
+    try:
+        publish(slow_store, new_job(slow_store), (1024, 1024), 2.0)
+        slow_job, fast_job = new_job(slow_store), new_job(fast_store)
+        slow = slow_store.record_trials(slow_job.id, "1024x1024", [row("warp", ms=1.5, BLOCK=1)])[0]
+        fast = fast_store.record_trials(fast_job.id, "1024x1024", [row("warp", ms=1.0, BLOCK=2)])[0]
+        read = threading.Event()
+
+        @event.listens_for(slow_store.engine, "after_cursor_execute")
+        def _hold(conn, cursor, statement, *args):
+            if statement.lstrip().startswith("SELECT") and "FROM kernels" in statement and not read.is_set():
+                read.set()
+                time.sleep(0.3)  # the faster publish runs while this one holds what it read
+
+        writer = threading.Thread(target=slow_store.publish, args=(slow_job, slow, served()))
+        writer.start()
+        assert read.wait(5)
+        fast_store.publish(fast_job, fast, served())
+        writer.join(10)
+        assert fast_store.best_kernel("softmax", (1024, 1024), "float16", None)[0].median_ms == 1.0
+    finally:
+        slow_store.close()
+        fast_store.close()
 
 
 def test_best_kernel_exact_then_nearest(store):
