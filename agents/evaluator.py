@@ -7,6 +7,7 @@ evaluation poisoned the CUDA context ends the batch: the rest come back as
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import random
@@ -131,10 +132,20 @@ class LocalEvaluator:
 
         return get_op(op).family(family)
 
+    def _usable(self) -> None:
+        """GpuUnavailable where a kernel left this process's CUDA context unusable: every later launch would
+        fail there, and be recorded as the fault of the variant that ran it. (A service's worker is replaced
+        after such a batch, and the job resumes on the new one; a process of its own must end.)"""
+        from kernelmill.kernels.device import GpuUnavailable
+
+        if self.device.poisoned:
+            raise GpuUnavailable("a kernel faulted and left this process's CUDA context unusable")
+
     def baseline_ms(self, op, shape, dtype, attrs, precision=None):
         from kernelmill.kernels.bench import time_torch
         from kernelmill.kernels.ops import get_op
 
+        self._usable()
         spec = get_op(op)
         inputs = spec.make_inputs(tuple(shape), dtype, seed=0)
         timing = time_torch(
@@ -159,11 +170,17 @@ class LocalEvaluator:
                 variants.append(Variant.create(op, cand.family, dtype, cand.params, attrs))
             except SpecError as exc:
                 variants.append(exc)
+        self._usable()
         arch = self.device.info.arch
-        # Compile the whole batch in parallel first; evaluate() then finds each in the cache.
-        for suffix in {v.family.arch_suffix for v in variants if isinstance(v, Variant)}:
-            batch = [v.source for v in variants if isinstance(v, Variant) and v.family.arch_suffix == suffix]
-            self.compiler.compile_many(batch, arch + suffix)
+        # Compile the whole batch in parallel first (per nvcc target); evaluate() then finds each in the cache,
+        # or its failure in the compiler's memory. A variant with no target here, evaluate() records unsupported.
+        targets: dict[str, list[str]] = {}
+        for v in variants:
+            if isinstance(v, Variant):
+                with contextlib.suppress(SpecError):
+                    targets.setdefault(v.family.target(arch, v.params), []).append(v.source)
+        for target, sources in targets.items():
+            self.compiler.compile_many(sources, target)
         results: list[TrialResult] = []
         poisoned = False
         for cand, variant in zip(candidates, variants, strict=True):

@@ -113,9 +113,12 @@ def served_fields(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, 
     return build
 
 
-def shape_defaults(space: Space, shape: tuple[int, ...], facts: DeviceFacts) -> list[Candidate]:
+def shape_defaults(
+    space: Space, shape: tuple[int, ...], facts: DeviceFacts, runners_up: bool = True
+) -> list[Candidate]:
     """Each family's parameters for this shape as the runtime would compile them untuned
-    (kernels/defaults.py), so that the search starts there and never serves a kernel slower than them."""
+    (kernels/defaults.py), so that the search starts there and never serves a kernel slower than them; then,
+    with ``runners_up``, the tiles the cost model ranks next."""
     sm_count = int((facts.extra or {}).get("sm_count") or DEFAULT_SM_COUNT)
     out = []
     for fam in space.families.values():
@@ -124,7 +127,7 @@ def shape_defaults(space: Space, shape: tuple[int, ...], facts: DeviceFacts) -> 
             out.append(cand.because("default for this shape"))
     # Then the defaults' runners-up: the wgmma tiles the cost model ranks next once split, and their swapped
     # forms (kernels/defaults.py).
-    for fam in space.families.values():
+    for fam in space.families.values() if runners_up else ():
         for params in default_alternatives(space.op, fam, shape, space.dtype, sm_count):
             cand = space.valid(fam.name, params)
             if cand is not None and cand not in out:
@@ -147,7 +150,7 @@ def run_job(
     # has at least as many trials as shapes: service.jobs.validate_submission.)
     n_shapes = max(1, len(plan.shapes))
     shares = [max(1, plan.budget_trials // n_shapes + (i < plan.budget_trials % n_shapes)) for i in range(n_shapes)]
-    space = Space(spec, plan.dtype, plan.families)
+    space = Space(spec, plan.dtype, plan.families).for_arch(facts.arch)
     total = failed = 0
     histories = {format_shape(s): recorder.observations(format_shape(s)) for s in plan.shapes}
     for history in histories.values():
@@ -168,9 +171,12 @@ def run_job(
         best = min((o.median_ms for o in history if o.ok), default=None)
         since_gain = 0
         warm = [c for c in recorder.warm_start(key) if c in shape_space] if plan.warm_start else []
-        # Each candidate once, first mention first: a warm start may also be a shape default, and a batch that
-        # held it twice ran it twice and counted a trial the store does not keep.
-        warm = _first_of_each([*warm, *shape_defaults(shape_space, tuple(shape), facts)])
+        # The shape defaults first (what the runtime would run untuned: a small share must not be spent before
+        # them), then the warm starts, then the defaults' runners-up. Each candidate once, first mention first:
+        # a warm start may also be a shape default, and a batch that held it twice ran it twice and counted a
+        # trial the store does not keep.
+        defaults = shape_defaults(shape_space, tuple(shape), facts, runners_up=False)
+        warm = _first_of_each([*defaults, *warm, *shape_defaults(shape_space, tuple(shape), facts)])
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"
@@ -197,6 +203,11 @@ def run_job(
             for cand, r in zip(batch, results, strict=True):
                 r.note = r.note or cand.note or None
             kept = [r for r in results if r.status != SKIPPED]
+            if not kept:  # nothing ran: asking again would loop for ever
+                raise RuntimeError(f"the evaluator skipped every candidate of a batch of {len(batch)}")
+            # Candidates a poisoned context skipped run first in the next batch (on a fresh worker): a warm start
+            # or shape default among them would otherwise never run, as strategies propose them only by chance.
+            warm = [c for c, r in zip(batch, results, strict=True) if r.status == SKIPPED] + warm
             recorder.record(key, kept)
             for r in kept:
                 history.append(Observation(r.candidate, r.status, r.median_ms, trial_facts(r)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,11 +88,25 @@ class Space:
     def for_shape(self, shape: tuple[int, ...]) -> Space:
         """The candidates whose family accepts ``shape`` (``Family.check_shape``): the rest could only be
         recorded as unsupported trials, so a search at one shape never spends its budget on them."""
+        return self._view(lambda c: self.families[c.family].check_shape(shape, c.params, self.dtype) is None)
+
+    def for_arch(self, arch: str) -> Space:
+        """The candidates that have a target on GPU ``arch`` (``Family.target``): wgmma runs on sm_90 alone, so
+        on another GPU its candidates are left out, not tried and recorded as unsupported."""
+
+        def runs(c: Candidate) -> bool:
+            try:
+                self.families[c.family].target(arch, c.params)
+            except SpecError:
+                return False
+            return True
+
+        return self._view(runs)
+
+    def _view(self, keep: Callable[[Candidate], bool]) -> Space:
         view = object.__new__(Space)
         view.op, view.dtype, view.families, view.precision = self.op, self.dtype, self.families, self.precision
-        view.candidates = [
-            c for c in self.candidates if self.families[c.family].check_shape(shape, c.params, self.dtype) is None
-        ]
+        view.candidates = [c for c in self.candidates if keep(c)]
         view._index = {c.key: c for c in view.candidates}
         return view
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,8 @@ from kernelmill.runtime.registry import answer_detail, excerpt
 from kernelmill.service.api.schemas import JobOut, KernelSummary, Page, WorkersOut
 from kernelmill.service.db.models import ACTIVE_STATES
 from kernelmill.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 
 class ServerError(ValueError):
@@ -185,15 +193,19 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
     """Run the job in this process on this GPU, recorded in the local database."""
     from kernelmill.agents.evaluator import LocalEvaluator
     from kernelmill.agents.loop import JobPlan, run_job
+    from kernelmill.kernels.device import GpuUnavailable
     from kernelmill.service.api.jobs import job_out
     from kernelmill.service.db.store import Store
-    from kernelmill.service.jobs import StoreRecorder
+    from kernelmill.service.jobs import JobRunner, StoreRecorder
 
     evaluator = LocalEvaluator(0, settings.verify_seeds, settings.bench_reps, settings.kernel_timeout_s)
     store = Store(settings.database_url)
     facts = evaluator.facts()
     job = store.create_job(**{**fields, "arch": facts.arch})
-    store.start_job(job.id, "embedded", facts.name)
+    # Leased to this process like a service's runner, so a service on the same database neither takes the job
+    # over as lapsed while it runs here nor finds it stuck "running" should this process die.
+    runner = f"tune@{socket.gethostname()}:{os.getpid()}"
+    store.start_job(job.id, "embedded", facts.name, runner, JobRunner.lease_s)
     plan = JobPlan(
         job.id,
         job.op,
@@ -219,15 +231,52 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
                 **_fmt(p.best_ms, p.speedup),
             )
 
+        error = None
         try:
-            state = run_job(plan, evaluator, StoreRecorder(store, job.id), show)
+            with _lease_kept(store, runner, job.id):
+                state = run_job(plan, evaluator, StoreRecorder(store, job.id), show)
         except KeyboardInterrupt:
-            store.finish_job(job.id, "cancelled", "interrupted")
+            store.finish_job(job.id, "cancelled", "interrupted", runner=runner)
             raise
-    store.finish_job(job.id, state)
+        except GpuUnavailable as exc:  # a fault poisoned this process's context: nothing more runs here
+            state, error = (
+                "failed",
+                (
+                    f"stopped: {exc}; the trials so far are recorded (a service's worker is replaced after such a "
+                    "fault and the job goes on: kernelmill serve, then tune --server)"
+                ),
+            )
+        except BaseException as exc:
+            store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}", runner=runner)
+            raise
+    if not store.finish_job(job.id, state, error, runner=runner):
+        console.print(f"job {job.id} was taken over meanwhile (its lease lapsed): the state it ended in is not ours")
     out = job_out(store, store.get_job(job.id)).model_dump()
     _summary(console, out)
     return out
+
+
+@contextmanager
+def _lease_kept(store: Any, runner: str, job_id: int) -> Iterator[None]:
+    """Renews ``runner``'s lease on the job every third of its length, from a thread, while the body runs."""
+    from kernelmill.service.jobs import JobRunner
+
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(JobRunner.lease_s / 3):
+            try:
+                store.renew_leases(runner, [job_id], JobRunner.lease_s)
+            except Exception as exc:  # noqa: BLE001 - a busy database: the next renewal may pass
+                log.warning("job %s: renewing its lease failed: %s", job_id, exc)
+
+    keeper = threading.Thread(target=renew, name=f"lease-job-{job_id}", daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        keeper.join()
 
 
 def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[str, Any]]:

@@ -248,6 +248,9 @@ class Compiler:
         self.cache_dir = Path(cache_dir or settings.cache_dir) / "cubin"
         self._nvcc = nvcc
         self.timeout_s = timeout_s or settings.compile_timeout_s
+        # nvcc's failures by cache key, for this compiler's life: a batch compiled in parallel first and then
+        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source (a timeout, twice).
+        self._failed: dict[str, CompileError] = {}
 
     @property
     def nvcc(self) -> str:
@@ -271,6 +274,17 @@ class Compiler:
         hit = self._load(key, arch)
         if hit is not None:
             return hit
+        if key in self._failed:
+            raise self._failed[key]
+        try:
+            compiled = self._nvcc_compile(source, arch, flags, key)
+        except CompileError as exc:
+            self._failed[key] = exc
+            raise
+        self._store(compiled)
+        return compiled
+
+    def _nvcc_compile(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
         with tempfile.TemporaryDirectory(prefix="kernelmill-nvcc-") as tmp:
             src = Path(tmp) / "kernel.cu"
             out = Path(tmp) / "kernel.cubin"
@@ -283,9 +297,7 @@ class Compiler:
             log_text = (proc.stdout + proc.stderr).replace(str(src), "kernel.cu")
             if proc.returncode != 0 or not out.exists():
                 raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)
-            compiled = CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)
-        self._store(compiled)
-        return compiled
+            return CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)
 
     def compile_many(
         self, sources: Iterable[str], arch: str | None = None, workers: int | None = None

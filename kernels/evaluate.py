@@ -64,6 +64,8 @@ def evaluate(
         compiled = variant.compile(compiler, arch)
     except CompileError as exc:
         return Evaluation(variant, shape, COMPILE_ERROR, str(exc))
+    except SpecError as exc:  # no target on this GPU (wgmma off sm_90)
+        return Evaluation(variant, shape, UNSUPPORTED, str(exc))
     result = Evaluation(variant, shape, OK, compiled=compiled)
     try:
         bound = BoundVariant(device, variant, compiled, shape)

@@ -54,6 +54,38 @@ def test_planted_syntax_error_gives_compile_error_with_log(compiler):
     assert "error" in info.value.log and "kernel.cu" in info.value.log
 
 
+def test_a_source_nvcc_refused_is_not_compiled_again_by_that_compiler(tmp_path, monkeypatch):
+    """The evaluator compiles a batch in parallel, then each variant: a failing one ran nvcc twice (a timeout
+    took its 120 s twice)."""
+    import subprocess
+
+    compiler = Compiler(cache_dir=tmp_path)
+    broken = Variant.create("softmax", "warp_row", "float16").source + "\nthis is not C++;\n"
+    runs = []
+    real_run = subprocess.run
+
+    def counting(cmd, *args, **kwargs):
+        if "-cubin" in cmd:
+            runs.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counting)
+    (first,) = compiler.compile_many([broken], "sm_90")
+    assert isinstance(first, CompileError)
+    with pytest.raises(CompileError) as again:
+        compiler.compile(broken, "sm_90")
+    assert again.value is first and len(runs) == 1
+    assert len(Compiler(cache_dir=tmp_path).compile_many([broken], "sm_90")) == 1 and len(runs) == 2  # per compiler
+
+
+def test_a_variant_with_no_target_on_the_gpu_is_evaluated_unsupported(compiler):
+    from kernelmill.kernels.evaluate import UNSUPPORTED, evaluate
+
+    variant = Variant.create("matmul", "wgmma", "float16")
+    ev = evaluate(variant, (256, 256, 256), device=None, compiler=compiler, arch="sm_80")
+    assert ev.status == UNSUPPORTED and "runs on sm_90 only, not sm_80" in ev.reason
+
+
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_wgmma_staged_row_stride_is_tied_to_the_python_formula(compiler, swap_ab):
     # WgmmaFamily.staged_row_floats sizes the staged fp32 tile that check() fits into the ring; the kernel has

@@ -209,14 +209,68 @@ def test_loop_stops_on_plateau():
     assert len(rec.trials["256x256"]) < 400
 
 
-def test_warm_start_candidates_go_first_with_their_reason(space):
+def test_warm_start_candidates_go_right_after_the_shape_defaults_with_their_reason(space):
+    """The defaults first: a small share spent on warm starts left the runtime's own default untried."""
+    from kernelmill.agents.loop import shape_defaults
+
     rec = MemoryRecorder()
     picks = [space.candidates[77], space.candidates[200]]
     rec.warm = [c.because("warm start: best of softmax 512x512") for c in picks]
-    run_job(plan(shapes=[(256, 256)], budget_trials=6), FakeEvaluator(fail_every=0), rec)
-    first = rec.trials["256x256"][:2]
-    assert [r.candidate for r in first] == picks
-    assert all(r.note.startswith("warm start") for r in first)
+    defaults = shape_defaults(space.for_shape((256, 256)), (256, 256), FakeEvaluator().facts(), runners_up=False)
+    run_job(plan(shapes=[(256, 256)], budget_trials=len(defaults) + 3), FakeEvaluator(fail_every=0), rec)
+    tried = rec.trials["256x256"]
+    assert [r.candidate for r in tried[: len(defaults)]] == defaults
+    warm = tried[len(defaults) : len(defaults) + 2]
+    assert [r.candidate for r in warm] == picks
+    assert all(r.note.startswith("warm start") for r in warm)
+
+
+def test_a_search_on_a_gpu_without_wgmma_never_tries_it():
+    """wgmma runs on sm_90 alone: on an sm_80 GPU its shape default was compiled, refused by Family.target,
+    and the uncaught SpecError failed the job."""
+    matmul = get_op("matmul")
+    assert any(c.family == "wgmma" for c in Space(matmul, "float16").for_arch("sm_90").candidates)
+    assert not any(c.family == "wgmma" for c in Space(matmul, "float16").for_arch("sm_80").candidates)
+    rec = MemoryRecorder()
+    job = plan(op="matmul", shapes=[(256, 1024, 1024)], budget_trials=12, batch_size=4)
+    assert run_job(job, FakeEvaluator(arch="sm_80", fail_every=0), rec) == "done"
+    families = {r.candidate.family for r in rec.trials["256x1024x1024"]}
+    assert len(rec.trials["256x1024x1024"]) == 12 and "wgmma" not in families and "tensorcore" in families
+
+
+class SkippingEvaluator(FakeEvaluator):
+    """Its first batch: the first candidate faults and poisons the context, the others are skipped."""
+
+    def __init__(self, skip_all: bool = False):
+        super().__init__(fail_every=0)
+        self.batches: list[list[str]] = []
+        self.skip_all = skip_all
+
+    def evaluate(self, op, shape, dtype, attrs, candidates):
+        from kernelmill.agents.evaluator import SKIPPED
+
+        self.batches.append([c.key for c in candidates])
+        results = super().evaluate(op, shape, dtype, attrs, candidates)
+        if len(self.batches) == 1 or self.skip_all:
+            faulted = [] if self.skip_all else [TrialResult(results[0].family, results[0].params, "fault", "boom")]
+            skipped = [TrialResult(r.family, r.params, SKIPPED, "context poisoned") for r in results[len(faulted) :]]
+            return faulted + skipped
+        return results
+
+
+def test_candidates_a_poisoned_context_skipped_run_first_in_the_next_batch():
+    evaluator, rec = SkippingEvaluator(), MemoryRecorder()
+    run_job(plan(shapes=[(256, 256)], budget_trials=8, batch_size=4), evaluator, rec)
+    first, second = evaluator.batches[:2]
+    assert second[:3] == first[1:]  # the shape defaults it skipped, before anything new
+    assert [r.status for r in rec.trials["256x256"]][:4] == ["fault", "ok", "ok", "ok"]
+
+
+def test_a_batch_skipped_whole_is_an_error_not_an_endless_loop():
+    with pytest.raises(RuntimeError, match="skipped every candidate of a batch of 4"):
+        run_job(
+            plan(shapes=[(256, 256)], budget_trials=8, batch_size=4), SkippingEvaluator(skip_all=True), MemoryRecorder()
+        )
 
 
 def test_the_runtime_default_for_the_shape_is_among_the_first_trials():
