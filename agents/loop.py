@@ -135,6 +135,16 @@ def shape_defaults(
     return out
 
 
+def _after(best: float | None, since_gain: int, median_ms: float | None) -> tuple[float | None, int]:
+    """(best time, trials since the last gain of 1% or more) once a trial taking ``median_ms`` (None: it
+    failed) is counted."""
+    if median_ms is None:
+        return best, since_gain + 1
+    if best is None or median_ms < best * 0.99:
+        return median_ms, 0
+    return min(best, median_ms), since_gain + 1
+
+
 def run_job(
     plan: JobPlan,
     evaluator: Evaluator,
@@ -168,8 +178,11 @@ def run_job(
         shape_space = space.for_shape(tuple(shape))
         if not len(shape_space):
             log.warning("job %s %s: no variant of %s accepts this shape", plan.job_id, key, plan.op)
-        best = min((o.median_ms for o in history if o.ok), default=None)
-        since_gain = 0
+        # Trials since the last gain of 1%, counted over the recorded ones too: a resumed job whose shape had
+        # reached its plateau moved on at once, not after another plateau's worth of trials.
+        best, since_gain = None, 0
+        for o in history:
+            best, since_gain = _after(best, since_gain, o.median_ms if o.ok else None)
         warm = [c for c in recorder.warm_start(key) if c in shape_space] if plan.warm_start else []
         # The shape defaults first (what the runtime would run untuned: a small share must not be spent before
         # them), then the warm starts, then the defaults' runners-up. Each candidate once, first mention first:
@@ -212,14 +225,10 @@ def run_job(
             for r in kept:
                 history.append(Observation(r.candidate, r.status, r.median_ms, trial_facts(r)))
                 total += 1
-                if r.status != "ok" or r.median_ms is None:
+                ok_ms = r.median_ms if r.status == "ok" else None
+                if ok_ms is None:
                     failed += 1
-                    since_gain += 1
-                elif best is None or r.median_ms < best * 0.99:
-                    best, since_gain = r.median_ms, 0
-                else:
-                    since_gain += 1
-                    best = min(best, r.median_ms)
+                best, since_gain = _after(best, since_gain, ok_ms)
             if on_progress:
                 on_progress(Progress(plan.job_id, key, total, failed, sum(shares), best, baseline, kept))
         # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).

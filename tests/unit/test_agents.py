@@ -209,6 +209,18 @@ def test_loop_stops_on_plateau():
     assert len(rec.trials["256x256"]) < 400
 
 
+def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
+    """Restarted, it began counting from 0 and spent another plateau's worth of trials on a shape that had
+    stopped improving, before the shapes it had not reached."""
+    rec = MemoryRecorder()
+    job = plan(shapes=[(256, 256)], budget_trials=400, plateau=10, batch_size=2)
+    run_job(job, FakeEvaluator(fail_every=0), rec)
+    ran = len(rec.trials["256x256"])
+    assert ran < 400
+    run_job(job, FakeEvaluator(fail_every=0), rec)  # resumed: the plateau is already reached
+    assert len(rec.trials["256x256"]) == ran
+
+
 def test_warm_start_candidates_go_right_after_the_shape_defaults_with_their_reason(space):
     """The defaults first: a small share spent on warm starts left the runtime's own default untried."""
     from kernelmill.agents.loop import shape_defaults
