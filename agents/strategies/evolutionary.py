@@ -22,11 +22,13 @@ class Evolutionary:
         picked = seen | {c.key for c in out}
         parents = [o.candidate for o in sorted((o for o in history if o.ok), key=lambda o: o.median_ms)]
         parents = parents[: self.population]
+        # The batch's room past the defaults: an ``explore`` share of it drawn at random, children fill the
+        # rest (a coin per child stopped at the first tails: ~35% random picks, not 20%).
+        room = n - len(out)
+        goal = len(out) + room - round(room * self.explore)
         tries = 0
-        while parents and len(out) < n and tries < 50 * n:
+        while parents and len(out) < goal and tries < 50 * n:
             tries += 1
-            if self.rng.random() < self.explore:
-                break
             child = self._child(space, parents)
             if child is not None and child.key not in picked:
                 out.append(child)

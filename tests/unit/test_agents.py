@@ -45,6 +45,16 @@ def test_evolutionary_moves_near_the_best():
     assert any(c.key in near or c.family == best.family for c in batch)
 
 
+def test_evolutionary_draws_its_explore_share_at_random_and_breeds_the_rest(space):
+    strategy = get_strategy("evolutionary", seed=2)
+    history = [Observation(c, "ok", 1.0 + i) for i, c in enumerate(space.defaults())]
+    bred = iter(c for c in space.candidates if c not in space.defaults())
+    strategy._child = lambda space, parents: next(bred)
+    batch = strategy.propose(space, history, 10)
+    children = [c for c in space.candidates if c not in space.defaults()][:8]
+    assert batch[:8] == children and len(batch) == 10 and not set(batch[8:]) & set(children)
+
+
 def test_neighbours_differ_by_one_knob(space):
     cand = space.defaults()[0]
     for n in space.neighbours(cand):
