@@ -453,6 +453,8 @@ async def run_workers(scheduler: str, gpus: int | None = None) -> None:
         found, how = count_gpus()
         if found == 0:
             raise RuntimeError(f"no GPU to serve ({how})")
+        if gpus is not None and gpus > found:  # workers pinned to GPUs that are not there take jobs only to bounce them
+            raise ValueError(f"--gpus {gpus}: this host has {found} (counted by {how})")
         n = found if gpus is None else gpus
     if not fake_device and importlib.util.find_spec("pycuda") is None:
         raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")

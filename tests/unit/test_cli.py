@@ -192,6 +192,12 @@ def test_worker_refuses_a_gpu_count_below_one_and_a_host_without_gpus(monkeypatc
         none = runner.invoke(app, ["worker", "--scheduler", address, "--gpus", "2"])
     assert none.exit_code == 3 and "no GPU to serve (nvidia-smi lists no GPU)" in none.output, none.output
     assert "Traceback" not in low.output + none.output
+    # More than the host has: workers pinned to GPUs that are not there would take jobs only to bounce them.
+    monkeypatch.setattr(executor, "count_gpus", lambda: (2, "nvidia-smi"))
+    with socket.create_server(("127.0.0.1", 0)) as scheduler:
+        address = f"tcp://127.0.0.1:{scheduler.getsockname()[1]}"
+        more = runner.invoke(app, ["worker", "--scheduler", address, "--gpus", "4"])
+    assert more.exit_code == 2 and "--gpus 4: this host has 2 (counted by nvidia-smi)" in more.output, more.output
 
 
 def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
