@@ -24,12 +24,20 @@ from typing import Any, Protocol
 
 from kernelmill.agents.evaluator import DeviceFacts, Evaluator, FakeEvaluator, TrialResult
 from kernelmill.agents.space import Candidate
+from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.settings import Settings
 
 log = logging.getLogger(__name__)
 
 #: How often a call waiting on a worker checks that the process its task is pinned to is still there (s).
 _POLL_S = 2.0
+#: Seconds between attempts to connect again to a scheduler whose connection closed.
+_RECONNECT_S = 10.0
+
+
+class WorkerGone(GpuUnavailable):
+    """No live process of a GPU worker joined in time, or the scheduler's connection was lost: nothing of the
+    task is known to have run, so no trial is blamed; the job goes back to the queue (service.jobs)."""
 
 
 @dataclass
@@ -212,7 +220,10 @@ class DaskEvaluator:
             results = self._result(task_evaluate, op, list(shape), dtype, dict(attrs), payload, timeout=timeout)
         except KilledWorker:
             self.executor.restart(self.worker)
-            why = "the worker process died while evaluating this batch (it was replaced)"
+            if len(candidates) > 1:  # which one killed it is not known: each again on its own, on a fresh process
+                log.warning("worker %s died on a batch of %d: each again alone", self.worker, len(candidates))
+                return [r for c in candidates for r in self.evaluate(op, shape, dtype, attrs, [c])]
+            why = "the worker process died while evaluating this candidate (it was replaced)"
             return [TrialResult(c.family, c.params, "fault", why) for c in candidates]
         except TimeoutError:
             self.executor.restart(self.worker)
@@ -236,6 +247,7 @@ class DaskExecutor(_Busy):
         self._pending_facts: dict[str, Any] = {}
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
+        self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -246,8 +258,29 @@ class DaskExecutor(_Busy):
         self.client = Client(self.cluster)
 
     def _registered(self) -> dict[str, dict[str, Any]]:
-        """The worker processes registered with the scheduler now, by address."""
-        return self.client.scheduler_info(n_workers=-1)["workers"]
+        """The worker processes registered with the scheduler now, by address (none while it cannot be reached)."""
+        if not self._connected():
+            return {}
+        return self.client.scheduler_info(n_workers=-1).get("workers", {})
+
+    def _connected(self) -> bool:
+        """Whether the client is connected, connecting again where its connection to a scheduler of its own
+        (``--scheduler``) closed: a scheduler away longer than the client's reconnect window (20 s) closed it
+        for good, and the service never reached a worker again."""
+        if self.client.status != "closed" or not self.settings.scheduler:
+            return self.client.status != "closed"
+        if time.monotonic() < self._reconnect_at:
+            return False
+        self._reconnect_at = time.monotonic() + _RECONNECT_S
+        from distributed import Client
+
+        try:
+            self.client = Client(self.settings.scheduler, timeout="5s")
+        except OSError as exc:  # TimeoutError too
+            log.warning("scheduler %s unreachable (%s); next try in %.0f s", self.settings.scheduler, exc, _RECONNECT_S)
+            return False
+        log.warning("connected again to the scheduler at %s", self.settings.scheduler)
+        return True
 
     def _processes(self, worker: str) -> set[str]:
         """The addresses of the registered processes of the worker named ``worker``."""
@@ -312,8 +345,10 @@ class DaskExecutor(_Busy):
         """``fn(*args)`` on GPU worker ``worker``; TimeoutError after ``timeout`` s without an answer (the task
         cancelled). A task still waiting on a process that has left is pinned to the worker's new process: it
         never started there (a task whose worker dies while running it errs at once, KilledWorker)."""
+        from concurrent.futures import CancelledError
+
         deadline = time.monotonic() + timeout
-        address, future = self.submit(worker, fn, *args, timeout=timeout, gpu=gpu)
+        address, future = self._submit_or_gone(worker, fn, *args, timeout=timeout, gpu=gpu)
         while True:
             try:
                 return future.result(timeout=max(0.01, min(_POLL_S, deadline - time.monotonic())))
@@ -325,7 +360,16 @@ class DaskExecutor(_Busy):
                     log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
                     future.cancel()
                     left = max(0.0, deadline - time.monotonic())
-                    address, future = self.submit(worker, fn, *args, timeout=left, gpu=gpu)
+                    address, future = self._submit_or_gone(worker, fn, *args, timeout=left, gpu=gpu)
+            except (CancelledError, OSError) as exc:  # the scheduler went away: FutureCancelledError, CommClosedError
+                why = str(exc) or type(exc).__name__
+                raise WorkerGone(f"lost the scheduler while GPU worker {worker} ran a task ({why})") from None
+
+    def _submit_or_gone(self, worker: str, fn, *args, timeout: float, gpu: bool) -> tuple[str, Any]:
+        try:
+            return self.submit(worker, fn, *args, timeout=timeout, gpu=gpu)
+        except TimeoutError as exc:  # no process of it to run the task: the worker, not a trial, is at fault
+            raise WorkerGone(str(exc)) from None
 
     def _facts_future(self, worker: str) -> Any:
         """The background facts task of ``worker`` (submitted once, again where its process has left); None while

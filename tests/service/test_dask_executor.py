@@ -115,8 +115,49 @@ def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(e
         facts = executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)
     assert facts["name"] == "FakeGPU 1" and f"worker gpu1 left {gone} before running a task" in caplog.text
     monkeypatch.setattr(executor, "address", real)
-    with pytest.raises(TimeoutError, match="no process of GPU worker gpu7 joined the scheduler within 0 s"):
+    # No process of the worker at all: the worker is gone (the job goes back to the queue), no trial timed out.
+    with pytest.raises(
+        executor_module.WorkerGone, match="no process of GPU worker gpu7 joined the scheduler within 0 s"
+    ):
         executor.run_on("gpu7", executor_module.task_facts, timeout=0.3)
+
+
+def test_a_batch_that_kills_its_worker_is_evaluated_again_one_by_one(executor, crash_family_key):
+    """Which candidate killed the process is not known: only that one is recorded as the fault."""
+    evaluator = executor.evaluator("gpu0")
+    space = Space(get_op("softmax"), "float16")
+    others = [c for c in space.candidates[:8] if c != crash_family_key][:2]
+    results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [others[0], crash_family_key, others[1]])
+    statuses = [r.status for r in results]
+    assert statuses[1] == "fault" and "died" in results[1].reason
+    assert statuses[0] != "fault" and statuses[2] != "fault", [r.reason for r in results]
+
+
+def test_a_task_cancelled_under_it_is_a_lost_worker_not_a_failed_trial(executor, monkeypatch):
+    """The scheduler's connection lost: the tasks' futures are cancelled. That is no trial's fault."""
+    import threading
+
+    from kernelmill.service import executor as executor_module
+
+    submitted = []
+    real_submit = executor.submit
+
+    def keep(*args, **kwargs):
+        submitted.append(real_submit(*args, **kwargs))
+        return submitted[-1]
+
+    monkeypatch.setattr(executor, "submit", keep)
+    threading.Timer(1.0, lambda: submitted[0][1].cancel()).start()
+    with pytest.raises(executor_module.WorkerGone, match="lost the scheduler while GPU worker gpu0 ran a task"):
+        executor.run_on("gpu0", time.sleep, 30, timeout=20)
+
+
+def test_a_closed_connection_to_the_scheduler_is_opened_again(executor):
+    """Away longer than its reconnect window, the client closes for good: the service never saw a worker again."""
+    executor.settings = executor.settings.model_copy(update={"scheduler": executor.cluster.scheduler_address})
+    executor.client.close()
+    assert executor.worker_names() == ["gpu0", "gpu1"]
+    assert executor.client.status == "running"
 
 
 def _linger_at_exit(seconds: float) -> None:
