@@ -167,9 +167,12 @@ def run_job(
         total += len(history)
         failed += sum(1 for o in history if not o.ok)
 
-    for shape, per_shape in zip(plan.shapes, shares, strict=False):
+    for index, (shape, per_shape) in enumerate(zip(plan.shapes, shares, strict=False)):
         key = format_shape(shape)
         history = histories[key]
+        # The time left shared by the shapes left (what one leaves unused passes on): the first shape of a job
+        # took the whole time budget, and the others not even a baseline.
+        shape_deadline = clock() + max(0.0, deadline - clock()) / (n_shapes - index)
         measured, baseline = recorder.baseline(key)
         if not measured:
             baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs, space.precision)
@@ -193,8 +196,8 @@ def run_job(
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"
-            if clock() > deadline:
-                log.info("job %s: time budget spent", plan.job_id)
+            if clock() > shape_deadline:
+                log.info("job %s %s: its share of the time budget spent", plan.job_id, key)
                 break
             if since_gain >= plan.plateau:
                 log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
@@ -234,8 +237,8 @@ def run_job(
         # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).
         if recorder.cancelled():
             return "cancelled"
-        if clock() <= deadline:  # profiling takes seconds a shape: not past the time budget
-            _profile_best(plan, evaluator, recorder, shape, history, deadline, clock)
+        if clock() <= shape_deadline:  # profiling takes seconds a shape: not past the shape's time
+            _profile_best(plan, evaluator, recorder, shape, history, shape_deadline, clock)
         if recorder.cancelled():
             return "cancelled"
         recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))

@@ -7,7 +7,7 @@ from kernelmill.agents.loop import JobPlan, run_job
 from kernelmill.agents.space import Observation, Space
 from kernelmill.agents.strategies import STRATEGIES, get_strategy
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import SpecError
+from kernelmill.kernels.ops.base import SpecError, format_shape
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,17 @@ def test_loop_stops_on_cancel_and_on_time():
     rec2 = MemoryRecorder()
     assert run_job(plan(budget_seconds=3), FakeEvaluator(), rec2, clock=lambda: next(ticks)) == "done"
     assert sum(len(v) for v in rec2.trials.values()) < 30
+
+
+def test_the_time_budget_is_shared_by_the_shapes():
+    """The first shape took all of it: the others got not even a baseline, and the job ended "done"."""
+    shapes = [(256, 256), (64, 1000), (128, 512)]
+    ticks = iter(range(10_000))
+    rec = MemoryRecorder()
+    job = plan(shapes=shapes, budget_trials=600, budget_seconds=60, batch_size=2)
+    assert run_job(job, FakeEvaluator(fail_every=0), rec, clock=lambda: next(ticks)) == "done"
+    ran = [len(rec.trials.get(format_shape(s), [])) for s in shapes]
+    assert all(n >= 2 for n in ran) and sum(ran) < 600 and set(rec.baselines) == {format_shape(s) for s in shapes}
 
 
 def test_a_cancel_during_the_last_batch_or_profiling_ends_cancelled_and_publishes_nothing():
