@@ -239,12 +239,10 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
             store.finish_job(job.id, "cancelled", "interrupted", runner=runner)
             raise
         except GpuUnavailable as exc:  # a fault poisoned this process's context: nothing more runs here
-            state, error = (
-                "failed",
-                (
-                    f"stopped: {exc}; the trials so far are recorded (a service's worker is replaced after such a "
-                    "fault and the job goes on: kernelmill serve, then tune --server)"
-                ),
+            state = "failed"
+            error = (
+                f"stopped: {exc}; the trials so far are recorded (a service's worker is replaced after such a fault "
+                "and the job goes on: kernelmill serve, then tune --server)"
             )
         except BaseException as exc:
             store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}", runner=runner)

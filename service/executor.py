@@ -343,8 +343,9 @@ class DaskExecutor(_Busy):
 
     def run_on(self, worker: str, fn, *args, timeout: float, gpu: bool = True) -> Any:
         """``fn(*args)`` on GPU worker ``worker``; TimeoutError after ``timeout`` s without an answer (the task
-        cancelled). A task still waiting on a process that has left is pinned to the worker's new process: it
-        never started there (a task whose worker dies while running it errs at once, KilledWorker)."""
+        cancelled), WorkerGone where no process of the worker joins meanwhile or the scheduler is lost. A task
+        still waiting on a process that has left is pinned to the worker's new process: it never started there
+        (a task whose worker dies while running it errs at once, KilledWorker)."""
         from concurrent.futures import CancelledError
 
         deadline = time.monotonic() + timeout
@@ -362,6 +363,8 @@ class DaskExecutor(_Busy):
                     left = max(0.0, deadline - time.monotonic())
                     address, future = self._submit_or_gone(worker, fn, *args, timeout=left, gpu=gpu)
             except (CancelledError, OSError) as exc:  # the scheduler went away: FutureCancelledError, CommClosedError
+                if future.status == "error":  # the task's own OSError, raised again here: not the scheduler's
+                    raise
                 why = str(exc) or type(exc).__name__
                 raise WorkerGone(f"lost the scheduler while GPU worker {worker} ran a task ({why})") from None
 
