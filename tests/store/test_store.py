@@ -325,6 +325,27 @@ def test_summary_counts_best_and_baseline(store):
     assert best.median_ms == 0.5 and best.cubin == b"cubin-rowwise"
 
 
+def test_a_timed_trial_that_failed_its_check_after_timing_is_never_the_best(store):
+    """evaluate() keeps the timing of a kernel that went wrong after its timed launches: recorded with its time
+    and cubin, it must never be a job's best, a warm start elsewhere, or served."""
+    job, other = new_job(store), new_job(store)
+    wrong = TrialResult(
+        "warp", {"BLOCK": 1}, "wrong_result", "after 40 timed launches: y: relative error 0.5", "sm_90", "vk",
+        max_rel_err=0.5, median_ms=0.1, min_ms=0.1, spread=0.01, reps=10, cubin=b"cubin-wrong",
+    ).row()  # fmt: skip
+    store.record_trials(job.id, "1024x1024", [wrong, row("rowwise", ms=1.0, BLOCK=2)])
+    best = store.best_trial(job.id, "1024x1024")
+    assert (best.status, best.median_ms) == ("ok", 1.0)
+    (summary,) = store.summary(store.get_job(job.id))
+    assert summary.best_ms == 1.0 and summary.best_trial_id == best.id
+    assert [t.median_ms for t, _ in store.best_trials_elsewhere(other)] == [1.0]
+    from kernelmill.service.jobs import StoreRecorder
+
+    StoreRecorder(store, job.id).publish_best("1024x1024", lambda family, params: served())
+    served_now = store.best_kernel("softmax", (1024, 1024), "float16", None)[0]
+    assert (served_now.median_ms, served_now.family) == (1.0, "rowwise")
+
+
 # -- served kernels ---------------------------------------------------------------------------------
 
 
