@@ -1,7 +1,9 @@
 """Markers say what a test needs; a machine without it skips with the reason.
 
 CI sets KERNELMILL_REQUIRE_NVCC=1 so that compile tests fail rather than skip
-when nvcc is missing there.
+when nvcc is missing there; a GPU run (benchmarks/device_check.sh) sets
+KERNELMILL_REQUIRE_GPU=1, so that a host whose pycuda or driver is broken fails
+instead of reporting every GPU test skipped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ def _gpu_reason() -> str | None:
 def pytest_collection_modifyitems(config, items):
     need_gpu = any("gpu" in item.keywords for item in items)
     gpu_reason = _gpu_reason() if need_gpu else None
+    if gpu_reason and os.environ.get("KERNELMILL_REQUIRE_GPU") == "1":
+        raise pytest.UsageError(f"KERNELMILL_REQUIRE_GPU=1 but the GPU tests cannot run here: {gpu_reason}")
     nvcc_missing = shutil.which(os.environ.get("KERNELMILL_NVCC", "nvcc")) is None
     if nvcc_missing and os.environ.get("KERNELMILL_REQUIRE_NVCC") == "1":
         raise pytest.UsageError("KERNELMILL_REQUIRE_NVCC=1 but nvcc is not on PATH: compile tests cannot run")
