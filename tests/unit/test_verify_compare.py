@@ -51,6 +51,29 @@ def test_element_over_its_allowance_is_named_with_its_values():
     assert check.worst_element == (3, 5) and check.allowance_used > 1
 
 
+def test_the_per_element_check_sees_every_chunk_and_names_the_element(monkeypatch):
+    """compare() walks large outputs in chunks (an 8192 x 8192 softmax is four): a wrong element in the last
+    one fails, at its own index."""
+    from kernelmill.kernels import verify
+
+    monkeypatch.setattr(verify, "_CHUNK", 7)
+    ref = np.random.default_rng(3).uniform(0.5, 1.0, size=(6, 5))
+    out = ref.astype(np.float16)
+    out[5, 3] = np.float16(ref[5, 3] * 1.01)  # element 28: the fifth chunk of 7
+    check = compare(out, ref, 0, "y", FP16)
+    assert check.allowance_used > 1 and check.worst_element == (5, 3)
+    assert check.worst_values == (float(out[5, 3]), ref[5, 3])
+
+
+def test_an_output_of_negative_values_is_held_to_its_largest_magnitude():
+    ref = -np.random.default_rng(4).uniform(1.0, 2.0, size=(64, 64))
+    out = ref.copy()
+    out[7, 7] += 0.1  # 5% of max |ref|: the max elementwise check, against -min, fails it
+    check = compare(out, ref, 0, "y", Tolerance(1e-2, 1.0, 1.0))
+    assert check.max_abs_rel_err == pytest.approx(0.1 / np.abs(ref).max())
+    assert "max elementwise" in check.failure()
+
+
 def test_fp16_rounding_within_tolerance():
     ref = np.random.default_rng(2).standard_normal((64, 64))
     check = compare(ref.astype(np.float16), ref, 0, "y", FP16)
