@@ -111,7 +111,7 @@ def test_a_kernel_wrong_after_its_timed_launches_is_a_wrong_result(monkeypatch):
         asked.append(list(seeds) if not isinstance(seeds, int) else seeds)
         ok = len(asked) == 1
         result = VerifyResult(ok, "ok" if ok else "wrong_result", "float32", 1e-5, (4, 10))
-        result.checks = [SimpleNamespace(seed=7)]  # evaluate reads the last verified seed
+        result.checks = [SimpleNamespace(seed=3), SimpleNamespace(seed=7)]  # evaluate reads the last seed
         result.reason = None if ok else "wrong result at 4x10: y: 40 non-finite elements"
         return result
 
@@ -128,6 +128,40 @@ def test_a_kernel_wrong_after_its_timed_launches_is_a_wrong_result(monkeypatch):
     (inputs,) = timed_on
     assert inputs.keys() == variant.op.make_inputs((4, 10), "float32", seed=0).keys()
     assert all((inputs[k] == v).all() for k, v in variant.op.make_inputs((4, 10), "float32", seed=0).items())
+
+
+@pytest.mark.parametrize(
+    ("while_timed", "status", "reason"),
+    [
+        ("stray", "wrong_result", "wrote out of bounds: 4 of the 1024 guard bytes after y changed while timed"),
+        ("fault", "fault", "an illegal memory access was encountered while timed"),
+    ],
+)
+def test_what_goes_wrong_while_timed_is_that_trials_own_status(monkeypatch, while_timed, status, reason):
+    """A write out of bounds in a timed launch (a race, say) is as wrong as one while verified; a fault while
+    timed is a fault, not a hang."""
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.kernels.bench import Timing
+    from kernelmill.kernels.device import DeviceFault
+    from kernelmill.kernels.variant import Variant
+    from kernelmill.kernels.verify import VerifyResult
+
+    def time_it(*args, **kwargs):
+        if while_timed == "fault":
+            raise DeviceFault("an illegal memory access was encountered", poisoned=True)
+        return Timing.from_samples([1.0] * 3)
+
+    verified = VerifyResult(True, "ok", "float32", 1e-5, (4, 10))
+    verified.checks = [SimpleNamespace(seed=7)]
+    stray = "wrote out of bounds: 4 of the 1024 guard bytes after y changed"
+    bound = SimpleNamespace(run=None, out_of_bounds=lambda: stray, set_inputs=lambda inputs: None)
+    monkeypatch.setattr(Variant, "compile", lambda self, compiler=None, arch=None: "cubin")
+    monkeypatch.setattr(ev, "BoundVariant", lambda *args: bound)
+    monkeypatch.setattr(ev, "verify", lambda *args, **kwargs: verified)  # verify() checks the guards itself
+    monkeypatch.setattr(ev, "time_it", time_it)
+    result = ev.evaluate(Variant.create("softmax", "warp_row", "float32"), (4, 10), device=None)
+    assert (result.status, result.reason) == (status, reason)
+    assert result.poisoned == (while_timed == "fault")
 
 
 def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys, monkeypatch):
