@@ -247,15 +247,25 @@ def test_a_running_job_keeps_its_lease_and_gets_no_second_start(store):
     runner = JobRunner(store, FakeExecutor(1, delay_s=0.05), Settings(database_url=store.url, batch_size=2), 0.02)
     runner.lease_s = 0.3
     job = softmax_job(store, trials=40)  # about 1 s: several leases
+    starts, recovered, leases = [], [], []
+    start_job, recover_lapsed = store.start_job, store.recover_lapsed
+    store.start_job = lambda job_id, *args: starts.append(job_id) or start_job(job_id, *args)
+    store.recover_lapsed = lambda job_id: recovered.append(job_id) or recover_lapsed(job_id)
+
+    def done() -> bool:
+        now = store.get_job(job.id)
+        if now.state == "running":
+            leases.append(now.lease_until)
+        return now.state == "done"
+
     runner.start()
     try:
-        wait_for(lambda: store.get_job(job.id).state == "running")
-        first = store.get_job(job.id).lease_until
-        wait_for(lambda: store.get_job(job.id).state == "done")
+        wait_for(done)
     finally:
         runner.stop()
+    assert starts == [job.id] and recovered == []  # started once, never taken for lapsed
+    assert len(leases) > 1 and max(leases) > min(leases)  # renewed while it ran
     assert store.lapsed_jobs() == [] and len(store.trials(job.id)) == 40
-    assert first is not None
 
 
 def test_a_runner_started_again_after_a_stop_runs_jobs(store):
