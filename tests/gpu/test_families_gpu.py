@@ -218,12 +218,14 @@ def _mask_kind(mask, kind: str):
 
 
 def _check_attention(device, compiler, variant, shape, kind: str) -> None:
-    """variant at shape against the float64 reference on two seeds, its output poisoned first, with the mask of
-    `kind` ("random": make_inputs' own; else _mask_kind's): finite, and within the op's tolerance."""
+    """variant at shape against the float64 reference on two fresh seeds, its output poisoned first, with the
+    mask of `kind` ("random": make_inputs' own; else _mask_kind's): finite, within the op's tolerance, and
+    nothing written outside the output (the guard bytes, the inputs), as verify() checks."""
     import numpy as np
 
     spec = variant.op
-    for seed in (3, 6):  # seeds of make_inputs' "random" mask kind
+    kinds = len(spec.input_kinds)
+    for seed in (random.randrange(1 << 20) * kinds for _ in range(2)):  # seeds of make_inputs' "random" kind
         inputs = spec.make_inputs(shape, variant.dtype, seed)
         if kind != "random":
             inputs["mask"] = _mask_kind(inputs["mask"], kind)
@@ -232,6 +234,8 @@ def _check_attention(device, compiler, variant, shape, kind: str) -> None:
         bound.set_inputs(inputs)
         bound.run()
         device.synchronize()
+        stray = bound.out_of_bounds() or bound.inputs_changed(inputs)
+        assert stray is None, f"{variant.describe()} {kind} (seed {seed}): {stray}"
         want = spec.reference(inputs, {})["out"]
         assert np.isfinite(want).all()
         check = compare(bound.outputs()["out"], want, seed, "out", spec.tolerance(shape, variant.precision))

@@ -49,14 +49,16 @@ def test_profile_forward_summary_or_a_clear_reason(tmp_path, monkeypatch):
     out = tmp_path / "forward.json"
     argv = ["profile-forward", "--preset", "mlp-tiny", "--batch", "8", "--iters", "3", "--json", str(out)]
     result = CliRunner().invoke(app, argv)
+    # Where nsys cannot profile, the command says so (checked here as on the CPU) and nothing was profiled:
+    # a skip with the reason, not a pass.
     if find_nsys() is None:
         assert result.exit_code == EXIT_NO_PROFILER, result.output
         assert "nsys not found" in result.output
-        return
+        pytest.skip("nsys is not installed here: nothing was profiled")
     if result.exit_code == EXIT_NO_REPORT:  # e.g. an nsys that cannot import its raw capture
         assert "nothing profiled" in result.output and "nsys" in result.output
         assert not out.exists()
-        return
+        pytest.skip(f"nsys produced no report here: {' '.join(result.output.split())[:200]}")
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
     assert summary["kernel_launches"] >= 3 * 2 and summary["kernel_time_ns"] > 0 and summary["id"] >= 1

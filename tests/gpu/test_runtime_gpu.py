@@ -70,10 +70,12 @@ def test_bert_matches_transformers(bert, registry, dtype, tol):
             attention_mask=torch.from_numpy(mask),
             token_type_ids=torch.from_numpy(types),
         ).last_hidden_state.numpy()
+    graphs = _has_cuda_bindings()  # the gpu extra's: graphs need it
     for call in range(3):  # plain launches, then graph capture + replays
         out = model.forward(ids, attention_mask=mask, token_type_ids=types)
         assert out.device == "cuda" and out.dtype == dtype and out.shape == (3, 37, 128)
         assert rel_err(out.numpy().astype(np.float32)[mask.astype(bool)], ref[mask.astype(bool)]) < tol, call
+        assert model.last_run == ("graph" if graphs and call >= model.warmup else "plain"), call
     report = model.kernel_report()
     # Nothing tuned: the MLP block runs as its two linears (a fused_mlp row without a kernel says so).
     ops = {"embedding", "layernorm", "linear", "attention", "add_layernorm", "fused_mlp"}
@@ -81,6 +83,14 @@ def test_bert_matches_transformers(bert, registry, dtype, tol):
     assert all(r["source"] == "default" for r in report)
     assert all(r["family"] is None and "two linears" in r["note"] for r in report if r["op"] == "fused_mlp")
     print(model.format_kernel_report())
+
+
+def _has_cuda_bindings() -> bool:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_bert_graph_replay_equals_plain_launches(bert, registry):
