@@ -308,3 +308,29 @@ def test_a_job_resumed_on_another_gpu_model_is_timed_and_served_on_that_model_al
     (kernel,), _ = store.list_kernels()
     assert (kernel.device_name, kernel.median_ms, kernel.params) == ("NVIDIA H100", 0.030, {"BLOCK": 2})
     assert kernel.baseline_ms == 0.080
+
+
+def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):
+    """Other jobs' best parameters: the same dtype and a close shape first, another dtype after, nothing
+    tuned on another arch, and a candidate two jobs found best once."""
+    from kernelmill.agents.evaluator import TrialResult
+    from kernelmill.service.jobs import StoreRecorder
+
+    def finished(shape, dtype, arch, block, ms=1.0):
+        job = store.create_job(**{**_JOB, "shapes": [shape], "dtype": dtype, "arch": arch})
+        key = "x".join(map(str, shape))
+        fast = TrialResult("warp_row", {"BLOCK": block}, "ok", None, arch, "vk", median_ms=ms, cubin=b"c").row()
+        slow = TrialResult("warp_row", {"BLOCK": block + 1}, "ok", None, arch, "vk", median_ms=ms * 2, cubin=b"c")
+        store.record_trials(job.id, key, [fast, slow.row()])
+        return job
+
+    same = finished([1024, 1024], "float16", "sm_90", block=1)
+    finished([1024, 1024], "float32", "sm_90", block=2)  # another dtype: 2 further
+    finished([4096, 4096], "float16", "sm_90", block=3)
+    finished([1024, 1024], "float16", "sm_80", block=4)  # another arch: never
+    finished([2048, 1024], "float16", "sm_90", block=1)  # the same parameters again: once
+    job = store.create_job(**{**_JOB, "arch": "sm_90"})
+    warm = StoreRecorder(store, job.id).warm_start("1024x1024")
+    assert [c.params["BLOCK"] for c in warm] == [1, 2, 3]  # distances 0, 2 (dtype), 2 x ln 4 = 2.77
+    assert warm[0].note == f"warm start: best of softmax 1024x1024 float16 on ? (job {same.id})"
+    assert len(StoreRecorder(store, job.id).warm_start("1024x1024", limit=2)) == 2
