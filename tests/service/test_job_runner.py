@@ -69,6 +69,18 @@ def test_stop_joins_job_threads_and_queues_their_jobs_again(store, tmp_path):
     assert len(store.trials(job.id)) > recorded
 
 
+def test_a_job_cancelled_as_the_service_stops_ends_cancelled_not_queued_again(store):
+    """The stop and the user's cancel both end the loop at its next batch: the cancel wins, or the job would
+    run again at the next start."""
+    runner = JobRunner(store, FakeExecutor(1, delay_s=0.05), Settings(database_url=store.url, batch_size=2), 0.05)
+    job = softmax_job(store)
+    runner.start()
+    wait_for(lambda: len(store.trials(job.id)) >= 2)
+    store.request_cancel(job.id)
+    runner.stop(timeout_s=10)
+    assert store.get_job(job.id).state == "cancelled"
+
+
 class _StuckEvaluator(FakeEvaluator):
     """A batch that does not return until released (a hung GPU task)."""
 
