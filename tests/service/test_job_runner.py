@@ -346,3 +346,14 @@ def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):
     assert [c.params["BLOCK"] for c in warm] == [1, 2, 3]  # distances 0, 2 (dtype), 2 x ln 4 = 2.77
     assert warm[0].note == f"warm start: best of softmax 1024x1024 float16 on ? (job {same.id})"
     assert len(StoreRecorder(store, job.id).warm_start("1024x1024", limit=2)) == 2
+
+
+def test_a_job_for_an_arch_waits_for_a_worker_of_that_arch():
+    from kernelmill.service.jobs import no_worker_for, runs_on
+
+    assert runs_on("auto", None) and runs_on(None, "sm_80") and runs_on("sm_90", "sm_90a")
+    assert not runs_on("sm_90", None)  # a worker whose GPU is not known yet is not taken for one
+    assert not runs_on("sm_80", "sm_90")
+    assert no_worker_for("sm_80", ["sm_90", "sm_90"]) == "no GPU worker has sm_80; the workers have sm_90"
+    assert no_worker_for("sm_80", ["sm_90", None]) is None  # one is not known yet: it may have it
+    assert no_worker_for("sm_80", []) is None and no_worker_for("auto", ["sm_90"]) is None
