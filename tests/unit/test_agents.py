@@ -34,15 +34,18 @@ def test_strategy_proposes_unseen_valid_points_until_exhausted(space, name):
 
 
 def test_evolutionary_moves_near_the_best():
-    # The families this was written against: with softmax's cluster_row and smem_row in the space too, seed 1's
-    # batch happens to hold none of best's family (the move is random; about 3 seeds in 4 pass either way).
+    """Its batches hold the best's neighbours (one knob away) far more often than random picks do: over 100
+    seeds, 83 against 4 when written. (The crossover's children are of the best's family too.)"""
     space = Space(get_op("softmax"), "float16", ["warp_row", "block_row", "split_row"])
-    strategy = get_strategy("evolutionary", seed=1)
     best = space.candidates[40]
     history = [Observation(best, "ok", 0.1)] + [Observation(c, "ok", 1.0) for c in space.defaults()]
-    batch = strategy.propose(space, history, 10)
-    near = set(c.key for c in space.neighbours(best))
-    assert any(c.key in near or c.family == best.family for c in batch)
+    near = {c.key for c in space.neighbours(best)}
+
+    def batches_near(name: str) -> int:
+        batches = (get_strategy(name, seed=seed).propose(space, history, 10) for seed in range(100))
+        return sum(any(c.key in near for c in batch) for batch in batches)
+
+    assert batches_near("evolutionary") >= 70 and batches_near("random") <= 15
 
 
 def test_evolutionary_draws_its_explore_share_at_random_and_breeds_the_rest(space):
