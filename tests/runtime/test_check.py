@@ -87,6 +87,8 @@ class FakeDevice:
 
     def load(self, cubin, key):
         behaviour = self.behaviour(cubin)
+        if behaviour == "unloadable":  # a cubin this driver rejects: no launch is made, the context lives
+            raise DeviceFault("cuModuleLoadData failed: device kernel image is invalid", poisoned=False)
         return SimpleNamespace(kernel=lambda entry: SoftmaxKernel(self, behaviour, entry))
 
 
@@ -315,6 +317,30 @@ def test_a_kernel_that_stops_writing_once_launched_enough_is_passed_over(tmp_pat
     assert entry.family == "block_row" and "default warp_row failed its first-use check" in entry.note
     (failed,) = [r for r in map(json.loads, _texts(tmp_path)) if not r["ok"]]
     assert failed["reason"].startswith("wrong result when run again: y: 32768 non-finite elements (unwritten")
+
+
+def test_a_cubin_the_driver_cannot_load_is_recorded_and_passed_over(tmp_path):
+    reg, device = _registry(tmp_path, wrong_for(again={"softmax/warp_row": "unloadable"}))
+    entry = reg.get("softmax", SHAPE, "float32")
+    assert entry.family == "block_row" and "softmax_warp_row" not in device.launches
+    (failed,) = [r for r in map(json.loads, _texts(tmp_path)) if not r["ok"]]
+    assert failed["status"] == "unloadable"
+    assert failed["reason"] == "not loadable: cuModuleLoadData failed: device kernel image is invalid"
+
+
+def test_a_check_that_cannot_be_recorded_still_serves_and_runs_again_next_time(tmp_path, monkeypatch, caplog):
+    from kernelmill.runtime import check as check_module
+
+    def read_only(path, data):
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(check_module, "write_atomically", read_only)
+    reg, device = _registry(tmp_path, wrong_for())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime"):
+        assert reg.get("softmax", SHAPE, "float32").family == "warp_row"
+    assert "could not record a first-use check" in caplog.text and not _texts(tmp_path)
+    again, device_again = _registry(tmp_path, wrong_for())  # another process: nothing recorded, so it checks
+    assert again.get("softmax", SHAPE, "float32").family == "warp_row" and device_again.launches
 
 
 def _texts(root):
