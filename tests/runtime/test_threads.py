@@ -86,10 +86,11 @@ def test_calls_from_two_threads_run_one_at_a_time(device):
     threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b")]
     for t in threads:
         t.start()
-        time.sleep(0.01)
     for t in threads:
         t.join(10)
-    assert order == ["a in", "a out", "b in", "b out"]
+    # Whichever thread came first (a loaded machine may start b before a), one call ran whole, then the other.
+    first, second = sorted(("a", "b"), key=lambda name: order.index(f"{name} in"))
+    assert order == [f"{first} in", f"{first} out", f"{second} in", f"{second} out"]
 
 
 def test_without_a_backend_calls_pass_straight_through(monkeypatch):
