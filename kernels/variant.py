@@ -150,6 +150,11 @@ class BoundVariant:
                 )
         return None
 
+    def stray_write(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """The first write a launch made outside its outputs (a guard byte changed, then an input; ``arrays``
+        are what set_inputs copied in), or None."""
+        return self.out_of_bounds() or self.inputs_changed(arrays)
+
     def poison(self) -> None:
         """Fill outputs and workspaces with NaN so unwritten elements cannot pass (not the counters, which
         every launch must leave zero)."""

@@ -215,7 +215,7 @@ def verify(
             bound.run()
             device.synchronize(timeout_s)
             outputs = bound.outputs()
-            stray = bound.out_of_bounds() or bound.inputs_changed(inputs)
+            stray = bound.stray_write(inputs)
         except DeviceFault as exc:
             result.ok = False
             result.status = "timeout" if exc.timed_out else "fault"

@@ -191,7 +191,7 @@ class FirstUseChecks:
                     bound.poison()
                 bound.run()
                 self.device.synchronize(self.timeout_s)
-                outputs, stray = bound.outputs(), bound.out_of_bounds() or bound.inputs_changed(inputs)
+                outputs, stray = bound.outputs(), bound.stray_write(inputs)
             except DeviceFault as exc:
                 status = "timeout" if exc.timed_out else "fault"
                 return Check(False, f"run again: {exc.reason}", status=status), exc.poisoned
