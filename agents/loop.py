@@ -113,24 +113,29 @@ def served_fields(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, 
     return build
 
 
-def shape_defaults(
-    space: Space, shape: tuple[int, ...], facts: DeviceFacts, runners_up: bool = True
-) -> list[Candidate]:
+def _sm_count(facts: DeviceFacts) -> int:
+    return int((facts.extra or {}).get("sm_count") or DEFAULT_SM_COUNT)
+
+
+def shape_defaults(space: Space, shape: tuple[int, ...], facts: DeviceFacts) -> list[Candidate]:
     """Each family's parameters for this shape as the runtime would compile them untuned
-    (kernels/defaults.py), so that the search starts there and never serves a kernel slower than them; then,
-    with ``runners_up``, the tiles the cost model ranks next."""
-    sm_count = int((facts.extra or {}).get("sm_count") or DEFAULT_SM_COUNT)
+    (kernels/defaults.py), so that the search starts there and never serves a kernel slower than them."""
     out = []
     for fam in space.families.values():
-        cand = space.valid(fam.name, default_params(space.op, fam, shape, space.dtype, sm_count))
+        cand = space.valid(fam.name, default_params(space.op, fam, shape, space.dtype, _sm_count(facts)))
         if cand is not None:
             out.append(cand.because("default for this shape"))
-    # Then the defaults' runners-up: the wgmma tiles the cost model ranks next once split, and their swapped
-    # forms (kernels/defaults.py).
-    for fam in space.families.values() if runners_up else ():
-        for params in default_alternatives(space.op, fam, shape, space.dtype, sm_count):
+    return out
+
+
+def default_runners_up(space: Space, shape: tuple[int, ...], facts: DeviceFacts) -> list[Candidate]:
+    """The shape defaults' runners-up: the wgmma tiles the cost model ranks next once split, and their swapped
+    forms (kernels/defaults.py)."""
+    out = []
+    for fam in space.families.values():
+        for params in default_alternatives(space.op, fam, shape, space.dtype, _sm_count(facts)):
             cand = space.valid(fam.name, params)
-            if cand is not None and cand not in out:
+            if cand is not None:
                 out.append(cand.because("a split or swapped tile for this shape"))
     return out
 
@@ -191,8 +196,9 @@ def run_job(
         # them), then the warm starts, then the defaults' runners-up. Each candidate once, first mention first:
         # a warm start may also be a shape default, and a batch that held it twice ran it twice and counted a
         # trial the store does not keep.
-        defaults = shape_defaults(shape_space, tuple(shape), facts, runners_up=False)
-        warm = _first_of_each([*defaults, *warm, *shape_defaults(shape_space, tuple(shape), facts)])
+        defaults = shape_defaults(shape_space, tuple(shape), facts)
+        runners_up = default_runners_up(shape_space, tuple(shape), facts)
+        warm = _first_of_each([*defaults, *warm, *runners_up])
         while len(history) < per_shape:
             if recorder.cancelled():
                 return "cancelled"

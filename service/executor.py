@@ -267,8 +267,10 @@ class DaskExecutor(_Busy):
         """Whether the client is connected, connecting again where its connection to a scheduler of its own
         (``--scheduler``) closed: a scheduler away longer than the client's reconnect window (20 s) closed it
         for good, and the service never reached a worker again."""
-        if self.client.status != "closed" or not self.settings.scheduler:
-            return self.client.status != "closed"
+        if self.client.status != "closed":
+            return True
+        if not self.settings.scheduler:  # the local cluster's own client: nothing to connect to again
+            return False
         if time.monotonic() < self._reconnect_at:
             return False
         self._reconnect_at = time.monotonic() + _RECONNECT_S

@@ -252,7 +252,7 @@ def test_warm_start_candidates_go_right_after_the_shape_defaults_with_their_reas
     rec = MemoryRecorder()
     picks = [space.candidates[77], space.candidates[200]]
     rec.warm = [c.because("warm start: best of softmax 512x512") for c in picks]
-    defaults = shape_defaults(space.for_shape((256, 256)), (256, 256), FakeEvaluator().facts(), runners_up=False)
+    defaults = shape_defaults(space.for_shape((256, 256)), (256, 256), FakeEvaluator().facts())
     run_job(plan(shapes=[(256, 256)], budget_trials=len(defaults) + 3), FakeEvaluator(fail_every=0), rec)
     tried = rec.trials["256x256"]
     assert [r.candidate for r in tried[: len(defaults)]] == defaults
