@@ -451,6 +451,50 @@ def test_tf32_kernels_are_asked_for_by_name_and_cached_apart(tmp_path):
     assert registry(allow_tf32=True, **offline).get("matmul", (64, 64, 64), "float32").family == "tensorcore"
 
 
+def test_a_kernel_tuned_for_the_exact_shape_is_taken_before_a_faster_one_tuned_at_another(tmp_path):
+    # The service's IEEE answer is for this very shape; its faster TF32 answer was tuned at 64 x 64 x 128.
+    exact = _fused_kernel(op="matmul", shape=[64, 64, 64], attrs={}, family="simt", dtype="float32", exact=True)
+    exact.update(params=get_op("matmul").family("simt").defaults("float32"), median_ms=0.05)
+    near = {**exact, "id": 8, "family": "tensorcore", "params": TensorCoreCore().defaults("float32")}
+    near.update(shape=[64, 64, 128], exact=False, median_ms=0.01)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
+            return httpx.Response(200, json=near if request.url.params.get("precision") == "tf32" else exact)
+        if request.url.path.endswith("/cubin"):
+            return httpx.Response(200, content=request.url.path.encode())
+        return httpx.Response(404, json={"detail": "none"})
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, allow_tf32=True, compiler=_NoCompile())
+    entry = reg.get("matmul", (64, 64, 64), "float32")
+    assert (entry.source, entry.kernel_id, entry.family) == (TUNED, 7, "simt")
+    assert entry.cubin == b"/api/kernels/7/cubin"
+    # Tuned at this shape too, the faster one is taken.
+    near.update(shape=[64, 64, 64], exact=True)
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path / "b", allow_tf32=True, compiler=_NoCompile())
+    assert reg.get("matmul", (64, 64, 64), "float32").kernel_id == 8
+
+
+def test_an_exact_kernel_whose_launches_are_not_this_versions_is_passed_over(tmp_path):
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    # The entries this version launches for the served parameters (served with no source: nothing to rebuild).
+    probe = KernelRegistry(client=_mock_service(_fused_kernel(exact=True), []), arch="sm_90", cache_dir=tmp_path / "a")
+    entries = [launch.entry for launch in probe.get(*problem).launches]
+    assert entries
+
+    same = _fused_kernel(exact=True, launches=[{"entry": e} for e in entries])
+    reg = KernelRegistry(client=_mock_service(same, []), arch="sm_90", cache_dir=tmp_path / "b", compiler=_NoCompile())
+    assert reg.get(*problem).source == TUNED
+
+    other = _fused_kernel(exact=True, launches=[{"entry": "km_an_older_entry"}])
+    reg = KernelRegistry(client=_mock_service(other, []), arch="sm_90", cache_dir=tmp_path / "c")
+    entry = reg.get(*problem)
+    assert entry.source == DEFAULT
+    assert "served kernel #7 launches differ from this version's family" in entry.note
+
+
 def test_unreachable_service_is_logged_once_and_skipped(tmp_path, caplog):
     reg = KernelRegistry("http://127.0.0.1:9", arch="sm_90", cache_dir=tmp_path, timeout_s=0.5, compiler=_NoCompile())
     with caplog.at_level(logging.WARNING), pytest.raises(_Compiled):
