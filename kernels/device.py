@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
@@ -111,6 +112,11 @@ class Buffer:
 #: CUtensorMap: 128 opaque bytes (by value in the kernel's parameters).
 TENSOR_MAP_BYTES = 128
 #: CUtensorMapDataType, CUtensorMapSwizzle (by bytes) and the other enums of cuda.h used here.
+#: Loaded modules a device keeps by key, most recently used last. A long-lived worker loads a module for every
+#: variant it tries; past this many the least recently used is dropped, and unloaded once nothing else holds it
+#: (a runtime's bound kernels and graphs hold theirs).
+MODULE_CACHE_SIZE = 256
+
 _TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}
 _TMAP_ITEMSIZE = {"float16": 2, "float32": 4, "bfloat16": 2}
 _TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
@@ -351,7 +357,8 @@ class Device:
         from pycuda.tools import DeviceMemoryPool
 
         self._pool = DeviceMemoryPool()
-        self._modules: dict[str, Module] = {}
+        self._modules: OrderedDict[str, Module] = OrderedDict()
+        self._modules_lock = threading.Lock()
         self._close_hooks: list = []
         # Every live buffer: at exit they go back to the pool while the context is still current (one
         # freed after the context is popped makes pycuda abort the process in a C++ destructor).
@@ -432,15 +439,22 @@ class Device:
     # -- code --------------------------------------------------------------------
 
     def load(self, cubin: bytes, key: str | None = None) -> Module:
-        """Load a cubin (cached by ``key`` for the life of the context)."""
-        if key is not None and key in self._modules:
-            return self._modules[key]
+        """Load a cubin, cached by ``key`` (the ``MODULE_CACHE_SIZE`` most recently used). Called with the
+        context current, as every call here is, so a module dropped from the cache unloads in a live context."""
+        if key is not None:
+            with self._modules_lock:
+                if key in self._modules:
+                    self._modules.move_to_end(key)
+                    return self._modules[key]
         try:
             module = Module(self, self.cuda.module_from_buffer(cubin), cubin)
         except self.cuda.Error as exc:
             raise self._raise(exc, "loading the cubin") from None
         if key is not None:
-            self._modules[key] = module
+            with self._modules_lock:
+                self._modules[key] = module
+                dropped = [self._modules.popitem(last=False)[1] for _ in range(len(self._modules) - MODULE_CACHE_SIZE)]
+            del dropped  # unloaded here, in this thread's current context, unless something still holds them
         return module
 
     # -- sync and time -------------------------------------------------------------

@@ -167,3 +167,46 @@ def test_a_fault_poisons_the_device_when_its_context_no_longer_takes_work(messag
     fault = device._raise(device.cuda.Error(message), "launch")
     assert (fault.poisoned, device.poisoned) == (poisoned, poisoned)
     assert fault.reason == f"launch: {message}"
+
+
+def test_the_module_cache_keeps_the_most_recently_used_and_lets_the_others_go(monkeypatch):
+    import threading
+    from collections import OrderedDict
+
+    from kernelmill.kernels import device as device_module
+
+    class Loaded:  # a pycuda module: unloaded when the last reference goes
+        pass
+
+    class FakeCuda:
+        Error = RuntimeError
+
+        def __init__(self):
+            self.loads = 0
+
+        def module_from_buffer(self, cubin):
+            self.loads += 1
+            return Loaded()
+
+    monkeypatch.setattr(device_module, "MODULE_CACHE_SIZE", 3)
+    dev = object.__new__(device_module.Device)  # no GPU: just the cache's bookkeeping
+    dev.cuda, dev._modules, dev._modules_lock = FakeCuda(), OrderedDict(), threading.Lock()
+
+    first = {key: weakref.ref(dev.load(b"cubin", key)._module) for key in "abc"}
+    assert dev.load(b"cubin", "a") is dev._modules["a"] and dev.cuda.loads == 3  # a hit, now the most recent
+    held = dev.load(b"cubin", "d")  # over the bound: b, the least recently used, goes
+    gc.collect()
+    assert list(dev._modules) == ["c", "a", "d"] and first["b"]() is None and first["a"]() is not None
+    dev.load(b"cubin", "b")
+    assert dev.cuda.loads == 5 and list(dev._modules) == ["a", "d", "b"]
+    # Dropped from the cache, a module something still holds (a runtime's bound kernel) stays loaded.
+    d = weakref.ref(held._module)
+    for key in "efg":
+        dev.load(b"cubin", key)
+    gc.collect()
+    assert "d" not in dev._modules and d() is not None
+    del held
+    gc.collect()
+    assert d() is None
+    unkeyed = dev.load(b"cubin")  # no key: loaded, never cached
+    assert unkeyed not in dev._modules.values() and len(dev._modules) == 3
