@@ -617,7 +617,17 @@ def tune(
         raise fail("--arch needs --server: without one the job runs here, on this GPU")
     try:
         fields = validate_submission(
-            settings, op, shape, dtype, strategy, budget, seconds, attrs, arch=arch, families=family
+            settings,
+            op,
+            shape,
+            dtype,
+            strategy,
+            budget,
+            seconds,
+            attrs,
+            arch=arch,
+            families=family,
+            bounded=not server,  # a server holds a job to its own limits (its settings, not this machine's)
         )
     except JobError as exc:
         raise fail(_as_tune_options(str(exc))) from None
@@ -696,7 +706,7 @@ def kernels(
             f"no served {what + ' ' if what else ''}kernels in {where} (a finished tuning job serves its best)"
         )
         return
-    table = Table(title="served kernels")
+    table = Table(title="served kernels", caption=f"({len(listed)} kernel{'s' if len(listed) != 1 else ''})")
     for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
         table.add_column(col)
     for k in listed:

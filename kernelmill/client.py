@@ -292,16 +292,42 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
 
 
 def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list[dict[str, Any]]:
+    """Every served kernel that matches, page after page."""
     if server:
         params = {k: v for k, v in {"op": op, "dtype": dtype}.items() if v}
-        page = Page[KernelSummary]
-        return _request("GET", f"{server.rstrip('/')}/api/kernels", params=params, expect=page)["items"]
+        url, page = f"{server.rstrip('/')}/api/kernels", Page[KernelSummary]
+
+        def fetch(offset: int) -> tuple[list[dict[str, Any]], int]:
+            got = _request("GET", url, params={**params, "limit": KERNELS_PAGE, "offset": offset}, expect=page)
+            return got["items"], got["total"]
+
+        return _all_pages(fetch)
     from kernelmill.service.db.store import Store
 
     if _no_local_database():
         return []
-    rows, _ = Store(get_settings().database_url).list_kernels(op, dtype)
-    return [KernelSummary.model_validate(k).model_dump() for k in rows]
+    store = Store(get_settings().database_url)
+
+    def fetch_local(offset: int) -> tuple[list[dict[str, Any]], int]:
+        rows, total = store.list_kernels(op, dtype, limit=KERNELS_PAGE, offset=offset)
+        return [KernelSummary.model_validate(k).model_dump() for k in rows], total
+
+    return _all_pages(fetch_local)
+
+
+#: Kernels asked for a page (the API's largest page).
+KERNELS_PAGE = 1000
+
+
+def _all_pages(fetch) -> list[dict[str, Any]]:
+    """The items of ``fetch(offset) -> (items, total)`` from offset 0 until ``total`` are in (or a page is empty:
+    rows removed meanwhile)."""
+    items: list[dict[str, Any]] = []
+    while True:
+        page, total = fetch(len(items))
+        items += page
+        if not page or len(items) >= total:
+            return items
 
 
 def _no_local_database() -> bool:

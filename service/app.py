@@ -54,6 +54,10 @@ def create_app(
     async def readable_422(request: Request, exc: RequestValidationError):
         problems = []
         for err in exc.errors():
+            if err.get("type") == "json_invalid":  # loc is (body, offset): the cause is in ctx
+                at, why = err.get("loc", ("", "?"))[-1], (err.get("ctx") or {}).get("error", "")
+                problems.append(f"the body is not valid JSON at character {at}" + (f": {why}" if why else ""))
+                continue
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         return JSONResponse({"detail": "; ".join(problems), "errors": jsonable(exc.errors())}, status_code=422)

@@ -34,8 +34,17 @@ from kernelmill.settings import Settings
 log = logging.getLogger(__name__)
 
 
+#: The least time budget a job may have: a batch of trials compiles and times its kernels, seconds in all, and a
+#: job with less ended "done" without a trial.
+MIN_BUDGET_SECONDS = 10.0
+
+
 class JobError(ValueError):
     """A submission that cannot be accepted; the message says why (422)."""
+
+
+def _within(low: float, high: float | None) -> str:
+    return f"in {low:g}..{high:g}" if high is not None else f"at least {low:g}"
 
 
 def validate_submission(
@@ -49,16 +58,21 @@ def validate_submission(
     attrs: dict[str, Any] | None = None,
     arch: str = "auto",
     families: Sequence[str] | None = None,
+    bounded: bool = True,
 ) -> dict[str, Any]:
-    """Normalized job fields, or JobError saying what is wrong."""
+    """Normalized job fields, or JobError saying what is wrong. ``bounded=False`` leaves out the limits of
+    ``settings`` (shapes a job, trials, seconds): a client checking what it sends to a server, whose own hold."""
     job_arch = _job_arch(arch)
+    max_shapes, max_trials, max_seconds = (
+        (settings.max_shapes, settings.max_budget_trials, settings.max_budget_seconds) if bounded else (None,) * 3
+    )
     try:
         spec = get_op(op)
         spec.check_dtype(dtype)
         if not shapes:
             raise JobError("shapes: give at least one shape")
-        if len(shapes) > settings.max_shapes:
-            raise JobError(f"shapes: at most {settings.max_shapes} per job, got {len(shapes)}")
+        if max_shapes is not None and len(shapes) > max_shapes:
+            raise JobError(f"shapes: at most {max_shapes} per job, got {len(shapes)}")
         parsed = [list(spec.parse_shape(s)) for s in shapes]
         twice = next((shape for i, shape in enumerate(parsed) if shape in parsed[:i]), None)
         if twice is not None:
@@ -74,12 +88,13 @@ def validate_submission(
         strategy_class(strategy)
     except ValueError as exc:
         raise JobError(str(exc)) from None
-    if not 1 <= budget_trials <= settings.max_budget_trials:
-        raise JobError(f"budget.trials must be in 1..{settings.max_budget_trials}, got {budget_trials}")
+    if not 1 <= budget_trials <= (max_trials or budget_trials):
+        raise JobError(f"budget.trials must be {_within(1, max_trials)}, got {budget_trials}")
     if budget_trials < len(parsed):  # the budget is split over the shapes, each needs a trial at least
         raise JobError(f"budget.trials: {budget_trials} cannot try {len(parsed)} shapes (one trial each at least)")
-    if not 0 < budget_seconds <= settings.max_budget_seconds:
-        raise JobError(f"budget.seconds must be in (0, {settings.max_budget_seconds:g}], got {budget_seconds:g}")
+    if not MIN_BUDGET_SECONDS <= budget_seconds <= (max_seconds or budget_seconds):
+        limits = _within(MIN_BUDGET_SECONDS, max_seconds)
+        raise JobError(f"budget.seconds must be {limits} (a batch of trials takes seconds), got {budget_seconds:g}")
     if not families and not default_families(spec, dtype):
         raise JobError(f"no {op} family supports {dtype}")
     for shape in parsed:  # a shape no variant accepts would finish "done" with no trial

@@ -9,6 +9,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
+from kernelmill.service.db.models import JOB_STATES
 from kernelmill.service.db.store import Store
 from kernelmill.settings import Settings
 
@@ -46,6 +47,17 @@ async def op_filter(op: str | None = Query(None, description="only this op's row
         return get_op(op).name
     except SpecError as exc:
         raise HTTPException(422, detail=str(exc)) from None
+
+
+async def state_filter(
+    state: str | None = Query(None, description=f"only jobs in this state: {', '.join(JOB_STATES)}"),
+) -> str | None:
+    """A job list's ``state=`` filter: None where it is not given or empty (as ``op=``); 422 for no such state."""
+    if state is None or not state.strip():
+        return None
+    if state not in JOB_STATES:
+        raise HTTPException(422, detail=f"unknown state {state!r}: one of {', '.join(JOB_STATES)}")
+    return state
 
 
 async def json_body(request: Request) -> None:

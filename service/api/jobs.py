@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from kernelmill.agents.space import search_precision
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
-from kernelmill.service.api.deps import get_settings_dep, get_store, json_body, op_filter, require_writer
+from kernelmill.service.api.deps import get_settings_dep, get_store, json_body, op_filter, require_writer, state_filter
 from kernelmill.service.api.schemas import (
     Budget,
     JobCreate,
@@ -114,7 +114,7 @@ def create_job(
 @router.get("", responses=problems(422))
 def list_jobs(
     store: Store = Depends(get_store),
-    state: Literal["queued", "running", "done", "failed", "cancelled"] | None = None,
+    state: str | None = Depends(state_filter),
     op: str | None = Depends(op_filter),
     limit: int = Query(50, ge=1, le=MAX_JOBS_PAGE),
     offset: Offset = 0,

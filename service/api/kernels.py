@@ -59,7 +59,9 @@ def list_kernels(
     limit: int = Query(100, ge=1, le=1000),
     offset: Offset = 0,
 ) -> Page[KernelSummary]:
-    # A filter that can match nothing is a typo: say so (as /best does) rather than answer an empty page.
+    # An empty filter is no filter (as op= and arch=); one that can match nothing is a typo: say so (as /best
+    # does) rather than answer an empty page.
+    dtype, precision = dtype or None, precision or None
     if dtype is not None and dtype not in DTYPES:
         raise HTTPException(422, f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
     precisions = (*DTYPES, "tf32")  # a dtype computed in itself, or float32 on TF32 tensor cores

@@ -656,7 +656,7 @@ class Store:
                 query = query.where(column == value)
         with self.session() as s:
             total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = s.scalars(query.order_by(Kernel.op, Kernel.shape_key).limit(limit).offset(offset)).all()
+            rows = s.scalars(query.order_by(Kernel.op, Kernel.shape_key, Kernel.id).limit(limit).offset(offset)).all()
         return list(rows), total
 
     def served_fingerprint(self) -> int:

@@ -28,7 +28,7 @@ from kernelmill.kernels.ops import DTYPES, OPS
 from kernelmill.service.api.schemas import Budget, JobCreate
 from kernelmill.service.db.models import Job
 from kernelmill.service.db.store import Store
-from kernelmill.service.jobs import JobError, validate_submission
+from kernelmill.service.jobs import MIN_BUDGET_SECONDS, JobError, validate_submission
 from kernelmill.settings import Settings
 
 CSRF_COOKIE = "kernelmill_csrf"
@@ -122,6 +122,7 @@ def choices(settings: Settings) -> dict[str, Any]:
         "dtypes": DTYPES,
         "strategies": strategies,
         "max_trials": settings.max_budget_trials,
+        "min_seconds": MIN_BUDGET_SECONDS,
         "max_seconds": settings.max_budget_seconds,
         "max_shapes": settings.max_shapes,
         "needs_token": bool(settings.api_token),
@@ -177,7 +178,7 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
     if re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*", form.seconds):
         seconds = float(form.seconds)
     else:
-        errors["seconds"] = f"a number of seconds, up to {settings.max_budget_seconds:g}"
+        errors["seconds"] = f"a number of seconds, {MIN_BUDGET_SECONDS:g} to {settings.max_budget_seconds:g}"
 
     shapes = form.shape_list()
     args: dict[str, Any] = {
@@ -186,7 +187,7 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
         "dtype": form.dtype,
         "strategy": form.strategy,
         "budget_trials": trials if trials is not None else 1,
-        "budget_seconds": seconds if seconds is not None else 1.0,
+        "budget_seconds": seconds if seconds is not None else MIN_BUDGET_SECONDS,
         "attrs": form.op_attrs(),
         "arch": form.arch,
         "families": form.family_list(),
@@ -213,7 +214,7 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
             elif name == "trials":
                 args["budget_trials"] = 1
             elif name == "seconds":
-                args["budget_seconds"] = 1.0
+                args["budget_seconds"] = MIN_BUDGET_SECONDS
             elif name == "arch":
                 args["arch"] = "auto"
             elif name == "families":

@@ -51,10 +51,18 @@ def test_list_jobs_filters_and_pages(client):
     assert page["total"] == 3 and len(page["items"]) == 2 and page["items"][0]["id"] == ids[-1]
     assert client.get("/api/jobs", params={"state": "done", "op": "softmax"}).json()["total"] == 3
     assert client.get("/api/jobs", params={"op": "matmul"}).json()["total"] == 0
-    assert client.get("/api/jobs", params={"op": ""}).json()["total"] == 3  # empty: no filter
-    for url in ("/api/jobs?op=sofmax", "/api/kernels?op=sofmax"):  # a typo answered an empty page
+    for empty in ("op", "state"):  # an empty filter is no filter
+        assert client.get("/api/jobs", params={empty: ""}).json()["total"] == 3
+    served = client.get("/api/kernels").json()["total"]
+    for field in ("dtype", "precision", "op", "arch"):
+        assert served and client.get("/api/kernels", params={field: ""}).json()["total"] == served, field
+    for url, said in [  # a typo answered an empty page
+        ("/api/jobs?op=sofmax", "unknown op 'sofmax'"),
+        ("/api/kernels?op=sofmax", "unknown op 'sofmax'"),
+        ("/api/jobs?state=finished", "unknown state 'finished': one of queued, running, done, failed, cancelled"),
+    ]:
         resp = client.get(url)
-        assert resp.status_code == 422 and "unknown op 'sofmax'" in resp.json()["detail"], url
+        assert resp.status_code == 422 and said in resp.json()["detail"], url
 
 
 def test_cancel(client):
@@ -91,6 +99,7 @@ def test_cancel(client):
         ({"shapes": [[64, 64], [128, 128], [256, 256]], "budget": {"trials": 2, "seconds": 10}}, "2 cannot try 3"),
         ({"budget": {"trials": 10**6, "seconds": 10}}, "budget.trials"),
         ({"budget": {"trials": 10, "seconds": 10**9}}, "budget.seconds"),
+        ({"budget": {"trials": 10, "seconds": 0.001}}, "budget.seconds must be in 10..21600"),  # was done, 0 trials
         ({"attrs": {"act": "relu"}}, "no attribute"),
         ({"arch": "hopper"}, "arch"),
         ({"arch": "sm_20"}, "arch: kernelmill's kernels need sm_80 or newer, not sm_20"),
@@ -230,6 +239,15 @@ def test_a_nan_in_a_rejected_body_is_echoed_as_text_in_a_422(client):
     r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and "budget.seconds" in r.json()["detail"], r.text
     assert "nan" in json.dumps(r.json()["errors"]).lower()
+
+
+def test_a_body_that_is_not_json_is_422_naming_where_and_why(client):
+    body = '{"op": "softmax", "shapes": [[1024, 1024]],}'
+    r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == (
+        "the body is not valid JSON at character 43: Expecting property name enclosed in double quotes"
+    )
 
 
 def test_a_shape_no_variant_accepts_is_422_at_submission(client):
