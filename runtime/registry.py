@@ -46,6 +46,7 @@ from typing import Any
 
 from kernelmill.kernels.compile import CompileError, Compiler, cubin_entries, normalize_arch
 from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params, default_rank
+from kernelmill.kernels.device import DeviceFault
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
 from kernelmill.kernels.render import RenderError, render
@@ -349,7 +350,8 @@ class KernelRegistry:
         if entry is not None:
             if self._passes(entry):
                 return entry
-            notes.append(f"{entry.source} kernel #{entry.kernel_id} {entry.family} failed its first-use check")
+            failed = "does not load" if entry.checked.status == "unloadable" else "failed its first-use check"
+            notes.append(f"{entry.source} kernel #{entry.kernel_id} {entry.family} {failed}")
         entry = self._default(spec, shape, dtype, attrs, notes)
         entry.note = "; ".join(notes)
         return entry
@@ -359,8 +361,10 @@ class KernelRegistry:
         job verified it there (nearest, default, rebuilt; ``FirstUseChecks``). Without a GPU, with checks off, or
         met inside a graph capture (which nothing may synchronize) it runs unchecked, the last with a warning.
         Raises KernelCheckFault where the check's fault lost the CUDA context."""
-        if not self.check or self.backend is None or entry.verified_by() == "tuning job":
+        if self.backend is None:
             return True
+        if not self.check or entry.verified_by() == "tuning job":
+            return self._loads(entry)  # not checked: but a cubin the driver refuses must not reach the forward
         if self.backend.capturing_graph:
             log.warning(
                 "runtime: %s %s: %s kernel first met inside a CUDA graph capture: not checked",
@@ -387,6 +391,21 @@ class KernelRegistry:
                 entry.checked.reason,
             )
         return entry.checked.ok
+
+    def _loads(self, entry: KernelEntry) -> bool:
+        """Whether the driver loads ``entry``'s cubin (kept loaded by its key for the launches to come): a
+        damaged or foreign one served, or left in the local cache, gives way to the next kernel."""
+        try:
+            self.backend.device.load(entry.cubin, entry.cubin_key)
+        except DeviceFault as exc:
+            if exc.poisoned:
+                raise
+            entry.checked = Check(False, f"not loadable: {exc}", status="unloadable")
+            what = f"{entry.op} {format_shape(entry.shape)} {entry.dtype}"
+            log.warning("runtime: %s: %s kernel #%s not used: its cubin does not load (%s)", what, entry.source,
+                        entry.kernel_id, exc)  # fmt: skip
+            return False
+        return True
 
     def _log(self, entry: KernelEntry) -> None:
         what = f"{entry.op} {format_shape(entry.shape)} {entry.dtype}"
@@ -456,23 +475,26 @@ class KernelRegistry:
             **extra,
         )
 
-    def _usable(self, spec, shape, dtype, attrs, family: str, params: Mapping[str, Any], served_attrs) -> str | None:
-        """Why a served (family, params) cannot run this problem here, or None."""
+    def _usable(
+        self, spec, shape, dtype, attrs, family: str, params: Mapping[str, Any], served_attrs
+    ) -> tuple[dict[str, Any], None] | tuple[None, str]:
+        """A served (family, params) resolved for this version (a parameter the kernel predates takes its
+        default), or why it cannot run this problem here: ``(params, None)`` or ``(None, reason)``."""
         try:
             fam = spec.family(family)
             resolved = fam.resolve(params, dtype)
             # Attributes this version does not know or allow (another version's op): not this problem's kernel.
             served_resolved = spec.resolve_attrs(served_attrs or {})
         except SpecError as exc:
-            return f"served kernel is not valid in this version: {exc}"
+            return None, f"served kernel is not valid in this version: {exc}"
         # Each served value must resolve to itself; a parameter the served kernel predates takes this version's
         # default, which keeps the kernel it was (new parameters default to the old behaviour).
         if any(resolved[name] != value for name, value in params.items()):
-            return "served parameters differ from this version's family"
+            return None, "served parameters differ from this version's family"
         if not _same_attrs(served_resolved, attrs):
-            return f"served kernel has attrs {served_attrs}, this problem needs {attrs}"
-        reason = self._family_ok(fam, dtype) or fam.check_shape(shape, params, dtype)
-        return reason
+            return None, f"served kernel has attrs {served_attrs}, this problem needs {attrs}"
+        reason = self._family_ok(fam, dtype) or fam.check_shape(shape, resolved, dtype)
+        return (None, reason) if reason else (resolved, None)
 
     # local cache of served kernels -----------------------------------------------------
 
@@ -511,7 +533,7 @@ class KernelRegistry:
         if wrong:  # a cache: a damaged entry is passed over (and replaced when the service serves one)
             notes.append(f"local cache entry unusable: {wrong}")
             return None
-        reason = self._usable(spec, shape, dtype, attrs, meta["family"], meta["params"], meta.get("attrs"))
+        params, reason = self._usable(spec, shape, dtype, attrs, meta["family"], meta["params"], meta.get("attrs"))
         if reason:
             notes.append(f"local cache entry unusable: {reason}")
             return None
@@ -521,7 +543,7 @@ class KernelRegistry:
             dtype,
             attrs,
             meta["family"],
-            meta["params"],
+            params,
             meta["source"],
             cubin,
             f"served-{digest}",
@@ -695,7 +717,9 @@ class KernelRegistry:
         if cached is not None and cached.kernel_id == served["id"] and cached.source == (TUNED if exact else NEAREST):
             cached.note = "from the local cache; still the service's"
             return cached  # the kernel the cache holds: no download
-        reason = self._usable(spec, shape, dtype, attrs, served["family"], served["params"], served.get("attrs"))
+        params, reason = self._usable(
+            spec, shape, dtype, attrs, served["family"], served["params"], served.get("attrs")
+        )
         if not reason and not exact and not _close(served["shape"], shape):
             # Tuned at a shape more than twice as large or small in some dimension, a kernel stands in only for a
             # problem of the same kind: not, say, a wgmma GEMM tuned at M = 256 for a batch-1 product, which the
@@ -722,7 +746,7 @@ class KernelRegistry:
             dtype,
             attrs,
             served["family"],
-            served["params"],
+            params,
             TUNED if exact else NEAREST,
             cubin,
             f"served-{hashlib.sha256(cubin).hexdigest()}",
@@ -919,12 +943,11 @@ class KernelRegistry:
         if record.get("family") != entry.family or record.get("default") != entry.params:
             return None
         params = record.get("params")
-        spec = get_op(entry.op)
-        if not isinstance(params, dict) or self._usable(
-            spec, entry.shape, entry.dtype, entry.attrs, entry.family, params, entry.attrs
-        ):
+        if not isinstance(params, dict):
             return None
-        return params
+        spec = get_op(entry.op)
+        resolved, _ = self._usable(spec, entry.shape, entry.dtype, entry.attrs, entry.family, params, entry.attrs)
+        return resolved
 
     def remember_choice(self, default: KernelEntry, kept: KernelEntry) -> None:
         """Records that a capture on this GPU timed ``default``'s runners-up and kept ``kept`` (maybe itself)."""

@@ -245,6 +245,20 @@ def test_a_tuned_kernel_is_not_checked_again_but_one_rebuilt_from_this_template_
     assert entry.source == TUNED and entry.rebuilt and entry.checked.ok and device.launches
 
 
+def test_a_tuned_kernel_whose_cubin_does_not_load_gives_way_to_the_default(tmp_path, caplog):
+    """Not checked (a tuning job verified it), it used to reach the forward, which failed on loading it."""
+    client = _served(_softmax_kernel(exact=True), b"served tuned")
+    for check in (True, False):
+        reg, device = _registry(
+            tmp_path / str(check), wrong_for(again={"served": "unloadable"}), client=client, use_service=True,
+            check=check,
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="kernelmill.runtime"):
+            entry = reg.get("softmax", SHAPE, "float32")
+        assert entry.source == DEFAULT and "tuned kernel #3 block_row does not load" in entry.note
+        assert "tuned kernel #3 not used: its cubin does not load (cuModuleLoadData failed" in caplog.text
+
+
 def test_stand_ins_that_fail_are_not_offered(tmp_path):
     reg, _ = _registry(tmp_path, wrong_for("threads=128"))
     entry = reg.get("softmax", SHAPE, "float32")

@@ -376,6 +376,20 @@ def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
             strict.get("linear", (256, 4096, 4096), "float16", {"act": "none"})
 
 
+@pytest.mark.parametrize("dropped", ["rows_per_block", "vec"])
+def test_a_kernel_saved_without_a_parameter_runs_with_its_default_served_or_cached(tmp_path, dropped):
+    """Such a kernel (tuned before the parameter existed) raised a KeyError from the family's launches."""
+    params = get_op("softmax").family("warp_row").defaults("float32")
+    kernel = _fused_kernel(op="softmax", shape=[64, 512], attrs={}, family="warp_row", dtype="float32", exact=True)
+    kernel["params"] = {k: v for k, v in params.items() if k != dropped}
+    reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    entry = reg.get("softmax", (64, 512), "float32")
+    assert entry.source == TUNED and entry.params == params and entry.launches
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    cached = offline.get("softmax", (64, 512), "float32")
+    assert cached.source == TUNED and cached.params == params
+
+
 def test_a_nearest_kernel_of_another_kind_does_not_stand_in(tmp_path, caplog):
     # A wgmma linear tuned at M = 256 serves M = 128 (wgmma's regime too) but not the batch-1 product (gemv's).
     params = {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "stream_k": False, "k_splits": 2}
