@@ -16,7 +16,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kernelmill.runtime.registry import answer_detail, excerpt
+from kernelmill.runtime.registry import answer_detail, checked_server_url, excerpt
 from kernelmill.service.api.schemas import JobOut, KernelSummary, Page, WorkersOut
 from kernelmill.service.db.models import ACTIVE_STATES
 from kernelmill.settings import Settings, get_settings
@@ -33,18 +33,11 @@ class ServerError(ValueError):
 
 
 def server_url(url: str) -> str:
-    """``url`` without a trailing slash where it is an http(s) URL with a host; ServerError says what is wrong
-    otherwise (a bare ``host:port`` reads as a scheme, a broken port or bracket does not parse)."""
-    hint = "give it as http://HOST:PORT, e.g. http://127.0.0.1:8000"
+    """``url`` without a trailing slash where it is an http(s) URL with a host; ServerError says what is wrong."""
     try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise ServerError(f"malformed server URL {url!r} ({exc}): {hint}") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ServerError(f"malformed server URL {url!r}: {hint}")
-    if parsed.port is not None and not 0 < parsed.port < 65536:  # httpx takes 99999, then cannot connect
-        raise ServerError(f"malformed server URL {url!r}: port {parsed.port} is out of range 1..65535; {hint}")
-    return url.rstrip("/")
+        return checked_server_url(url)
+    except ValueError as exc:
+        raise ServerError(str(exc)) from None
 
 
 def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:

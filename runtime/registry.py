@@ -163,6 +163,35 @@ class KernelEntry:
         return self.checked.describe() if self.checked is not None else None
 
 
+def checked_server_url(url: str) -> str:
+    """``url`` without a trailing slash where it is an http(s) URL with a host; ValueError says what is wrong
+    otherwise (a bare ``host:port`` reads as a scheme, a broken port or bracket does not parse)."""
+    import httpx
+
+    hint = "give it as http://HOST:PORT, e.g. http://127.0.0.1:8000"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"malformed server URL {url!r} ({exc}): {hint}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"malformed server URL {url!r}: {hint}")
+    if parsed.port is not None and not 0 < parsed.port < 65536:  # httpx takes 99999, then cannot connect
+        raise ValueError(f"malformed server URL {url!r}: port {parsed.port} is out of range 1..65535; {hint}")
+    return url.rstrip("/")
+
+
+def named_server(server: str | None) -> str:
+    """The service's URL: ``server``, else KERNELMILL_SERVER, else "" (none); checked, and a malformed one a
+    ValueError naming where it came from."""
+    url = server if server is not None else default_server() or ""
+    if not url:
+        return ""
+    try:
+        return checked_server_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{'server=' if server is not None else 'KERNELMILL_SERVER'}: {exc}") from None
+
+
 def code_digest(source: str) -> str:
     """A variant's code, as a digest: its rendered source without the first line, the knobs comment
     (``render``), which names a parameter the kernel predates without changing its code."""
@@ -209,7 +238,7 @@ class KernelRegistry:
         use_local_cache: bool = True,
         check: bool | None = None,
     ) -> None:
-        self.server = (server if server is not None else default_server() or "").rstrip("/")
+        self.server = named_server(server)
         self.backend = backend
         if arch is None:
             arch = backend.arch if backend is not None else None

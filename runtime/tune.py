@@ -8,7 +8,7 @@ from typing import Any
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.runtime import ops
-from kernelmill.runtime.registry import answer_detail, excerpt, request_within
+from kernelmill.runtime.registry import answer_detail, excerpt, named_server, request_within
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def tune_model(
     import httpx
 
     from kernelmill.runtime.models import Model
-    from kernelmill.settings import default_server, get_settings
+    from kernelmill.settings import get_settings
 
     if dtype is None and isinstance(model, Model):
         asked = getattr(model, "requested_dtype", model.dtype)
@@ -131,9 +131,9 @@ def tune_model(
             f"trials={trials} cannot try the {most} {busiest} shapes of one job (one trial each at least): give "
             f"trials >= {most}; nothing was submitted"
         )
-    base = (server or default_server() or "").rstrip("/")
-    own_client = client is None
+    own_client, base = client is None, ""
     if own_client:
+        base = named_server(server or None)
         if not base:
             raise ValueError("tune_model needs a server (argument or KERNELMILL_SERVER)")
         client = httpx.Client(base_url=base, timeout=submit_timeout())

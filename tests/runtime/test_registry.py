@@ -518,6 +518,21 @@ def test_unreachable_service_is_logged_once_and_skipped(tmp_path, caplog):
     assert caplog.text.count("unreachable") == 1
 
 
+@pytest.mark.parametrize("url", ["http://localhost:80a", "http://[::1", "localhost:8000", "http://:8000"])
+def test_a_malformed_server_url_is_one_clear_error_naming_where_it_came_from(tmp_path, monkeypatch, url):
+    """httpx.InvalidURL escaped from every lookup and from tune_model; a bare host:port was "unreachable"."""
+    with pytest.raises(ValueError, match=r"^server=: malformed server URL .*give it as http://HOST:PORT"):
+        KernelRegistry(url, arch="sm_90", cache_dir=tmp_path)
+    monkeypatch.setenv("KERNELMILL_SERVER", url)
+    with pytest.raises(ValueError, match=r"^KERNELMILL_SERVER: malformed server URL"):
+        KernelRegistry(arch="sm_90", cache_dir=tmp_path)
+    config = {"vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config.update({"intermediate_size": 64, "max_position_embeddings": 16})
+    model = runtime.Model(runtime.BertModel.random(config), device="cpu")
+    with pytest.raises(ValueError, match=r"^KERNELMILL_SERVER: malformed server URL"):
+        runtime.tune_model(model, np.arange(10).reshape(2, 5), dtype="float16")
+
+
 def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path, caplog):
     """A service answering 500 (or garbage) stays reachable, so it is asked for every problem, for sm_90 and
     sm_90a: the first answer of a kind is a WARNING with its body cut to 200 characters, the rest DEBUG."""
