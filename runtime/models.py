@@ -100,8 +100,11 @@ def check_bert_config(config: dict[str, Any], where: str = "config.json") -> Non
     position = config.get("position_embedding_type", "absolute")
     if position != "absolute":
         raise ValueError(f"{where}: position_embedding_type {position!r} is not supported (absolute only)")
+    act = config.get("hidden_act", "gelu")
+    if not isinstance(act, str):  # null read as "none": the model ran without its activation
+        raise ValueError(f"{where}: hidden_act must name an activation, got {json.dumps(act)}")
     try:
-        ops.canonical_act(config.get("hidden_act", "gelu"))
+        ops.canonical_act(act)
     except ValueError as exc:
         raise ValueError(f"{where}: hidden_act: {exc}") from None
     eps = config.get("layer_norm_eps", 1e-12)
@@ -576,7 +579,7 @@ def _check_gpu_eps(module: Module) -> None:
             what = "config.json's layer_norm_eps" if isinstance(module, BertModel) else "a LayerNorm's eps"
             allowed = ", ".join(f"{e:g}" for e in EPS_VALUES)
             raise ValueError(
-                f"{what} is {layer.eps:g}, which the GPU's layernorm kernels do not take (they take {allowed}); "
+                f"{what} is {layer.eps!r}, which the GPU's layernorm kernels do not take (they take {allowed}); "
                 "device='cpu' runs any eps"
             ) from None
 

@@ -234,11 +234,19 @@ class MLP(Module):
         return ops.fused_mlp(x, self.up.weight, self.up.bias, self.down.weight, self.down.bias, self.act)
 
 
+def _kernel_eps(eps: float) -> float:
+    """``eps``, or the GPU layernorm kernels' eps it is a rounding of (a config written from a float32, 1e-12 as
+    9.99999996e-13): the kernels bake their eps into the source, and take only those."""
+    from kernelmill.kernels.ops.layernorm import EPS_VALUES
+
+    return next((e for e in EPS_VALUES if abs(eps - e) <= 1e-6 * e), eps)
+
+
 class LayerNorm(Module):
     rowwise = True
 
     def __init__(self, gamma: Any, beta: Any, eps: float = 1e-12) -> None:
-        self.gamma, self.beta, self.eps = _param(gamma), _param(beta), float(eps)
+        self.gamma, self.beta, self.eps = _param(gamma), _param(beta), _kernel_eps(float(eps))
 
     @property
     def in_features(self) -> int:

@@ -792,6 +792,29 @@ def test_a_layer_norm_eps_no_gpu_kernel_takes_runs_on_the_cpu_and_is_refused_for
     )
 
 
+def test_a_layer_norm_eps_written_from_a_float32_is_the_kernels_eps():
+    """1e-12 through a float32 (9.99999996e-13) was refused for the GPU as "1e-12, which the kernels do not take
+    (they take 1e-12, ...)"."""
+    from kernelmill.runtime.models import _check_gpu_eps
+
+    for eps in (1e-12, 1e-5):
+        rounded = float(np.float32(eps))
+        assert rounded != eps and runtime.nn.LayerNorm(np.ones(4), np.zeros(4), rounded).eps == eps
+    _check_gpu_eps(runtime.nn.LayerNorm(np.ones(4), np.zeros(4), float(np.float32(1e-12))))  # no error
+    assert runtime.nn.LayerNorm(np.ones(4), np.zeros(4), 1.0001e-12).eps == 1.0001e-12  # not a rounding: kept
+
+
+@pytest.mark.parametrize("act, said", [(None, "null"), (3, "3"), (["gelu"], '["gelu"]')])
+def test_a_hidden_act_that_is_not_a_name_is_refused(tmp_path, act, said):
+    """null ran the model with no activation at all (HF refuses such a config)."""
+    small_bert(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": act}))
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(tmp_path, device="cpu")
+    assert str(err.value) == f"{tmp_path / 'config.json'}: hidden_act must name an activation, got {said}"
+
+
 def test_an_mlp_in_a_safetensors_file_is_refused_since_its_keys_lose_the_layer_order(tmp_path):
     """safetensors sorts its keys as text (0, 10, 2, ...): an MLP read from it ran its layers out of order."""
     from safetensors.torch import save_file
