@@ -155,10 +155,10 @@ def _on_cuda(*tensors: Tensor | None) -> bool:
     return devices == {"cuda"}
 
 
-def _float_dtype(*tensors: Tensor | None) -> str:
+def _float_dtype(op: str, *tensors: Tensor | None) -> str:
     dtypes = {t.dtype for t in tensors if t is not None}
     if len(dtypes) != 1 or not dtypes <= set(FLOAT_DTYPES):
-        raise TypeError(f"expected tensors of one float dtype, got {', '.join(sorted(dtypes))}")
+        raise TypeError(f"{op}: expected tensors of one float dtype, got {', '.join(sorted(dtypes))}")
     return dtypes.pop()
 
 
@@ -218,8 +218,10 @@ def _f32(t: Tensor) -> np.ndarray:
     return np.asarray(t.numpy(), dtype=np.float32)
 
 
-def _cpu(a: np.ndarray) -> Tensor:
-    return Tensor.from_numpy(np.require(a, np.float32, "C"), "cpu", "float32")
+def _cpu(a: np.ndarray, dtype: str) -> Tensor:
+    """A CPU op's float32 result as a tensor of its inputs' ``dtype`` (rounded once, as a kernel rounds its
+    output): a float16 module's next op then gets the dtype its weights have."""
+    return Tensor.from_numpy(np.require(a, np.float32, "C"), "cpu", dtype)
 
 
 _ZEROS: dict[tuple, Tensor] = {}
@@ -334,10 +336,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if _last_dim("matmul", a) != k:
         raise ValueError(f"matmul: {a.shape} @ {b.shape}")
     m = a.numel // k if k else 0
-    dtype = _float_dtype(a, b)
+    dtype = _float_dtype("matmul", a, b)
     if not _on_cuda(a, b):
         _note("matmul", (m, n, k), dtype, {})
-        return _cpu(_f32(a) @ _f32(b))
+        return _cpu(_f32(a) @ _f32(b), dtype)
     out = Tensor.empty((*a.shape[:-1], n), dtype, "cuda")
     _launch("matmul", (m, n, k), dtype, {}, {"A": a, "B": b, "C": out})
     return out
@@ -351,10 +353,10 @@ def bias_act(x: Tensor, b: Tensor, act: str = "none") -> Tensor:
     rows = x.numel // cols if cols else 0
     if b.shape != (cols,):
         raise ValueError(f"bias_act: bias {b.shape} for input {x.shape}")
-    dtype = _float_dtype(x, b)
+    dtype = _float_dtype("bias_act", x, b)
     if not _on_cuda(x, b):
         _note("bias_act", (rows, cols), dtype, {"act": act})
-        return _cpu(_act_np(_f32(x) + _f32(b), act))
+        return _cpu(_act_np(_f32(x) + _f32(b), act), dtype)
     out = Tensor.empty(x.shape, dtype, "cuda")
     _launch("bias_act", (rows, cols), dtype, {"act": act}, {"X": x, "b": b, "Y": out})
     return out
@@ -401,10 +403,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, act: str = "none") -> 
         return y if act == "none" else activation(y, act)
     _expect("linear", "bias", b, (n,), f"weight {w.shape}")
     m = x.numel // k if k else 0
-    dtype = _float_dtype(x, w, b)
+    dtype = _float_dtype("linear", x, w, b)
     if not _on_cuda(x, w, b):
         _note("linear", (m, n, k), dtype, {"act": act})
-        return _cpu(_act_np(_f32(x) @ _f32(w) + _f32(b), act))
+        return _cpu(_act_np(_f32(x) @ _f32(w) + _f32(b), act), dtype)
     out = Tensor.empty((*x.shape[:-1], n), dtype, "cuda")
     _launch("linear", (m, n, k), dtype, {"act": act}, {"X": x, "W": w, "b": b, "Y": out})
     return out
@@ -415,10 +417,10 @@ def add(x: Tensor, y: Tensor) -> Tensor:
     """x + y (same shapes: residual connections)."""
     if x.shape != y.shape:
         raise ValueError(f"add: shapes {x.shape} and {y.shape} differ")
-    dtype = _float_dtype(x, y)
+    dtype = _float_dtype("add", x, y)
     if not _on_cuda(x, y):
         _note("add", (x.numel,), dtype, {})
-        return _cpu(_f32(x) + _f32(y))
+        return _cpu(_f32(x) + _f32(y), dtype)
     out = Tensor.empty(x.shape, dtype, "cuda")
     _launch("add", (x.numel,), dtype, {}, {"X": x, "R": y, "Y": out})
     return out
@@ -429,10 +431,10 @@ def softmax(x: Tensor) -> Tensor:
     """softmax over the last dim."""
     cols = _last_dim("softmax", x)
     rows = x.numel // cols if cols else 0
-    dtype = _float_dtype(x)
+    dtype = _float_dtype("softmax", x)
     if not x.is_cuda:
         _note("softmax", (rows, cols), dtype, {})
-        return _cpu(_softmax_np(_f32(x)))
+        return _cpu(_softmax_np(_f32(x)), dtype)
     out = Tensor.empty(x.shape, dtype, "cuda")
     _launch("softmax", (rows, cols), dtype, {}, {"x": x, "y": out})
     return out
@@ -449,13 +451,13 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
     _expect("layernorm", "beta", beta, (cols,), f"input {x.shape}")
     op = "layernorm" if residual is None else "add_layernorm"
     attrs = {"eps": float(eps)}
-    dtype = _float_dtype(x, gamma, beta, residual)
+    dtype = _float_dtype("layernorm", x, gamma, beta, residual)
     if not _on_cuda(x, gamma, beta, residual):
         _note(op, (rows, cols), dtype, attrs)
         h = _f32(x) if residual is None else _f32(x) + _f32(residual)
         mean = h.mean(axis=-1, keepdims=True)
         var = ((h - mean) ** 2).mean(axis=-1, keepdims=True)
-        return _cpu((h - mean) / np.sqrt(var + eps) * _f32(gamma) + _f32(beta))
+        return _cpu((h - mean) / np.sqrt(var + eps) * _f32(gamma) + _f32(beta), dtype)
     out = Tensor.empty(x.shape, dtype, "cuda")
     tensors = {"X": x, "gamma": gamma, "beta": beta, "Y": out}
     if residual is not None:
@@ -484,11 +486,11 @@ def fused_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, act: st
     if act not in FUSED_ACTIVATIONS:
         return linear(linear(x, w1, b1, act), w2, b2)
     batch = x.numel // d_in if d_in else 0
-    dtype = _float_dtype(x, w1, b1, w2, b2)
+    dtype = _float_dtype("fused_mlp", x, w1, b1, w2, b2)
     if not _on_cuda(x, w1, b1, w2, b2):
         _note("fused_mlp", (batch, d_in, d_hidden, d_out), dtype, {"act": act})
         h = _act_np(_f32(x) @ _f32(w1) + _f32(b1), act)
-        return _cpu(h @ _f32(w2) + _f32(b2))
+        return _cpu(h @ _f32(w2) + _f32(b2), dtype)
     shape = (batch, d_in, d_hidden, d_out)
     if batch > FUSED_MLP_DEFAULT_MAX_BATCH and current_registry().find("fused_mlp", shape, dtype, {"act": act}) is None:
         # Nothing tuned for the fused op: its two linears (gemv / wgmma defaults) beat the fused templates'
@@ -527,15 +529,15 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
     if seq > pos.shape[0]:
         raise ValueError(f"embedding: sequence of {seq} > {pos.shape[0]} position embeddings")
     shape = (batch, seq, hidden, vocab, type_vocab)
+    dtype = _float_dtype("embedding", word, pos, types)
     if not _on_cuda(word, pos, types):
-        _note("embedding", shape, word.dtype, {})
+        _note("embedding", shape, dtype, {})
         idx = ids_np if ids_np is not None else ids.numpy()
         tidx = np.zeros_like(idx) if type_ids is None else _host_ints(type_ids)
         for name, values, n in (("ids", idx, vocab), ("type_ids", tidx, type_vocab)):
             if values.size and (values.min() < 0 or values.max() >= n):
                 raise IndexError(f"embedding: {name} out of range 0..{n - 1}")
-        return _cpu(_f32(word)[idx] + _f32(pos)[:seq][None] + _f32(types)[tidx])
-    dtype = _float_dtype(word, pos, types)
+        return _cpu(_f32(word)[idx] + _f32(pos)[:seq][None] + _f32(types)[tidx], dtype)
     ids_t = device_ids(ids if ids_np is None else ids_np, dtype)
     if type_ids is None:
         key = ("type_ids", batch, seq, dtype)
@@ -588,12 +590,12 @@ def attention(qkv: Tensor, heads: int, mask: Tensor | None = None) -> Tensor:
     if mask is not None and mask.shape != (batch, seq):
         raise ValueError(f"attention: mask {mask.shape}, expected {(batch, seq)}")
     shape = (batch, heads, seq, head_dim)
-    dtype = _float_dtype(qkv, mask)
+    dtype = _float_dtype("attention", qkv, mask)
     if not _on_cuda(qkv, mask):
         _note("attention", shape, dtype, {})
         x = _f32(qkv).reshape(batch, seq, 3, heads, head_dim).transpose(2, 0, 3, 1, 4)
         out = _sdpa_np(x[0], x[1], x[2], None if mask is None else _f32(mask))
-        return _cpu(out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim))
+        return _cpu(out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * head_dim), dtype)
     mask = _zeros((batch, seq), dtype) if mask is None else mask
     out = Tensor.empty((batch, seq, heads * head_dim), dtype, "cuda")
     _launch("attention", shape, dtype, {}, {"qkv": qkv, "mask": mask, "out": out})
@@ -633,10 +635,10 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
         expected = (batch, seq)
         raise ValueError(f"scaled_dot_product_attention: mask {mask.shape}, expected an additive key mask {expected}")
     shape = (batch, heads, seq, head_dim)
-    dtype = _float_dtype(q, k, v, mask)
+    dtype = _float_dtype("scaled_dot_product_attention", q, k, v, mask)
     if not _on_cuda(q, k, v, mask):
         _note("sdpa", shape, dtype, {})
-        return _cpu(_sdpa_np(_f32(q), _f32(k), _f32(v), None if mask is None else _f32(mask)))
+        return _cpu(_sdpa_np(_f32(q), _f32(k), _f32(v), None if mask is None else _f32(mask)), dtype)
     mask = _zeros((batch, seq), dtype) if mask is None else mask
     out = Tensor.empty(shape, dtype, "cuda")
     _launch("sdpa", shape, dtype, {}, {"q": q, "k": k, "v": v, "mask": mask, "out": out})

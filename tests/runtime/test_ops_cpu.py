@@ -21,8 +21,8 @@ def th(x: Tensor):
     return torch.from_numpy(np.array(x.numpy()))
 
 
-def close(out: Tensor, ref, tol=1e-5):
-    assert out.device == "cpu" and out.dtype == "float32"
+def close(out: Tensor, ref, tol=1e-5, dtype="float32"):
+    assert out.device == "cpu" and out.dtype == dtype
     ref = ref.detach().numpy() if hasattr(ref, "detach") else np.asarray(ref)
     assert out.shape == tuple(ref.shape)
     err = np.linalg.norm(out.numpy().astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30)
@@ -83,8 +83,8 @@ def test_the_cpu_gelus_in_float32_match_torch_in_float64_over_a_wide_range(appro
 
 def test_ops_take_runtime_tensors_of_any_float_dtype():
     half = Tensor.from_numpy(np.linspace(-2, 2, 12, dtype=np.float16).reshape(3, 4))
-    close(ops.relu(half), torch.relu(th(half).float()))  # refused: its zero bias was float32
-    close(ops.gelu(half), F.gelu(th(half).float()))
+    close(ops.relu(half), torch.relu(th(half).float()), 1e-3, "float16")  # refused: its zero bias was float32
+    close(ops.gelu(half), F.gelu(th(half).float()), 1e-3, "float16")
     x = np.ones((2, 3), np.float32)
     for call, name, kind in (
         (lambda: ops.linear(x, t(3, 2)), "linear: x", "numpy.ndarray"),  # AttributeError: no attribute 'numel'
@@ -93,6 +93,22 @@ def test_ops_take_runtime_tensors_of_any_float_dtype():
     ):
         with pytest.raises(TypeError, match=rf"^{name} is a {kind}, not a runtime Tensor; wrap it with runtime"):
             call()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_module_runs_on_the_cpu_each_op_rounding_its_output(dtype):
+    """Every CPU op answered float32, so a float16 module's second op mixed dtypes and was refused."""
+    from kernelmill.runtime import nn
+
+    model = nn.Sequential(nn.Linear.random(16, 32), nn.Activation("gelu"), nn.Linear.random(32, 8)).to("cpu", dtype)
+    x = Tensor.from_numpy(RNG.standard_normal((4, 16)).astype(np.float32)).to("cpu", dtype)
+    y = model.forward(x)
+    ref = model.to("cpu", "float32").forward(x.to("cpu", "float32"))
+    close(y, th(ref), 2e-2 if dtype == "bfloat16" else 2e-3, dtype)
+    y16 = ops.add(y, y)
+    assert y16.dtype == dtype
+    with pytest.raises(TypeError, match=rf"^add: expected tensors of one float dtype, got {dtype}, float32$"):
+        ops.add(y, y.to("cpu", "float32"))
 
 
 def test_erf_is_accurate():
