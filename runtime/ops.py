@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.base import format_shape
 from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS
 from kernelmill.kernels.ops.embedding import ID_ELEMS, pack_ids
 from kernelmill.kernels.ops.fused_mlp import ACTIVATIONS as FUSED_ACTIVATIONS
@@ -114,7 +116,10 @@ def planning() -> Iterator[list[tuple[str, tuple[int, ...], str, dict[str, Any]]
 
 
 def _note(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], into: tuple = ()) -> None:
-    """Adds the problem to every recording under way and to the lists in ``into``, once each."""
+    """Adds the problem to every recording under way and to the lists in ``into``, once each; not a problem
+    with an empty dimension (a batch of 0), which no kernel runs and no job tunes."""
+    if 0 in shape:
+        return
     problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
     for seen in (*_recorders.get(), *into):
         if problem not in seen:
@@ -195,6 +200,12 @@ def _aligned(t: Tensor) -> Tensor:
 
 @on_device
 def _launch(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    if 0 in shape:  # nothing to compute (a batch of 0): no kernel, whose grid would be empty, and no problem to tune
+        filled = [name for name in get_op(op).outputs if name in tensors and tensors[name].numel]
+        if filled:  # a sum over nothing (K = 0) that the CPU would answer with zeros: no kernel takes it
+            empty = format_shape(shape)
+            raise ValueError(f"{op}: {empty} has an empty dimension to reduce over; no GPU kernel runs it")
+        return
     planned = _planning.get()
     _note(op, shape, dtype, attrs, into=() if planned is None else (planned,))
     if planned is not None:

@@ -537,6 +537,21 @@ def test_a_0d_tensor_on_the_gpu(backend, registry):
             ops.softmax(t)
 
 
+def test_empty_batches_on_the_gpu_launch_nothing_and_answer_empty(bert, registry, tmp_path):
+    """A batch of 0 reached the kernels as a zero-size grid, which CUDA refuses."""
+    model = runtime.load_model(bert[0], device="cuda", dtype="float32", registry=registry)
+    out = model.forward(np.zeros((0, 7), np.int64))
+    assert out.is_cuda and out.numpy().shape == (0, 7, 128)
+    with ops.using_registry(registry):
+        x = Tensor.from_numpy(np.zeros((0, 64), np.float32), "cuda")
+        assert ops.softmax(x).numpy().shape == (0, 64)
+        w = Tensor.from_numpy(np.ones((64, 32), np.float32), "cuda")
+        b = Tensor.from_numpy(np.ones(32, np.float32), "cuda")
+        assert ops.linear(x, w, b).numpy().shape == (0, 32)
+        with pytest.raises(ValueError, match=r"^matmul: 0x32x0 has an empty dimension to reduce over"):
+            ops.matmul(Tensor.from_numpy(np.zeros((5, 0), np.float32), "cuda"), w.rows(0, 0))
+
+
 def test_cuda_array_interface_and_runtime_ops_on_torch_memory(backend, registry):
     a = torch.randn(33, 65, device="cuda")
     b = torch.randn(33, 65, device="cuda")

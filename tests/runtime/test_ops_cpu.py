@@ -248,3 +248,25 @@ def test_operands_of_the_wrong_shape_are_refused_before_any_kernel():
         ops.embedding(RNG.integers(0, 50, size=(1, 4)), t(50, 16), t(12, 8), t(3, 16))
     with pytest.raises(ValueError, match="token type embeddings"):
         ops.embedding(RNG.integers(0, 50, size=(1, 4)), t(50, 16), t(12, 16), t(3, 15))
+
+
+def test_a_gpu_problem_with_an_empty_dimension_launches_nothing(monkeypatch):
+    """A batch of 0 reached the registry and a kernel with a zero-size grid, which CUDA refuses."""
+    from types import SimpleNamespace
+
+    def no_registry():
+        raise AssertionError("no kernel is looked up for an empty problem")
+
+    monkeypatch.setattr(ops, "current_registry", no_registry)
+    empty, some = SimpleNamespace(numel=0), SimpleNamespace(numel=160)
+    with ops.recording() as met:
+        assert ops._launch("softmax", (0, 64), "float16", {}, {"x": empty, "y": empty}) is None
+    assert not met  # nor a problem to tune
+    with pytest.raises(ValueError, match=r"^matmul: 0x32x0 has an empty dimension to reduce over; no GPU kernel"):
+        ops._launch("matmul", (0, 32, 0), "float16", {}, {"A": empty, "B": empty, "C": some})
+
+
+def test_an_empty_batch_on_the_cpu_answers_empty_and_records_no_problem():
+    with ops.recording() as met:
+        assert ops.softmax(t(0, 64)).shape == (0, 64) and ops.linear(t(0, 8), t(8, 4), t(4)).shape == (0, 4)
+    assert met == []
