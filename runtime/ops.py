@@ -325,6 +325,8 @@ def _act_np(x: np.ndarray, act: str) -> np.ndarray:
 
 
 def _softmax_np(x: np.ndarray) -> np.ndarray:
+    if not x.size:  # rows of no element (or no rows): nothing to normalise, and max() has no identity
+        return x.copy()
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
@@ -466,6 +468,8 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
     if not _on_cuda(x, gamma, beta, residual):
         _note(op, (rows, cols), dtype, attrs)
         h = _f32(x) if residual is None else _f32(x) + _f32(residual)
+        if not h.size:  # no element to normalise: the mean of an empty row warned and was NaN
+            return _cpu(h, dtype)
         mean = h.mean(axis=-1, keepdims=True)
         var = ((h - mean) ** 2).mean(axis=-1, keepdims=True)
         return _cpu((h - mean) / np.sqrt(var + eps) * _f32(gamma) + _f32(beta), dtype)
@@ -523,12 +527,12 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
 
     ids / type_ids: integer arrays (or tensors) of shape (batch, seq); on the GPU also the packed tensors
     ``device_ids`` makes (batch, seq, 3), which is what a captured forward passes."""
-    packed = isinstance(ids, Tensor) and ids.is_cuda and ids.ndim == 3 and ids.shape[-1] == ID_ELEMS
+    packed = _packed_ids(ids)
     ids_np = None if isinstance(ids, Tensor) else np.asarray(ids)
     if not packed:
         _token_ids("ids", ids_np if ids_np is not None else ids)
     batch, seq = (ids.shape[:2] if packed else ids.shape) if ids_np is None else ids_np.shape
-    if type_ids is not None and not (isinstance(type_ids, Tensor) and type_ids.ndim == 3):
+    if type_ids is not None and not _packed_ids(type_ids):
         tshape = _token_ids("type_ids", type_ids if isinstance(type_ids, Tensor) else np.asarray(type_ids))
         if tshape != (batch, seq):
             raise ValueError(f"embedding: type_ids {tshape} for ids {(batch, seq)}")
@@ -561,6 +565,11 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
     tensors = {"ids": ids_t, "type_ids": tids_t, "word": word, "pos": pos, "types": types, "Y": out}
     _launch("embedding", shape, dtype, {}, tensors)
     return out
+
+
+def _packed_ids(ids: Any) -> bool:
+    """Whether ``ids`` are token ids packed for the GPU's embedding kernel (``device_ids``: batch, seq, 3)."""
+    return isinstance(ids, Tensor) and ids.is_cuda and ids.ndim == 3 and ids.shape[-1] == ID_ELEMS
 
 
 def _token_ids(name: str, ids: Any) -> tuple[int, ...]:

@@ -121,8 +121,9 @@ class Tensor:
         if type(a).__module__.startswith("torch"):  # np.asarray fails on grad and bfloat16 tensors
             raise TypeError("from_numpy takes a NumPy array; a torch tensor goes through runtime.from_torch")
         a = np.asarray(a)
-        if dtype is None:
-            dtype = "float32" if a.dtype == np.float64 else dtype_name(a.dtype)
+        # Given, a name or a NumPy dtype (np.float16); a refusal names every dtype, the integer ones too.
+        default = "float32" if a.dtype == np.float64 else a.dtype
+        dtype = dtype_name(default if dtype is None else dtype)
         a = np.require(a, numpy_dtype(dtype), "C")  # not ascontiguousarray: it makes a 0-d array 1-d
         device = _check_device(device)
         if device == "cpu":
@@ -246,8 +247,8 @@ class Tensor:
         if len(shape) == 1 and isinstance(shape[0], tuple | list):
             shape = tuple(shape[0])
         shape = list(int(d) for d in shape)
-        if shape.count(-1) > 1:
-            raise ValueError("only one dim may be -1")
+        if shape.count(-1) > 1 or any(d < -1 for d in shape):
+            raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}: one dim at most may be -1, none below")
         if -1 in shape:
             known = math.prod(d for d in shape if d != -1)
             shape[shape.index(-1)] = self.numel // known if known else 0

@@ -270,3 +270,22 @@ def test_an_empty_batch_on_the_cpu_answers_empty_and_records_no_problem():
     with ops.recording() as met:
         assert ops.softmax(t(0, 64)).shape == (0, 64) and ops.linear(t(0, 8), t(8, 4), t(4)).shape == (0, 4)
     assert met == []
+
+
+def test_rows_of_no_element_answer_empty_without_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the mean of an empty row warned
+        assert ops.softmax(t(3, 0)).shape == (3, 0)  # max() of nothing raised inside NumPy
+        assert ops.layernorm(t(3, 0), t(0), t(0)).shape == (3, 0)
+        q = t(1, 2, 0, 4)
+        assert ops.scaled_dot_product_attention(q, q, q).shape == (1, 2, 0, 4)
+
+
+def test_type_ids_of_another_rank_on_the_cpu_are_refused_by_name():
+    """A 3-D type_ids tensor passed as if packed for the GPU, and NumPy failed to broadcast."""
+    word, pos, types = t(10, 4), t(8, 4), t(2, 4)
+    bad = Tensor.from_numpy(np.zeros((1, 2, 3), np.int64))
+    with pytest.raises(ValueError, match=r"^embedding: type_ids must be integers of shape \(batch, seq\), not int64"):
+        ops.embedding(np.array([[1, 2]]), word, pos, types, bad)

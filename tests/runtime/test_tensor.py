@@ -169,3 +169,14 @@ def test_numpy_reads_a_tensor_through_array():
     assert np.asarray(t).shape == (2, 3) and np.asarray(t).dtype == np.float32
     np.testing.assert_array_equal(np.asarray(t, dtype=np.float64), a)
     assert np.allclose(np.array(t), a)
+
+
+def test_from_numpy_takes_numpy_dtypes_and_names_every_dtype_in_a_refusal():
+    assert Tensor.from_numpy(np.ones(3), dtype=np.float16).dtype == "float16"
+    with pytest.raises(TypeError, match=r"^unsupported dtype 'fp16'; use one of float32, float16, bfloat16, int32, "):
+        Tensor.from_numpy(np.ones(3), dtype="fp16")
+
+
+def test_reshape_refuses_dims_below_minus_one():
+    with pytest.raises(ValueError, match=r"cannot reshape \(12,\) to \(-2, -6\): one dim at most may be -1"):
+        Tensor.from_numpy(np.ones(12, np.float32)).reshape(-2, -6)
