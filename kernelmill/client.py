@@ -25,11 +25,22 @@ log = logging.getLogger(__name__)
 
 
 class ServerError(ValueError):
-    """The server refused a request or could not be reached (``unreachable``); the message says why."""
+    """The server refused a request (``status``, where it answered one) or could not be reached
+    (``unreachable``); the message says why."""
 
-    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+    def __init__(self, message: str, *, unreachable: bool = False, status: int | None = None) -> None:
         super().__init__(message)
         self.unreachable = unreachable
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """Whether asking again later may succeed: a server restarting (unreachable, or a proxy's 502-504)."""
+        return self.unreachable or (self.status is not None and self.status >= 500)
+
+
+#: How long ``follow_jobs`` keeps asking a server it lost (restarting, say) before it stops watching.
+RECONNECT_S = 120.0
 
 
 def server_url(url: str) -> str:
@@ -50,7 +61,7 @@ def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot reach {url}: {exc}", unreachable=True) from None
     if resp.status_code >= 400:
-        raise ServerError(f"server answered {resp.status_code}: {answer_detail(resp)}")
+        raise ServerError(f"server answered {resp.status_code}: {answer_detail(resp)}", status=resp.status_code)
     try:
         data = resp.json()
     except ValueError:
@@ -114,6 +125,7 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
     base = server.rstrip("/")
     jobs = list(jobs)
     said_idle, next_check = False, 0.0
+    lost_since: float | None = None  # when the server stopped answering (a restart: its jobs go on)
     try:
         with _progress(console) as bar:
             tasks = [
@@ -128,7 +140,21 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
                 for i, job in enumerate(jobs):
                     if job["state"] not in ACTIVE_STATES:
                         continue
-                    jobs[i] = job = _request("GET", f"{base}/api/jobs/{job['id']}", expect=JobOut)
+                    try:
+                        jobs[i] = job = _request("GET", f"{base}/api/jobs/{job['id']}", expect=JobOut)
+                    except ServerError as exc:
+                        if not exc.transient:
+                            raise
+                        if lost_since is None:
+                            lost_since = time.monotonic()
+                            bar.console.print(f"{exc}; asking again for up to {RECONNECT_S:g} s (jobs go on there)")
+                        elif time.monotonic() - lost_since > RECONNECT_S:
+                            _say_going_on(console, base, jobs)
+                            raise
+                        break
+                    if lost_since is not None:
+                        lost_since = None
+                        bar.console.print(f"{base} answers again")
                     shapes = [s for s in job["per_shape"] if s["best_ms"]]
                     best = min(shapes, key=lambda s: s["best_ms"], default=None)
                     bar.update(
@@ -139,14 +165,18 @@ def follow_jobs(server: str, jobs: list[dict[str, Any]], console: Console, poll_
                         **_fmt(best and best["best_ms"], best and best["speedup"]),
                     )
     except KeyboardInterrupt:
-        going = [j for j in jobs if j["state"] in ACTIVE_STATES] or jobs
-        ids = ", ".join(str(j["id"]) for j in going)
-        what, which = (f"job {ids} goes on", ids) if len(going) == 1 else (f"jobs {ids} go on", "ID")
-        console.print(f"stopped watching; {what} (cancel: POST {base}/api/jobs/{which}/cancel)")
+        _say_going_on(console, base, jobs)
         return jobs
     for job in jobs:
         _summary(console, job)
     return jobs
+
+
+def _say_going_on(console: Console, base: str, jobs: list[dict[str, Any]]) -> None:
+    going = [j for j in jobs if j["state"] in ACTIVE_STATES] or jobs
+    ids = ", ".join(str(j["id"]) for j in going)
+    what, which = (f"job {ids} goes on", ids) if len(going) == 1 else (f"jobs {ids} go on", "ID")
+    console.print(f"stopped watching; {what} (cancel: POST {base}/api/jobs/{which}/cancel)")
 
 
 def _say_why_queued(base: str, job: dict[str, Any], console: Console) -> bool:

@@ -398,3 +398,31 @@ def test_kernels_lists_every_page_of_the_servers_kernels(monkeypatch):
     result = CliRunner().invoke(app, ["kernels", "--server", SERVER], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert " 1234 " in result.output and "(1234 kernels)" in result.output
+
+
+@pytest.mark.parametrize("lost", [3, None])
+def test_tune_rides_out_a_server_restart_and_gives_up_saying_the_job_goes_on(serve, monkeypatch, lost):
+    """The first refused connection while following ended the CLI with "cannot reach" (exit 3); the job went on
+    and finished on the restarted server, and the user was told nothing of it."""
+    serve(workers=1)
+    through = httpx.request  # the fixture's route to the app
+    refused = []
+
+    def restarting(method, url, **kw):
+        if method == "GET" and url.endswith("/api/jobs/1") and (lost is None or len(refused) < lost):
+            refused.append(url)
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        return through(method, url, **kw)
+
+    monkeypatch.setattr(httpx, "request", restarting)
+    monkeypatch.setattr(cli_client, "RECONNECT_S", 0.3)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    result = CliRunner().invoke(app, TUNE)
+    out = " ".join(result.output.split())
+    assert "Connection refused; asking again for up to 0.3 s (jobs go on there)" in out, result.output
+    if lost is None:
+        assert result.exit_code == 3 and "stopped watching; job 1 goes on (cancel: POST" in out
+        assert "error: cannot reach http://testserver/api/jobs/1" in out
+    else:
+        assert result.exit_code == 0 and len(refused) == lost, result.output
+        assert "http://testserver answers again" in out and "job 1 done" in out
