@@ -304,14 +304,14 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
     if server:
         params = {"limit": limit, **({"state": state} if state else {})}
         return _request("GET", f"{server.rstrip('/')}/api/jobs", params=params, expect=Page[JobOut])["items"]
-    from kernelmill.service.api.jobs import job_out
+    from kernelmill.service.api.jobs import jobs_out
     from kernelmill.service.db.store import Store
 
     if _no_local_database():
         return []
     store = Store(get_settings().database_url)
     rows, _ = store.list_jobs(state, None, limit)
-    return [job_out(store, j).model_dump() for j in rows]
+    return [j.model_dump() for j in jobs_out(store, rows)]
 
 
 def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list[dict[str, Any]]:

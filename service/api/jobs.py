@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, status
@@ -23,7 +24,7 @@ from kernelmill.service.api.schemas import (
     problems,
 )
 from kernelmill.service.db.models import ACTIVE_STATES, ENDED_STATES, Job, utcnow
-from kernelmill.service.db.store import Store
+from kernelmill.service.db.store import ShapeSummary, Store
 from kernelmill.service.jobs import JobError, validate_submission
 from kernelmill.settings import Settings
 
@@ -41,8 +42,15 @@ def _precision(job: Job) -> str:
         return job.dtype
 
 
-def job_out(store: Store, job: Job) -> JobOut:
-    per_shape = [ShapeProgress(**s.__dict__, speedup=s.speedup) for s in store.summary(job)]
+def jobs_out(store: Store, jobs: Sequence[Job]) -> list[JobOut]:
+    """``job_out`` of each job, their summaries read together (``Store.summaries``)."""
+    summaries = store.summaries(jobs)
+    return [job_out(store, job, summaries[job.id]) for job in jobs]
+
+
+def job_out(store: Store, job: Job, summary: Sequence[ShapeSummary] | None = None) -> JobOut:
+    summary = store.summary(job) if summary is None else summary
+    per_shape = [ShapeProgress(**s.__dict__, speedup=s.speedup) for s in summary]
     done = sum(s.trials for s in per_shape)
     eta = None
     if job.state == "running" and job.started_at and done:
@@ -120,7 +128,7 @@ def list_jobs(
     offset: Offset = 0,
 ) -> Page[JobOut]:
     jobs, total = store.list_jobs(state, op, limit, offset)
-    return Page[JobOut](items=[job_out(store, j) for j in jobs], total=total, limit=limit, offset=offset)
+    return Page[JobOut](items=jobs_out(store, jobs), total=total, limit=limit, offset=offset)
 
 
 @router.get("/{job_id}", responses=problems(404, 422))

@@ -517,7 +517,7 @@ class Store:
             select(Trial)
             .options(undefer(Trial.cubin))
             .where(Trial.job_id == job_id, Trial.shape_key == shape, Trial.status == "ok")
-            .order_by(Trial.median_ms.asc())
+            .order_by(Trial.median_ms.asc(), Trial.id.asc())  # the earlier of equal times, as ``summaries``
             .limit(1)
         )
         if device_name:
@@ -527,35 +527,49 @@ class Store:
 
     def summary(self, job: Job) -> list[ShapeSummary]:
         """Per shape: trials done and failed, best time, PyTorch baseline."""
-        out = []
+        return self.summaries([job])[job.id]
+
+    def summaries(self, jobs: Sequence[Job]) -> dict[int, list[ShapeSummary]]:
+        """``summary`` of each job, by id, in three queries whatever the jobs and shapes (a page of 500 jobs of 32
+        shapes each took three queries a shape: 48,000)."""
+        ids = [job.id for job in jobs]
+        if not ids:
+            return {}
         with self.session() as s:
+            counts: dict[tuple[int, str], dict[str, int]] = {}
+            by_status = (
+                select(Trial.job_id, Trial.shape_key, Trial.status, func.count())
+                .where(Trial.job_id.in_(ids))
+                .group_by(Trial.job_id, Trial.shape_key, Trial.status)
+            )
+            for job_id, key, status, n in s.execute(by_status):
+                counts.setdefault((job_id, key), {})[status] = n
+            # The fastest ok trial of each job and shape (the earlier of equal times).
+            rank = (
+                func.row_number()
+                .over(partition_by=(Trial.job_id, Trial.shape_key), order_by=(Trial.median_ms.asc(), Trial.id.asc()))
+                .label("rank")
+            )
+            ranked = (
+                select(Trial.job_id, Trial.shape_key, Trial.id, Trial.median_ms, rank)
+                .where(Trial.job_id.in_(ids), Trial.status == "ok")
+                .subquery()
+            )
+            fastest = select(ranked.c.job_id, ranked.c.shape_key, ranked.c.id, ranked.c.median_ms).where(
+                ranked.c.rank == 1
+            )
+            best = {(job_id, key): (trial_id, ms) for job_id, key, trial_id, ms in s.execute(fastest)}
+            baselines = select(Baseline.job_id, Baseline.shape_key, Baseline.median_ms).where(Baseline.job_id.in_(ids))
+            base = {(job_id, key): ms for job_id, key, ms in s.execute(baselines)}
+        out: dict[int, list[ShapeSummary]] = {}
+        for job in jobs:
+            rows = out[job.id] = []
             for shape in job.shapes:
                 key = shape_key(shape)
-                counts = dict(
-                    s.execute(
-                        select(Trial.status, func.count())
-                        .where(Trial.job_id == job.id, Trial.shape_key == key)
-                        .group_by(Trial.status)
-                    ).all()
-                )
-                best = s.execute(
-                    select(Trial.id, Trial.median_ms)
-                    .where(Trial.job_id == job.id, Trial.shape_key == key, Trial.status == "ok")
-                    .order_by(Trial.median_ms.asc())
-                    .limit(1)
-                ).first()
-                base = s.scalar(select(Baseline.median_ms).where(Baseline.job_id == job.id, Baseline.shape_key == key))
-                total = sum(counts.values())
-                out.append(
-                    ShapeSummary(
-                        key,
-                        total,
-                        total - counts.get("ok", 0),
-                        best[1] if best else None,
-                        best[0] if best else None,
-                        base,
-                    )
-                )
+                tally = counts.get((job.id, key), {})
+                total = sum(tally.values())
+                trial_id, ms = best.get((job.id, key), (None, None))
+                rows.append(ShapeSummary(key, total, total - tally.get("ok", 0), ms, trial_id, base.get((job.id, key))))
         return out
 
     # -- baselines -----------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from kernelmill.kernels.ops import DTYPES, OPS
-from kernelmill.service.api.jobs import job_out
+from kernelmill.service.api.jobs import job_out, jobs_out
 from kernelmill.service.api.schemas import JobOut
 from kernelmill.service.db.models import ACTIVE_STATES, JOB_STATES, DeviceRow, Job, Kernel, Trial, utcnow
 from kernelmill.service.db.store import Store
@@ -99,7 +99,7 @@ def overview(store: Store, executor: Executor) -> dict[str, Any]:
     return {
         "workers": workers,
         "why_none": None if workers else executor.why_none(),
-        "jobs": [job_out(store, j) for j in jobs],
+        "jobs": jobs_out(store, jobs),
         "total_jobs": total_jobs,
         "per_op": best_per_op(kernels),
         "n_kernels": n_kernels,
@@ -133,7 +133,7 @@ def jobs_list(store: Store, state: str | None, op: str | None, page: int) -> dic
         page = last
         jobs, total = store.list_jobs(state, op, PAGE_SIZE, (page - 1) * PAGE_SIZE)
     return {
-        "jobs": [job_out(store, j) for j in jobs],
+        "jobs": jobs_out(store, jobs),
         "total": total,
         "state": state,
         "op": op,

@@ -325,6 +325,35 @@ def test_summary_counts_best_and_baseline(store):
     assert best.median_ms == 0.5 and best.cubin == b"cubin-rowwise"
 
 
+def test_summaries_of_many_jobs_in_three_queries_match_each_jobs_own(store):
+    """Job lists (API, dashboard, CLI) summarised each shape of each job with three queries of its own."""
+    from sqlalchemy import event
+
+    jobs = [new_job(store, shapes=[(1024, 1024), (4096, 512), (64, 64)]) for _ in range(4)]
+    for n, job in enumerate(jobs):
+        rows = [row("rowwise", ms=0.5 + 0.1 * (k % 3), BLOCK=k) for k in range(n + 1)]  # ties among equal times
+        store.record_trials(job.id, "1024x1024", [*rows, row("warp", "wrong_result", BLOCK=99)])
+        store.record_trials(job.id, "4096x512", [row("rowwise", "compile_error", BLOCK=1)] * (n % 2))
+        if n % 2:
+            store.record_baseline(job.id, "1024x1024", 1.0 + n, "FakeGPU")
+    jobs = [store.get_job(job.id) for job in jobs]
+    statements = []
+
+    def count(conn, cursor, statement, *rest):
+        statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    together = store.summaries(jobs)
+    event.remove(store.engine, "before_cursor_execute", count)
+    assert len(statements) == 3, statements
+    for job in jobs:
+        first = together[job.id][0]
+        assert store.trial(first.best_trial_id).params == {"BLOCK": 0} and first.best_ms == 0.5
+        assert store.best_trial(job.id, "1024x1024").id == first.best_trial_id  # what is published
+    assert [s.trials for s in together[jobs[3].id]] == [5, 1, 0] and together[jobs[3].id][0].baseline_ms == 4.0
+    assert store.summaries([]) == {}
+
+
 def test_a_timed_trial_that_failed_its_check_after_timing_is_never_the_best(store):
     """evaluate() keeps the timing of a kernel that went wrong after its timed launches: recorded with its time
     and cubin, it must never be a job's best, a warm start elsewhere, or served."""
@@ -381,6 +410,25 @@ def test_publish_keeps_the_faster_kernel(store):
     assert store.list_kernels()[1] == 5
     assert store.list_kernels(op="softmax", dtype="float16")[1] == 2
     assert store.list_kernels(arch="sm_80")[1] == 0
+
+
+def test_paging_through_kernels_of_one_op_and_shape_shows_each_once(store):
+    """Kernels sorted by op and shape alone tie; PostgreSQL pages ties in any order, so a walk through the pages
+    repeated some kernels and skipped others."""
+    for i in range(24):
+        job = new_job(store, dtype=("float16", "float32", "bfloat16")[i % 3])
+        store.start_job(job.id, f"w{i}", f"NVIDIA GPU {i}")
+        publish(store, store.get_job(job.id), (1024, 1024), 2.0)
+    for i in range(0, 24, 5):  # rows rewritten (a faster kernel published): moved in PostgreSQL's heap
+        again = new_job(store, dtype=("float16", "float32", "bfloat16")[i % 3])
+        store.start_job(again.id, f"w{i}", f"NVIDIA GPU {i}")
+        publish(store, store.get_job(again.id), (1024, 1024), 1.0, BLOCK=i)
+    seen, total = [], None
+    while total is None or len(seen) < total:
+        page, total = store.list_kernels(op="softmax", limit=5, offset=len(seen))
+        assert page
+        seen += [k.id for k in page]
+    assert total == 24 and len(set(seen)) == 24
 
 
 def test_each_gpu_model_of_an_arch_keeps_its_own_served_kernel(store):
