@@ -552,6 +552,28 @@ def test_empty_batches_on_the_gpu_launch_nothing_and_answer_empty(bert, registry
             ops.matmul(Tensor.from_numpy(np.zeros((5, 0), np.float32), "cuda"), w.rows(0, 0))
 
 
+def test_the_device_keeps_its_most_recent_modules_and_one_still_held_runs(backend):
+    """Loaded modules are cached by key up to MODULE_CACHE_SIZE: those dropped unload in the live context, and
+    one something still holds keeps running."""
+    import gc
+
+    from kernelmill.kernels import device as device_module
+    from kernelmill.kernels.compile import Compiler
+
+    dev = backend.device
+    source = 'extern "C" __global__ void km_fill(int* y, int v) { y[threadIdx.x] = v; }\n'
+    compiled = Compiler().compile(source, backend.arch)
+    held = dev.load(compiled.cubin, "module-cache-test-held")
+    for i in range(device_module.MODULE_CACHE_SIZE + 20):
+        dev.load(compiled.cubin, f"module-cache-test-{i}")
+    gc.collect()
+    assert "module-cache-test-held" not in dev._modules and len(dev._modules) == device_module.MODULE_CACHE_SIZE
+    out = dev.alloc(32 * 4)
+    held.kernel("km_fill").launch((1, 1, 1), (32, 1, 1), 0, [out, 7])
+    dev.synchronize()
+    assert (dev.download(out, (32,), np.int32) == 7).all()
+
+
 def test_cuda_array_interface_and_runtime_ops_on_torch_memory(backend, registry):
     a = torch.randn(33, 65, device="cuda")
     b = torch.randn(33, 65, device="cuda")
