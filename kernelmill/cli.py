@@ -72,7 +72,8 @@ def user_errors(fn: Callable) -> Callable:
             raise fail(str(exc), EXIT_UNAVAILABLE if getattr(exc, "unreachable", False) else EXIT_USAGE) from None
         except GpuUnavailable as exc:
             raise fail(
-                f"no GPU here ({exc}). `kernelmill render` and `kernelmill compile` still work without one.",
+                f"no GPU here ({exc}). `kernelmill render` and `kernelmill compile` still work without one, and "
+                "`tune --server URL` sends the job to a service with GPU workers.",
                 EXIT_UNAVAILABLE,
             ) from None
         except MemoryError as exc:  # numpy's says what it could not allocate: sizes too large for this host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -79,17 +80,48 @@ def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
     return data
 
 
+#: Without a terminal (a log, a pipe), the most often a job's plain progress line is printed while it advances.
+PLAIN_EVERY_S = 10.0
+
+
+class _JobProgress(Progress):
+    """Rich's progress bars on a terminal. Elsewhere rich draws nothing until the end, which for an hour's job is
+    an hour of silence in a log: there a task's plain line is printed whenever its description (state, shape)
+    changes, and at most every ``PLAIN_EVERY_S`` while it advances."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("failed {task.fields[failed]}"),
+            TextColumn("best {task.fields[best]}"),
+            TextColumn("vs torch {task.fields[speedup]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self._plain = not console.is_terminal
+        self._said: dict[Any, tuple[float, str, str]] = {}  # task -> (when, description, line)
+
+    def update(self, task_id, **kwargs: Any) -> None:
+        super().update(task_id, **kwargs)
+        if not self._plain:
+            return
+        task = next(t for t in self.tasks if t.id == task_id)
+        f = task.fields
+        line = (
+            f"{task.description}: {task.completed:g}/{task.total:g} trials, failed {f['failed']}, best {f['best']}, "
+            f"vs torch {f['speedup']}"
+        )
+        when, description, said = self._said.get(task_id, (-math.inf, "", ""))
+        now = time.monotonic()
+        if line != said and (task.description != description or now - when >= PLAIN_EVERY_S):
+            self._said[task_id] = (now, task.description, line)
+            self.console.print(line, markup=False, highlight=False)
+
+
 def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("failed {task.fields[failed]}"),
-        TextColumn("best {task.fields[best]}"),
-        TextColumn("vs torch {task.fields[speedup]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
+    return _JobProgress(console)
 
 
 def _fmt(best_ms: float | None, speedup: float | None) -> dict[str, str]:

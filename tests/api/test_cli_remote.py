@@ -426,3 +426,17 @@ def test_tune_rides_out_a_server_restart_and_gives_up_saying_the_job_goes_on(ser
     else:
         assert result.exit_code == 0 and len(refused) == lost, result.output
         assert "http://testserver answers again" in out and "job 1 done" in out
+
+
+def test_following_a_job_into_a_log_prints_plain_progress_lines(serve, monkeypatch, api_db):
+    """Without a terminal rich drew nothing until the job ended: an hour's job was an hour of silence in a log."""
+    settings = Settings(database_url=api_db, executor="fake", fake_workers=1, fake_delay_s=0.05)
+    serve(workers=1, settings=settings)
+    monkeypatch.setattr(cli_client, "PLAIN_EVERY_S", 0.0)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    result = CliRunner().invoke(app, TUNE)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("job 1 ") and " trials, failed " in line]
+    assert len(lines) >= 2 and len(set(lines)) == len(lines), result.output  # each says something new
+    assert any(line.startswith("job 1 running: ") for line in lines)
+    assert lines[-1].startswith("job 1 done: 6/6 trials, failed 0, best ")
