@@ -662,8 +662,9 @@ def jobs(
         raise fail(f"--limit {limit} is out of range 1..{MAX_JOBS_PAGE}")
     listed = fetch_jobs(server, state, limit)
     if not listed:
-        where = server or "the local database"
-        console.print(f"no {state + ' ' if state else ''}jobs in {where} (submit one: kernelmill tune OP --shape S)")
+        console.print(
+            f"no {state + ' ' if state else ''}jobs{_listed_from(server)} (submit one: kernelmill tune OP --shape S)"
+        )
         return
     table = Table(title="jobs")
     for col in ("id", "op", "shapes", "dtype", "strategy", "state", "trials", "failed", "best us", "speedup"):
@@ -685,6 +686,17 @@ def jobs(
     console.print(table)
 
 
+def _listed_from(server: str | None) -> str:
+    """Where a listing came from, for a message that it is empty: a database file not made yet is named (a typo
+    in its path, or a command run from another folder, looked like an empty database)."""
+    from kernelmill.client import missing_local_database
+
+    if server:
+        return f" in {server}"
+    missing = missing_local_database()
+    return f": no database at {missing} yet (KERNELMILL_DATABASE_URL)" if missing else " in the local database"
+
+
 @app.command()
 @user_errors
 def kernels(
@@ -702,10 +714,8 @@ def kernels(
     listed = fetch_kernels(server, op, dtype)
     if not listed:
         what = " ".join(v for v in (op, dtype) if v)
-        where = server or "the local database"
-        console.print(
-            f"no served {what + ' ' if what else ''}kernels in {where} (a finished tuning job serves its best)"
-        )
+        where = _listed_from(server)
+        console.print(f"no served {what + ' ' if what else ''}kernels{where} (a finished tuning job serves its best)")
         return
     table = Table(title="served kernels", caption=f"({len(listed)} kernel{'s' if len(listed) != 1 else ''})")
     for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
@@ -773,7 +783,10 @@ def tune_model(
     from kernelmill.client import follow_jobs
 
     base = (server or "").rstrip("/")
-    with console.status(f"one forward of {spec.model_name} on the CPU to collect its problems"):
+    collecting = f"one forward of {spec.model_name} on the CPU to collect its problems"
+    if not console.is_terminal:  # rich's status shows only on a terminal: a log would see seconds of nothing
+        console.print(collecting + " ...")
+    with console.status(collecting):
         module = build_module(spec)
         inputs = example_inputs(module, batch, seq)
         cpu_model = Model(module, "cpu")

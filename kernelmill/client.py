@@ -339,7 +339,7 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
     from kernelmill.service.api.jobs import jobs_out
     from kernelmill.service.db.store import Store
 
-    if _no_local_database():
+    if missing_local_database():
         return []
     store = Store(get_settings().database_url)
     rows, _ = store.list_jobs(state, None, limit)
@@ -359,7 +359,7 @@ def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list
         return _all_pages(fetch)
     from kernelmill.service.db.store import Store
 
-    if _no_local_database():
+    if missing_local_database():
         return []
     store = Store(get_settings().database_url)
 
@@ -385,18 +385,17 @@ def _all_pages(fetch) -> list[dict[str, Any]]:
             return items
 
 
-def _no_local_database() -> bool:
-    """Whether the local database is an SQLite file that does not exist yet: listing it is listing nothing, and a
-    read-only command does not create it."""
+def missing_local_database() -> Path | None:
+    """The local database's file where it is an SQLite file that does not exist yet, else None: listing it is
+    listing nothing, and a read-only command does not create it."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
         url = make_url(get_settings().database_url)
     except ArgumentError:
-        return False  # Store says what is wrong with it
-    return (
-        url.get_backend_name() == "sqlite"
-        and url.database not in (None, "", ":memory:")
-        and not Path(url.database).exists()
-    )
+        return None  # Store says what is wrong with it
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    path = Path(url.database).absolute()
+    return None if path.exists() else path

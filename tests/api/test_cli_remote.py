@@ -276,6 +276,8 @@ def test_tune_model_dry_run_lists_the_problems_without_a_server():
     for op, shape in (("embedding", "2x16x128x1000x2"), ("fused_mlp", "32x128x512x128"), ("linear", "32x128x128")):
         assert op in result.output and shape in result.output
     assert "act=gelu_erf" in result.output and "eps=1e-12" in result.output
+    # Not a terminal: said in a line before the forward's seconds, not only by a spinner a log never sees.
+    assert result.output.startswith("one forward of ") and "on the CPU to collect its problems ..." in result.output
 
 
 def test_a_batch_too_large_for_this_host_is_one_line_not_a_memory_error_traceback():
