@@ -152,6 +152,8 @@ def _migrating(engine: Engine, step: Callable[[Any], None]) -> None:
             conn.commit()
         try:
             with conn.begin():
+                if sqlite:  # pysqlite runs DDL outside a transaction: a migration failing half way left its half
+                    conn.exec_driver_sql("BEGIN")  # (another app's file got kernelmill's tables, one per attempt)
                 if conn.dialect.name == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
                 cfg.attributes["connection"] = conn
@@ -251,6 +253,12 @@ class Store:
             raise DatabaseError(f"database URL {_shown(url)}: {str(exc).splitlines()[0]}", unreachable=False) from None
         except SQLAlchemyError as exc:
             why = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            if "already exists" in why:  # a first migration meeting tables of its own names: another app's
+                raise DatabaseError(
+                    f"the database {_shown(url)} is not kernelmill's ({why}): name another with "
+                    "KERNELMILL_DATABASE_URL; nothing was changed in it",
+                    unreachable=False,
+                ) from None
             raise DatabaseError(f"cannot open the database {_shown(url)}: {why}", unreachable=True) from None
         except ImportError as exc:  # the dialect is known, its driver (DBAPI module) is not installed
             raise DatabaseError(

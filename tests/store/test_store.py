@@ -155,6 +155,25 @@ def test_a_database_newer_than_this_kernelmill_is_one_line(tmp_path):
         Store(url)
 
 
+def test_another_apps_database_is_refused_and_left_as_it_was(tmp_path):
+    """The first migration stopped at a table of the same name, and the tables it had made stayed (pysqlite runs
+    DDL outside a transaction): each attempt changed the file, and the error named another table each time."""
+    import sqlite3
+
+    from kernelmill.service.db.store import DatabaseError
+
+    path = tmp_path / "theirs.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE jobs (what TEXT)")
+    for _ in range(2):
+        with pytest.raises(
+            DatabaseError, match=r"is not kernelmill's \(table jobs already exists\).*nothing was chang"
+        ):
+            Store(f"sqlite:///{path}")
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == [("jobs",)]
+
+
 # -- jobs -----------------------------------------------------------------------------------
 
 
