@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,9 +114,11 @@ class Space:
     @staticmethod
     def refuses(op: OpSpec, dtype: str, shape: tuple[int, ...], families: Iterable[str] | None = None) -> str | None:
         """None where some variant of ``op`` in ``dtype`` (of ``families``, default the defaults) accepts
-        ``shape`` (what ``for_shape`` keeps), else the first variant's reason. Walks the families' spaces only
-        until one accepts, building no Space (a whole matmul space takes a quarter of a second)."""
-        first = None
+        ``shape`` (what ``for_shape`` keeps), else why not: the first variant's reason, given for the variant
+        whose limit in it is loosest ("head_dim 257 > max_head_dim 256", not the first variant's 32). Walks the
+        families' spaces only until one accepts, building no Space (a whole matmul space takes a quarter of a
+        second)."""
+        first, loosest = None, None
         searched = [op.family(name) for name in families] if families else default_families(op, dtype)
         for fam in searched:
             for params in fam.space(dtype):
@@ -123,7 +126,9 @@ class Space:
                 if reason is None:
                     return None
                 first = first or reason
-        return first or f"no {op.name} family supports {dtype}"
+                if _same_but_numbers(reason, first) and _last_number(reason) > _last_number(loosest or first):
+                    loosest = reason
+        return loosest or first or f"no {op.name} family supports {dtype}"
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -155,3 +160,12 @@ class Space:
                     if moved is not None:
                         out.append(moved)
         return out
+
+
+def _same_but_numbers(a: str, b: str) -> bool:
+    return re.sub(r"\d+", "#", a) == re.sub(r"\d+", "#", b)
+
+
+def _last_number(text: str) -> int:
+    numbers = re.findall(r"\d+", text)
+    return int(numbers[-1]) if numbers else 0

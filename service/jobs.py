@@ -101,7 +101,7 @@ def validate_submission(
         reason = Space.refuses(spec, dtype, tuple(shape), families)
         if reason is not None:
             shown = format_shape(tuple(shape))
-            raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} (the first: {reason})")
+            raise JobError(f"shapes: no {op} variant accepts {shown} in {dtype} ({reason})")
     return {
         "op": op,
         "arch": job_arch,

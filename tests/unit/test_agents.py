@@ -416,3 +416,15 @@ def test_the_baseline_is_timed_in_the_searchs_precision(families, want):
     run_job(job, evaluator, MemoryRecorder())
     assert evaluator.baseline_precisions == [want]
     assert Space.refuses(get_op("matmul"), "float32", (64, 64, 64)) is None
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "shape", "families", "said"),
+    [  # the loosest limit among the variants, not the first variant's (it said max_head_dim 32, max_m=1)
+        ("attention", "float32", (1, 1, 1, 257), None, "head_dim 257 > max_head_dim 256 of this variant"),
+        ("matmul", "float16", (4096, 4096, 4096), ["gemv"], "M=4096 > max_m=32"),
+        ("mlp_stack", "float16", (64, 64, 64, 2), None, "batch=64 > max_m=8"),
+    ],
+)
+def test_a_refused_shape_is_refused_with_the_loosest_limit_of_its_variants(op, dtype, shape, families, said):
+    assert Space.refuses(get_op(op), dtype, shape, families).startswith(said)
