@@ -481,6 +481,8 @@ def _not_a_scheduler(address: str, timeout_s: float | None = None) -> str | None
         answer = asyncio.run(asyncio.wait_for(identity(), timeout_s))
     except TimeoutError:
         return f"no Dask answer within {timeout_s:g} s"
+    except (MemoryError, OverflowError):  # its first bytes read as a frame length of exabytes: an HTTP answer, say
+        return "it does not speak Dask's protocol (its answer is no Dask message: a web server, say)"
     except Exception as exc:  # noqa: BLE001 - whatever the peer did to Dask's protocol, in one line
         said = str(exc).splitlines()[0] if str(exc) else ""
         return f"it does not speak Dask's protocol ({type(exc).__name__}: {said})"
@@ -558,6 +560,8 @@ def worker(
 
     from kernelmill.service.executor import run_workers
 
+    if gpus is not None and gpus < 1:  # bad input first: not after seconds of waiting for the scheduler
+        raise fail(f"--gpus must be at least 1, not {gpus}")
     _check_scheduler(scheduler)
     try:
         asyncio.run(run_workers(scheduler, gpus))

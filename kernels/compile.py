@@ -293,7 +293,7 @@ class Compiler:
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
             except subprocess.TimeoutExpired as exc:
-                raise CompileError(f"nvcc timed out after {self.timeout_s:.0f} s", str(exc.stderr or "")) from None
+                raise CompileError(f"nvcc timed out after {self.timeout_s:g} s", str(exc.stderr or "")) from None
             log_text = (proc.stdout + proc.stderr).replace(str(src), "kernel.cu")
             if proc.returncode != 0 or not out.exists():
                 raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)

@@ -1353,7 +1353,7 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict")
     if act is None:
         # A state_dict holds no activation: say which one the model assumes, since a wrong one runs silently.
-        log.warning("%s names no activation: the MLP uses relu (load it with act=... if it is another)", path)
+        log.warning("%s names no activation: the MLP uses relu (give act=..., or --act, if it is another)", path)
     return mlp_from_state_dict(loaded, act or "relu")
 
 

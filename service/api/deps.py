@@ -31,11 +31,12 @@ async def require_writer(request: Request, credentials: HTTPAuthorizationCredent
     if not token:
         return
     if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            detail="this server needs 'Authorization: Bearer <token>' for writes (KERNELMILL_API_TOKEN)",
-            headers={"WWW-Authenticate": "Bearer"},
+        detail = (
+            "this server needs 'Authorization: Bearer <token>' for writes (KERNELMILL_API_TOKEN)"
+            if credentials is None
+            else "this server refused the bearer token: it is not the server's KERNELMILL_API_TOKEN"
         )
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, detail=detail, headers={"WWW-Authenticate": "Bearer"})
 
 
 async def op_filter(op: str | None = Query(None, description="only this op's rows")) -> str | None:

@@ -192,6 +192,11 @@ def test_worker_refuses_a_gpu_count_below_one_and_a_host_without_gpus(monkeypatc
         for gpus in ("0", "-1"):
             low = runner.invoke(app, ["worker", "--scheduler", address, "--gpus", gpus])
             assert low.exit_code == 2 and f"--gpus must be at least 1, not {gpus}" in low.output, low.output
+        # Bad input is said first, not after the seconds spent waiting for a scheduler that is not there.
+        with monkeypatch.context() as m:
+            m.setattr(cli, "_check_scheduler", lambda address: pytest.fail("the scheduler was checked first"))
+            unchecked = runner.invoke(app, ["worker", "--scheduler", "tcp://127.0.0.1:1", "--gpus", "-1"])
+        assert unchecked.exit_code == 2 and "--gpus must be at least 1, not -1" in unchecked.output
         # --gpus says how many to serve, not that they exist: without one, jobs would be taken only to fail.
         none = runner.invoke(app, ["worker", "--scheduler", address, "--gpus", "2"])
     assert none.exit_code == 3 and "no GPU to serve (nvidia-smi lists no GPU)" in none.output, none.output
@@ -324,3 +329,25 @@ def test_a_dot_env_that_is_not_utf8_is_one_line_and_kernelmill_server_is_read_fr
     (tmp_path / ".env").write_text("KERNELMILL_SERVER=ftp://not-a-server\n")
     read = subprocess.run([sys.executable, "-m", "kernelmill", "jobs"], cwd=tmp_path, env=env, capture_output=True)
     assert read.returncode == 2 and "malformed server URL 'ftp://not-a-server'" in read.stderr.decode()
+
+
+def test_a_web_server_answering_the_dask_handshake_is_named_without_an_exabyte_memory_error():
+    """uvicorn answers Dask's handshake with an HTTP 400, whose bytes Dask read as a frame length: the message
+    quoted 'MemoryError: Unable to allocate 3.07 EiB'."""
+    import threading
+
+    from kernelmill import cli
+
+    with socket.create_server(("127.0.0.1", 0)) as web:
+
+        def answer() -> None:
+            conn, _ = web.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(
+                    b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 11\r\n\r\nInvalid req"
+                )
+
+        threading.Thread(target=answer, daemon=True).start()
+        said = cli._not_a_scheduler(f"tcp://127.0.0.1:{web.getsockname()[1]}", timeout_s=5)
+    assert said == "it does not speak Dask's protocol (its answer is no Dask message: a web server, say)"
