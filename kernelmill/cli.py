@@ -129,6 +129,21 @@ def version() -> None:
     console.print(__version__)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        console.print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Generate, tune and serve CUDA kernels."""
+
+
 @app.command()
 @user_errors
 def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
@@ -688,6 +703,22 @@ def jobs(
             " ".join(f"{s['speedup']:.2f}x" for s in best if s["speedup"]),
         )
     console.print(table)
+
+
+@app.command()
+@user_errors
+def cancel(
+    job_id: Annotated[int, typer.Argument(help="the job's id (`kernelmill jobs` lists them)", show_default=False)],
+    server: ServerOpt = None,
+) -> None:
+    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept)."""
+    from kernelmill.client import cancel_job
+
+    job = cancel_job(server, job_id)
+    if job["state"] == "cancelled":
+        console.print(f"job {job_id} cancelled")
+    else:
+        console.print(f"job {job_id} {job['state']}: asked to stop; it ends after its current batch")
 
 
 def _listed_from(server: str | None) -> str:

@@ -208,7 +208,7 @@ def _say_going_on(console: Console, base: str, jobs: list[dict[str, Any]]) -> No
     going = [j for j in jobs if j["state"] in ACTIVE_STATES] or jobs
     ids = ", ".join(str(j["id"]) for j in going)
     what, which = (f"job {ids} goes on", ids) if len(going) == 1 else (f"jobs {ids} go on", "ID")
-    console.print(f"stopped watching; {what} (cancel: POST {base}/api/jobs/{which}/cancel)")
+    console.print(f"stopped watching; {what} (cancel: kernelmill cancel {which} --server {base})")
 
 
 def _say_why_queued(base: str, job: dict[str, Any], console: Console) -> bool:
@@ -344,6 +344,28 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
     store = Store(get_settings().database_url)
     rows, _ = store.list_jobs(state, None, limit)
     return [j.model_dump() for j in jobs_out(store, rows)]
+
+
+def cancel_job(server: str | None, job_id: int) -> dict[str, Any]:
+    """Asks a job to stop (a queued one is cancelled at once, a running one after its current batch) on the server,
+    or in the local database, where a `serve` or `tune` running it sees the request; returns the job. A job that
+    does not exist or has ended is a ServerError (not found, or already ended)."""
+    if server:
+        return _request("POST", f"{server.rstrip('/')}/api/jobs/{job_id}/cancel", expect=JobOut)
+    from kernelmill.service.api.jobs import job_out
+    from kernelmill.service.db.models import ENDED_STATES
+    from kernelmill.service.db.store import Store
+
+    missing = missing_local_database()
+    if missing:
+        raise ServerError(f"no job {job_id}: no database at {missing} yet (KERNELMILL_DATABASE_URL)")
+    store = Store(get_settings().database_url)
+    job = store.get_job(job_id)
+    if job is None:
+        raise ServerError(f"no job with id {job_id} in the local database")
+    if job.state in ENDED_STATES:
+        raise ServerError(f"job {job_id} is already {job.state}")
+    return job_out(store, store.request_cancel(job_id)).model_dump()
 
 
 def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list[dict[str, Any]]:

@@ -230,7 +230,10 @@ def test_tune_model_without_following_and_stopped_watching(serve, job_client, mo
     result = CliRunner().invoke(app, [*TUNE_MODEL, "--server", SERVER])
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
-    assert "stopped watching; jobs 7, 8, 9, 10, 11, 12 go on (cancel: POST http://testserver/api/jobs/ID/cancel)" in out
+    assert (
+        "stopped watching; jobs 7, 8, 9, 10, 11, 12 go on (cancel: kernelmill cancel ID --server http://testserver)"
+        in out
+    )
     assert [tc.get(f"/api/jobs/{i}").json()["state"] for i in (7, 12)] == ["queued", "queued"]
 
 
@@ -423,7 +426,7 @@ def test_tune_rides_out_a_server_restart_and_gives_up_saying_the_job_goes_on(ser
     out = " ".join(result.output.split())
     assert "Connection refused; asking again for up to 0.3 s (jobs go on there)" in out, result.output
     if lost is None:
-        assert result.exit_code == 3 and "stopped watching; job 1 goes on (cancel: POST" in out
+        assert result.exit_code == 3 and "stopped watching; job 1 goes on (cancel: kernelmill cancel 1 --server" in out
         assert "error: cannot reach http://testserver/api/jobs/1" in out
     else:
         assert result.exit_code == 0 and len(refused) == lost, result.output
@@ -442,3 +445,35 @@ def test_following_a_job_into_a_log_prints_plain_progress_lines(serve, monkeypat
     assert len(lines) >= 2 and len(set(lines)) == len(lines), result.output  # each says something new
     assert any(line.startswith("job 1 running: ") for line in lines)
     assert lines[-1].startswith("job 1 done: 6/6 trials, failed 0, best ")
+
+
+def test_cancel_a_job_on_a_server_and_in_the_local_database(serve, monkeypatch, api_db, tmp_path):
+    """Ctrl-C's hint was a curl line (POST .../cancel): the CLI had no way to cancel a job."""
+    tc = serve(workers=0)  # no worker: the job stays queued, and is cancelled at once
+    job = tc.post("/api/jobs", json={"op": "softmax", "shapes": [[64, 64]], "budget": {"trials": 4, "seconds": 60}})
+    result = CliRunner().invoke(app, ["cancel", str(job.json()["id"]), "--server", SERVER])
+    assert result.exit_code == 0 and result.output.strip() == "job 1 cancelled", result.output
+    again = CliRunner().invoke(app, ["cancel", "1", "--server", SERVER])
+    assert again.exit_code == 2 and "server answered 409: job 1 is already cancelled" in again.output
+    unknown = CliRunner().invoke(app, ["cancel", "99", "--server", SERVER])
+    assert unknown.exit_code == 2 and "server answered 404: no job with id 99" in unknown.output
+
+    from kernelmill.service.db.store import Store
+
+    from kernelmill.settings import reset_settings
+
+    url = f"sqlite:///{tmp_path}/local.db"
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
+    reset_settings()
+    store = Store(url)
+    queued = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
+                              budget_trials=4, budget_seconds=60.0)  # fmt: skip
+    running = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
+                               budget_trials=4, budget_seconds=60.0)  # fmt: skip
+    store.start_job(running.id, "tune@host:1", "NVIDIA H200")
+    assert CliRunner().invoke(app, ["cancel", str(queued.id)]).output.strip() == f"job {queued.id} cancelled"
+    asked = CliRunner().invoke(app, ["cancel", str(running.id)])
+    assert asked.exit_code == 0 and "asked to stop; it ends after its current batch" in asked.output
+    assert store.cancel_requested(running.id) and store.get_job(queued.id).state == "cancelled"
+    ended = CliRunner().invoke(app, ["cancel", str(queued.id)])
+    assert ended.exit_code == 2 and f"job {queued.id} is already cancelled" in ended.output
