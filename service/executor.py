@@ -481,8 +481,13 @@ def _local_cluster(n_gpus: int, fake_device: bool):
     return SpecCluster(
         workers=workers,
         # The Dask protocol runs code: the built-in scheduler listens on loopback only, with no dashboard
-        # (its own defaults are every interface and :8787). Workers elsewhere join a separate scheduler.
-        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": None}},
+        # (its own defaults are every interface and :8787). Workers elsewhere join a separate scheduler. Its
+        # HTTP server (health, metrics) still starts: on a free port, not 8787 (a second `serve` on the host
+        # warned that 8787 was taken; None means Dask's default).
+        scheduler={
+            "cls": Scheduler,
+            "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": "127.0.0.1:0"},
+        },
         silence_logs=logging.WARNING,
         name="kernelmill",
     )

@@ -214,3 +214,18 @@ def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, firs
     assert facts["name"] == "FakeGPU 1"
     assert "the nanny of GPU worker gpu1 had closed; starting it again" in caplog.text
     assert executor.worker_names() == ["gpu0", "gpu1"]
+
+
+def test_two_local_clusters_on_one_host_do_not_fight_over_port_8787():
+    """The built-in scheduler's HTTP server took Dask's default :8787, so a second `serve` on the host warned
+    "Port 8787 is already in use" (and neither port was documented)."""
+    import warnings
+
+    from kernelmill.service.executor import _local_cluster
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Dask's warning about a taken port fails the test
+        with _local_cluster(0, fake_device=True) as first, _local_cluster(0, fake_device=True) as second:
+            ports = {c.scheduler.http_server.port for c in (first, second)}
+            assert len(ports) == 2 and 8787 not in ports
+            assert all(c.scheduler.address.startswith("tcp://127.0.0.1:") for c in (first, second))
