@@ -68,7 +68,18 @@ def count_gpus() -> tuple[int, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return 0, f"nvidia-smi failed: {exc}"
     n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    visible = visible_devices()
+    if visible is not None:  # nvidia-smi lists every GPU of the host; this process sees those named only
+        n = min(n, len(visible))
     return n, "nvidia-smi" if n else "nvidia-smi lists no GPU"
+
+
+def visible_devices() -> list[str] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES names for this process (ordinals, UUIDs or MIG names), None where unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [entry.strip() for entry in value.split(",") if entry.strip()]
 
 
 class Executor(Protocol):
@@ -451,7 +462,11 @@ class DaskExecutor(_Busy):
 def _worker_spec(index: int, prefix: str, fake_device: bool) -> dict[str, Any]:
     from distributed import Nanny
 
-    env = {"CUDA_VISIBLE_DEVICES": str(index), "OMP_NUM_THREADS": "1"}
+    # Worker ``index`` runs on this process's ``index``-th visible GPU: with CUDA_VISIBLE_DEVICES=2,3 that is GPU 2
+    # for the first (it was GPU 0: the nanny's variable replaces the inherited one).
+    visible = visible_devices()
+    device = visible[index] if visible is not None and index < len(visible) else str(index)
+    env = {"CUDA_VISIBLE_DEVICES": device, "OMP_NUM_THREADS": "1"}
     if fake_device:
         env["KERNELMILL_FAKE_DEVICE"] = "1"
     for var in ("KERNELMILL_FAKE_DELAY_S", "KERNELMILL_FAKE_CRASH_ON", "KERNELMILL_CACHE_DIR"):

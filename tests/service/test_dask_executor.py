@@ -229,3 +229,28 @@ def test_two_local_clusters_on_one_host_do_not_fight_over_port_8787():
             ports = {c.scheduler.http_server.port for c in (first, second)}
             assert len(ports) == 2 and 8787 not in ports
             assert all(c.scheduler.address.startswith("tcp://127.0.0.1:") for c in (first, second))
+
+
+def test_workers_run_on_the_gpus_cuda_visible_devices_names(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=2,3 the workers ran on GPUs 0 and 1: each got its index, which replaced the
+    inherited variable; and nvidia-smi counted every GPU of the host."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from kernelmill.service import executor
+
+    def device(index: int) -> str:
+        return executor._worker_spec(index, "", fake_device=False)["options"]["env"]["CUDA_VISIBLE_DEVICES"]
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [device(0), device(1)] == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-5f1c")
+    assert [device(0), device(1)] == ["2", "GPU-5f1c"]
+
+    listing = "".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})\n" for i in range(8))
+    monkeypatch.setitem(__import__("sys").modules, "pycuda", None)  # the nvidia-smi path, as without pycuda
+    monkeypatch.setattr(executor.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=listing))
+    assert executor.count_gpus() == (2, "nvidia-smi")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert executor.count_gpus() == (8, "nvidia-smi")
