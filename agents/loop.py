@@ -172,6 +172,7 @@ def run_job(
         total += len(history)
         failed += sum(1 for o in history if not o.ok)
 
+    profiler_works = True  # until ncu says it cannot run here
     for index, (shape, per_shape) in enumerate(zip(plan.shapes, shares, strict=False)):
         key = format_shape(shape)
         history = histories[key]
@@ -240,11 +241,17 @@ def run_job(
                 best, since_gain = _after(best, since_gain, ok_ms)
             if on_progress:
                 on_progress(Progress(plan.job_id, key, total, failed, sum(shares), best, baseline, kept))
+            # A strategy that reads ncu's word on the leaders (guided) gets it before it proposes again.
+            leaders = getattr(strategy, "profiles_best", 0)
+            if leaders and profiler_works and len(history) < per_shape and clock() <= shape_deadline:
+                profiler_works = _profile_best(
+                    plan, evaluator, recorder, shape, history, shape_deadline, clock, leaders
+                )
         # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).
         if recorder.cancelled():
             return "cancelled"
-        if clock() <= shape_deadline:  # profiling takes seconds a shape: not past the shape's time
-            _profile_best(plan, evaluator, recorder, shape, history, shape_deadline, clock)
+        if profiler_works and clock() <= shape_deadline:  # profiling takes seconds a shape: not past its time
+            profiler_works = _profile_best(plan, evaluator, recorder, shape, history, shape_deadline, clock)
         if recorder.cancelled():
             return "cancelled"
         recorder.publish_best(key, served_fields(plan.op, shape, plan.dtype, plan.attrs))
@@ -280,13 +287,16 @@ def _profile_best(
     history,
     deadline: float = math.inf,
     clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """ncu on the fastest verified trials of a shape (each profile stored with its trial), while the time
-    budget lasts and no cancel is asked."""
-    if plan.profile_top_k <= 0:
-        return
-    ranked = sorted((o for o in history if o.ok and not o.facts.get("profile")), key=lambda o: o.median_ms)
-    for obs in ranked[: plan.profile_top_k]:
+    top_k: int | None = None,
+) -> bool:
+    """ncu on the ``top_k`` (default ``plan.profile_top_k``) fastest verified trials of a shape that have no
+    profile yet (each profile stored with its trial), while the time budget lasts and no cancel is asked.
+    Whether the profiler works (False once it said it cannot run here: asking again would say it again)."""
+    top_k = plan.profile_top_k if top_k is None else min(top_k, plan.profile_top_k)
+    if top_k <= 0:
+        return True
+    leaders = sorted((o for o in history if o.ok), key=lambda o: o.median_ms)[:top_k]
+    for obs in (o for o in leaders if not o.facts.get("profile")):
         if clock() > deadline or recorder.cancelled():
             break
         metrics = evaluator.profile(plan.op, shape, plan.dtype, plan.attrs, obs.candidate)
@@ -294,4 +304,5 @@ def _profile_best(
         recorder.record_profile(format_shape(shape), obs.candidate, metrics)
         if "error" in metrics:  # no ncu here: one message is enough
             log.info("job %s: no profile: %s", plan.job_id, metrics["error"])
-            break
+            return False
+    return True

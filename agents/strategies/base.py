@@ -10,6 +10,9 @@ from kernelmill.agents.space import Candidate, Observation, Space
 
 class Strategy(Protocol):
     name: str
+    #: How many of the fastest verified trials the strategy reads ncu profiles of while it searches: the loop
+    #: profiles them (as they change) between batches. 0 (the default, read with getattr): none until the end.
+    profiles_best: int
 
     def propose(self, space: Space, history: Sequence[Observation], n: int) -> list[Candidate]:
         """Up to ``n`` candidates not yet in ``history``; an empty list means the strategy is done."""

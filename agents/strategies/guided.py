@@ -60,6 +60,7 @@ def _move(parent: Candidate, child: Candidate) -> tuple[str, int]:
 
 class Guided:
     name = "guided"
+    profiles_best = 1  # the leader's ncu profile, taken between batches whenever the leader changes
 
     def __init__(self, seed: int = 0, explore: float = 0.15, parents: int = 3) -> None:
         self.rng = random.Random(seed)

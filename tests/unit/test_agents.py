@@ -360,6 +360,43 @@ def test_top_trials_are_profiled_after_the_search():
     assert set(rec.profiles) == {("256x256", r.candidate.key) for r in ok[:2]}
 
 
+def test_guided_reads_the_leaders_profile_while_it_searches_and_ncu_missing_is_asked_once(monkeypatch):
+    """ncu ran only after a shape's search, so guided's ncu diagnosis could never fire during it."""
+    import kernelmill.agents.loop as loop_module
+
+    seen_profiles = []
+
+    def recording(name, seed=0):
+        strategy = get_strategy(name, seed=seed)
+        propose = strategy.propose
+
+        def watched(space, history, n):
+            ranked = sorted((o for o in history if o.ok), key=lambda o: o.median_ms)
+            seen_profiles.append(bool(ranked) and "profile" in ranked[0].facts)
+            return propose(space, history, n)
+
+        strategy.propose = watched
+        return strategy
+
+    monkeypatch.setattr(loop_module, "get_strategy", recording)
+    rec = MemoryRecorder()
+    run_job(plan(strategy="guided", shapes=[(256, 256)], budget_trials=32), FakeEvaluator(fail_every=0), rec)
+    # Its first batch has no trial to read; each later one sees the leader's profile.
+    assert seen_profiles[0] is False and all(seen_profiles[1:]) and len(seen_profiles) >= 3
+    assert len(rec.profiles) >= 3  # the leaders as they changed, then the top 3 at the end
+
+    class NoNcu(FakeEvaluator):
+        asked = 0
+
+        def profile(self, op, shape, dtype, attrs, candidate):
+            NoNcu.asked += 1
+            return {"error": "ncu is not installed"}
+
+    job = plan(strategy="guided", shapes=[(256, 256), (512, 512)], budget_trials=32)
+    run_job(job, NoNcu(fail_every=0), MemoryRecorder())
+    assert NoNcu.asked == 1  # not again after each batch, nor for the next shape
+
+
 def test_guided_explains_moves_and_shrinks_spilling_tiles():
     space = Space(get_op("matmul"), "float16", ["simt"])
     strategy = get_strategy("guided", seed=0)
