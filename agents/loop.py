@@ -150,6 +150,11 @@ def _after(best: float | None, since_gain: int, median_ms: float | None) -> tupl
     return min(best, median_ms), since_gain + 1
 
 
+#: The most of a shape's time so far that profiling its leaders between batches may take (a strategy that reads
+#: profiles while it searches: guided).
+MID_SEARCH_PROFILE_SHARE = 0.25
+
+
 def run_job(
     plan: JobPlan,
     evaluator: Evaluator,
@@ -178,7 +183,9 @@ def run_job(
         history = histories[key]
         # The time left shared by the shapes left (what one leaves unused passes on): the first shape of a job
         # took the whole time budget, and the others not even a baseline.
-        shape_deadline = clock() + max(0.0, deadline - clock()) / (n_shapes - index)
+        shape_start = clock()
+        shape_deadline = shape_start + max(0.0, deadline - shape_start) / (n_shapes - index)
+        profiling_s = 0.0  # spent profiling leaders during the search (ncu takes seconds a kernel)
         measured, baseline = recorder.baseline(key)
         if not measured:
             baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs, space.precision)
@@ -242,11 +249,15 @@ def run_job(
             if on_progress:
                 on_progress(Progress(plan.job_id, key, total, failed, sum(shares), best, baseline, kept))
             # A strategy that reads ncu's word on the leaders (guided) gets it before it proposes again.
+            # At most a share of the shape's time so far goes to it, so the search still runs its trials.
             leaders = getattr(strategy, "profiles_best", 0)
-            if leaders and profiler_works and len(history) < per_shape and clock() <= shape_deadline:
+            affordable = profiling_s < 1.0 or profiling_s <= MID_SEARCH_PROFILE_SHARE * (clock() - shape_start)
+            if leaders and profiler_works and affordable and len(history) < per_shape and clock() <= shape_deadline:
+                started = clock()
                 profiler_works = _profile_best(
                     plan, evaluator, recorder, shape, history, shape_deadline, clock, leaders
                 )
+                profiling_s += clock() - started
         # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).
         if recorder.cancelled():
             return "cancelled"

@@ -397,6 +397,31 @@ def test_guided_reads_the_leaders_profile_while_it_searches_and_ncu_missing_is_a
     assert NoNcu.asked == 1  # not again after each batch, nor for the next shape
 
 
+def test_profiling_leaders_mid_search_takes_at_most_its_share_of_the_shapes_time():
+    """ncu takes seconds a kernel: a leader changing at every batch would have had the search mostly profiling."""
+    now = [0.0]
+    events = []
+
+    class Slow(FakeEvaluator):
+        def evaluate(self, op, shape, dtype, attrs, candidates):
+            now[0] += 5.0  # a batch
+            events.append("batch")
+            return super().evaluate(op, shape, dtype, attrs, candidates)
+
+        def profile(self, op, shape, dtype, attrs, candidate):
+            now[0] += 100.0  # an ncu run
+            events.append("profile")
+            return super().profile(op, shape, dtype, attrs, candidate)
+
+    rec = MemoryRecorder()
+    job = plan(strategy="guided", shapes=[(256, 256)], budget_trials=64, budget_seconds=10_000, plateau=1000)
+    run_job(job, Slow(fail_every=0), rec, clock=lambda: now[0])
+    last_batch = len(events) - 1 - events[::-1].index("batch")
+    ranked = [min(r.median_ms for r in rec.trials["256x256"][: 8 * (i + 1)] if r.status == "ok") for i in range(8)]
+    assert len(set(ranked)) >= 2  # the leader changed: without the share, its new leader was profiled too
+    assert events[:last_batch].count("profile") == 1  # the first; then 100 s had to be under a quarter of the time
+
+
 def test_guided_explains_moves_and_shrinks_spilling_tiles():
     space = Space(get_op("matmul"), "float16", ["simt"])
     strategy = get_strategy("guided", seed=0)
