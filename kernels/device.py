@@ -107,16 +107,17 @@ class Buffer:
         return int(self.allocation)
 
 
-# -- TMA tensor maps (CUtensorMap by value) -------------------------------------------
-
-#: CUtensorMap: 128 opaque bytes (by value in the kernel's parameters).
-TENSOR_MAP_BYTES = 128
-#: CUtensorMapDataType, CUtensorMapSwizzle (by bytes) and the other enums of cuda.h used here.
 #: Loaded modules a device keeps by key, most recently used last. A long-lived worker loads a module for every
 #: variant it tries; past this many the least recently used is dropped, and unloaded once nothing else holds it
 #: (a runtime's bound kernels and graphs hold theirs).
 MODULE_CACHE_SIZE = 256
 
+
+# -- TMA tensor maps (CUtensorMap by value) -------------------------------------------
+
+#: CUtensorMap: 128 opaque bytes (by value in the kernel's parameters).
+TENSOR_MAP_BYTES = 128
+#: CUtensorMapDataType, CUtensorMapSwizzle (by bytes) and the other enums of cuda.h used here.
 _TMAP_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}
 _TMAP_ITEMSIZE = {"float16": 2, "float32": 4, "bfloat16": 2}
 _TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
