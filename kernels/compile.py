@@ -6,12 +6,14 @@ The one place that runs nvcc: callers get a ``CompiledKernel`` or a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import tempfile
@@ -79,6 +81,10 @@ class CompileError(RuntimeError):
 
 class NvccMissing(CompileError):
     """There is no nvcc to run (KERNELMILL_NVCC names none on PATH): the machine, not the variant."""
+
+
+class CompileTimeout(CompileError):
+    """nvcc ran past the compile timeout: maybe the source, maybe a busy machine (so not remembered)."""
 
 
 _ELF64_LE = b"\x7fELF\x02\x01"
@@ -249,7 +255,8 @@ class Compiler:
         self._nvcc = nvcc
         self.timeout_s = timeout_s or settings.compile_timeout_s
         # nvcc's failures by cache key, for this compiler's life: a batch compiled in parallel first and then
-        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source (a timeout, twice).
+        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source. Not timeouts: a busy
+        # machine's would have failed that source in this worker for good.
         self._failed: dict[str, CompileError] = {}
 
     @property
@@ -259,9 +266,11 @@ class Compiler:
         return self._nvcc
 
     def cache_key(self, source: str, arch: str, flags: Sequence[str]) -> str:
-        """sha256 of everything that changes the binary: source, nvcc version, arch, flags."""
+        """sha256 of everything that changes the binary: source, nvcc version, arch, flags (those nvcc takes
+        from the environment too: an unoptimised NVCC_APPEND_FLAGS build was served to later plain runs)."""
+        env_flags = [os.environ.get(name, "") for name in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
         h = hashlib.sha256()
-        for part in (source, nvcc_version(self.nvcc), arch, "\0".join(flags)):
+        for part in (source, nvcc_version(self.nvcc), arch, "\0".join([*flags, *env_flags])):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
@@ -278,6 +287,8 @@ class Compiler:
             raise self._failed[key]
         try:
             compiled = self._nvcc_compile(source, arch, flags, key)
+        except CompileTimeout:
+            raise
         except CompileError as exc:
             self._failed[key] = exc
             raise
@@ -290,11 +301,20 @@ class Compiler:
             out = Path(tmp) / "kernel.cubin"
             src.write_text(source)
             cmd = [self.nvcc, "-cubin", *flags, "-o", str(out), str(src)]
+            # A session of its own: on a timeout the whole group goes (killing nvcc alone left its cicc or ptxas
+            # running, a core each, and the next compiles timed out behind them).
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
-            except subprocess.TimeoutExpired as exc:
-                raise CompileError(f"nvcc timed out after {self.timeout_s:g} s", str(exc.stderr or "")) from None
-            log_text = (proc.stdout + proc.stderr).replace(str(src), "kernel.cu")
+                stdout, stderr = proc.communicate(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                log_text = (stdout + stderr).replace(str(src), "kernel.cu")
+                raise CompileTimeout(f"nvcc timed out after {self.timeout_s:g} s", log_text) from None
+            log_text = (stdout + stderr).replace(str(src), "kernel.cu")
             if proc.returncode != 0 or not out.exists():
                 raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)
             return CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)
@@ -322,14 +342,24 @@ class Compiler:
         return folder / f"{key}.cubin", folder / f"{key}.json"
 
     def _load(self, key: str, arch: str) -> CompiledKernel | None:
+        """The cached compile of ``key``, or None: also where the entry is damaged (a cubin cut short or not an
+        ELF, metadata another version wrote), which is then removed so the compile writes it anew."""
         cubin_path, meta_path = self._paths(key)
         try:
             meta = json.loads(meta_path.read_text())
             cubin = cubin_path.read_bytes()
         except (OSError, ValueError):
             return None
-        resources = {name: KernelResources(**vals) for name, vals in meta.get("kernels", {}).items()}
-        return CompiledKernel(cubin, arch, key, resources, meta.get("log", ""), cached=True)
+        try:
+            if not cubin.startswith(_ELF64_LE) or len(cubin) != meta["cubin_bytes"]:
+                raise ValueError(f"cubin of {len(cubin)} bytes, {meta['cubin_bytes']} recorded")
+            resources = {name: KernelResources(**vals) for name, vals in meta.get("kernels", {}).items()}
+            return CompiledKernel(cubin, arch, key, resources, meta.get("log", ""), cached=True)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("compile cache entry %s is damaged (%s): compiling it again", key[:12], exc)
+            for path in (cubin_path, meta_path):
+                path.unlink(missing_ok=True)
+            return None
 
     def _store(self, compiled: CompiledKernel) -> None:
         cubin_path, meta_path = self._paths(compiled.key)
@@ -339,8 +369,12 @@ class Compiler:
             # Write-then-rename so a concurrent reader never sees half a file.
             for path, data in ((cubin_path, compiled.cubin), (meta_path, json.dumps(meta).encode())):
                 fd, tmp = tempfile.mkstemp(dir=path.parent)
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                os.replace(tmp, path)
+                try:
+                    with os.fdopen(fd, "wb") as fh:
+                        fh.write(data)
+                    os.replace(tmp, path)
+                except OSError:
+                    Path(tmp).unlink(missing_ok=True)  # a full disk left one such file per failed write
+                    raise
         except OSError as exc:  # a read-only cache must not fail the compile
             log.warning("could not write the compile cache at %s: %s", self.cache_dir, exc)
