@@ -103,8 +103,11 @@ SM_REGS = 65536
 SM_THREADS, SM_BLOCKS, MAX_THREAD_REGS = 2048, 32, 255
 #: Kernels index their tensors with 32-bit element offsets: a tensor must hold fewer elements than this.
 MAX_INDEXED_ELEMS = 2**31
-#: Kernels take each shape dim as a 32-bit int: the largest dim a shape may have.
-MAX_DIM = 2**31 - 1
+#: Kernels take each shape dim as a 32-bit int, and their loops step past a dim's end before they test it (a
+#: softmax pass of up to a million elements, a GEMM's k tile, a split's slice): the largest dim a shape may have
+#: leaves 2^24 of room for that step (at 2^31 - 1 the step wrapped negative, and a row was read far before its
+#: start, or a GEMM wrote zeros).
+MAX_DIM = 2**31 - 2**24
 
 
 class SpecError(ValueError):
@@ -434,7 +437,7 @@ class OpSpec(ABC):
                 raise SpecError(f"{self.name} shape dim {dim} must be > 0, got {value}")
             if value > MAX_DIM:
                 raise SpecError(
-                    f"{self.name} shape dim {dim} must be at most {MAX_DIM} (kernels take 32-bit sizes), got {value}"
+                    f"{self.name} shape dim {dim} must be at most {MAX_DIM} (kernels index in 32 bits), got {value}"
                 )
         return shape
 

@@ -60,6 +60,8 @@ class Gather(Family):
         batch, seq, hidden, vocab, type_vocab = shape
         if max(batch * seq, vocab, type_vocab) * hidden >= MAX_INDEXED_ELEMS:
             return "a table or the output has 2**31 elements or more (32-bit offsets)"
+        if max(vocab, type_vocab) > MAX_ID:  # ids travel as ID_ELEMS base-256 digits: larger ones would be cut
+            return f"a vocabulary of {max(vocab, type_vocab)} > {MAX_ID} ids (three base-256 digits a token)"
         return None
 
     def launches(self, shape, params, dtype):

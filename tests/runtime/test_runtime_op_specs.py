@@ -83,6 +83,10 @@ def test_embedding_ids_are_packed_as_exact_nonzero_digits():
         pack_ids(np.array([256**3]), "float16")
     ins = EMBEDDING.make_inputs((2, 3, 4, 10, 2), "bfloat16", seed=1)
     assert unpack_ids(ins["ids"]).max() < 10 and unpack_ids(ins["type_ids"]).max() < 2
+    # A vocabulary the three digits cannot number is refused (it was accepted, then make_inputs raised).
+    fam, params = EMBEDDING.family("gather"), EMBEDDING.family("gather").defaults("float16")
+    assert fam.check_shape((1, 64, 1, 256**3, 1), params, "float16") is None
+    assert "a vocabulary of 16777217 > 16777216 ids" in fam.check_shape((1, 64, 1, 256**3 + 1, 1), params, "float16")
 
 
 def test_attention_limits_and_shared_memory():

@@ -26,10 +26,12 @@ def test_parse_shape_rejects(text):
         get_op("softmax").parse_shape(text)
 
 
-def test_a_dim_past_a_32_bit_int_is_refused_with_the_reason():
-    assert get_op("softmax").parse_shape("1x2147483647") == (1, 2147483647)
-    with pytest.raises(SpecError, match=r"dim cols must be at most 2147483647 \(kernels take 32-bit sizes\)"):
-        get_op("softmax").parse_shape([1, 99999999999])
+def test_a_dim_past_a_32_bit_int_less_a_loops_step_is_refused_with_the_reason():
+    """At 2^31 - 1 a row loop's step wrapped negative (softmax, layernorm read before the row; GEMMs wrote 0)."""
+    assert get_op("softmax").parse_shape("1x2130706432") == (1, 2130706432)
+    for cols in (2147483647, 2130706433, 99999999999):
+        with pytest.raises(SpecError, match=r"dim cols must be at most 2130706432 \(kernels index in 32 bits\)"):
+            get_op("softmax").parse_shape([1, cols])
 
 
 def test_param_coerce():
