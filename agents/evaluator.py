@@ -154,7 +154,7 @@ class LocalEvaluator:
         return timing.median_ms if timing else None
 
     def evaluate(self, op, shape, dtype, attrs, candidates):
-        from kernelmill.kernels.compile import CompileError
+        from kernelmill.kernels.compile import CompileError, NvccMissing
         from kernelmill.kernels.evaluate import evaluate
         from kernelmill.kernels.ops import get_op
         from kernelmill.kernels.ops.base import SpecError
@@ -203,6 +203,8 @@ class LocalEvaluator:
                     arch=arch + variant.family.arch_suffix,
                     cache=self.references,
                 )
+            except NvccMissing:  # no nvcc on this worker: the machine's failure, not the candidate's
+                raise
             except CompileError as exc:  # pragma: no cover - evaluate() already turns these into data
                 results.append(TrialResult(cand.family, cand.params, "compile_error", str(exc)))
                 continue

@@ -248,6 +248,7 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
     """Run the job in this process on this GPU, recorded in the local database."""
     from kernelmill.agents.evaluator import LocalEvaluator
     from kernelmill.agents.loop import JobPlan, run_job
+    from kernelmill.kernels.compile import NvccMissing
     from kernelmill.kernels.device import GpuUnavailable
     from kernelmill.service.api.jobs import job_out
     from kernelmill.service.db.store import Store
@@ -293,6 +294,8 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
         except KeyboardInterrupt:
             store.finish_job(job.id, "cancelled", "interrupted", runner=runner)
             raise
+        except NvccMissing as exc:  # the machine has no nvcc: every trial would have been a "compile_error"
+            state, error = "failed", f"stopped: {exc}; the trials so far are recorded"
         except GpuUnavailable as exc:  # a fault poisoned this process's context: nothing more runs here
             state = "failed"
             error = (

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernelmill.kernels.bench import L2Flusher, Timing, time_it
-from kernelmill.kernels.compile import CompiledKernel, CompileError, Compiler
+from kernelmill.kernels.compile import CompiledKernel, CompileError, Compiler, NvccMissing
 from kernelmill.kernels.device import Device, DeviceFault
 from kernelmill.kernels.ops.base import SpecError
 from kernelmill.kernels.variant import BoundVariant, Variant
@@ -62,6 +62,8 @@ def evaluate(
         return Evaluation(variant, shape, UNSUPPORTED, reason)
     try:
         compiled = variant.compile(compiler, arch)
+    except NvccMissing:  # the machine, not the variant: every trial here would be "compile_error"
+        raise
     except CompileError as exc:
         return Evaluation(variant, shape, COMPILE_ERROR, str(exc))
     except SpecError as exc:  # no target on this GPU (wgmma off sm_90)

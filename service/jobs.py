@@ -22,7 +22,7 @@ from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space, default_families, search_precision
 from kernelmill.agents.strategies import strategy_class
-from kernelmill.kernels.compile import base_arch, normalize_arch, too_old, unknown_gpu
+from kernelmill.kernels.compile import NvccMissing, base_arch, normalize_arch, too_old, unknown_gpu
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
@@ -383,7 +383,8 @@ class JobRunner:
             recorder = StoreRecorder(self.store, job.id, self._stop)
             try:
                 state = run_job(plan, evaluator, recorder, self._on_progress)
-            except GpuUnavailable as exc:  # the GPU went away mid-job: what was recorded stays, the job resumes
+            except (GpuUnavailable, NvccMissing) as exc:  # the machine failed (its GPU went, it has no nvcc), not the
+                # job: what was recorded stays, and the job resumes on a worker that can run it
                 self.store.requeue_job(job.id, self.name)
                 self._bench(worker, job, exc)
                 return

@@ -11,6 +11,7 @@ from datetime import datetime
 import pytest
 
 from kernelmill.agents.evaluator import FakeEvaluator
+from kernelmill.kernels.compile import NvccMissing
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import FakeExecutor
@@ -147,10 +148,12 @@ class _LosesItsGpu(FakeEvaluator):
         self.calls += 1
         if self.where == "evaluate" and self.calls == 3:  # mid-job, after two recorded batches
             raise GpuUnavailable("CUDA driver unavailable: device lost")
+        if self.where == "nvcc" and self.calls == 3:  # a worker with no nvcc: every trial a "compile_error" before
+            raise NvccMissing("nvcc not found (/nonexistent/nvcc)")
         return super().evaluate(op, shape, dtype, attrs, candidates)
 
 
-@pytest.mark.parametrize("where", ["facts", "evaluate"])
+@pytest.mark.parametrize("where", ["facts", "evaluate", "nvcc"])
 def test_a_worker_whose_gpu_is_unavailable_is_benched_and_its_job_queued_again(store, caplog, where):
     executor = FakeExecutor(2)
     lost = executor._evaluators["fake-gpu0"] = _LosesItsGpu(where)
@@ -168,7 +171,8 @@ def test_a_worker_whose_gpu_is_unavailable_is_benched_and_its_job_queued_again(s
     assert done.worker == "fake-gpu1" and done.error is None  # the other worker finished it
     assert len(store.trials(job.id)) == 12  # batches recorded before the GPU went stay: nothing twice
     said = [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith(f"worker fake-gpu0 cannot run job {job.id} (GpuUnavailable: ")
+    error = "NvccMissing" if where == "nvcc" else "GpuUnavailable"
+    assert len(said) == 1 and said[0].startswith(f"worker fake-gpu0 cannot run job {job.id} ({error}: ")
     assert "the worker gets no job for 60 s" in said[0]
 
 

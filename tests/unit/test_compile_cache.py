@@ -107,3 +107,14 @@ def test_flags_from_the_environment_are_part_of_the_key_and_failed_writes_leave_
     monkeypatch.setattr(os, "replace", full)
     compiler.compile("// s", "sm_90")  # compiled; the cache could not keep it
     assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+
+
+def test_a_missing_nvcc_is_the_machines_failure_not_a_variants_compile_error(tmp_path):
+    """A worker without nvcc recorded every trial as the variant's compile_error."""
+    from kernelmill.kernels.compile import NvccMissing
+    from kernelmill.kernels.evaluate import evaluate
+    from kernelmill.kernels.variant import Variant
+
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=str(tmp_path / "no-such-nvcc"))
+    with pytest.raises(NvccMissing):
+        evaluate(Variant.create("add", "vec", "float16"), (1024,), None, compiler, arch="sm_90")

@@ -77,3 +77,13 @@ def test_any_other_error_ends_the_job_failed_not_running(run):
         tune()
     (job,) = store.list_jobs()[0]
     assert job.state == "failed" and job.error == "RuntimeError: the evaluator broke"
+
+
+def test_no_nvcc_here_ends_the_job_failed_saying_so_not_with_a_compile_error_a_trial(run):
+    from kernelmill.kernels.compile import NvccMissing
+
+    _, tune, console, store = run(fail_at=2, error=NvccMissing("nvcc not found (/nonexistent/nvcc)"))
+    out = tune()
+    assert out["state"] == "failed" and store.list_trials(out["id"])[1] == 4
+    assert store.get_job(out["id"]).error.startswith("stopped: nvcc not found (/nonexistent/nvcc)")
+    assert "stopped: nvcc not found" in console.export_text()
