@@ -231,6 +231,27 @@ def test_correct_float32_sequential_sum_passes(k):
     assert why is None and used < 0.34
 
 
+def test_a_correct_float32_sum_of_a_quarter_million_terms_passes_the_norm_checks():
+    """The relative-norm tolerance stayed at 1e-5 however many terms were summed: a correct sequential float32 sum
+    at K = 262144 was off by 1.8e-5 of max|ref|, and failed; a dropped term still fails."""
+    k, rng = 262144, np.random.default_rng(7)
+    a, b = rng.uniform(-1, 1, (16, k)).astype(np.float32), rng.uniform(-1, 1, (k, 16)).astype(np.float32)
+    acc = np.zeros((16, 16), np.float32)
+    for s in range(0, k, 4096):  # one rounding a term, in order (cumsum is sequential), chunk after chunk
+        products = a[:, s : s + 4096].T[:, :, None] * b[s : s + 4096][:, None, :]
+        acc = np.cumsum(np.concatenate([acc[None], products]), axis=0, dtype=np.float32)[-1]
+    ref = a.astype(np.float64) @ b
+    tolerance = get_op("matmul").tolerance((16, 16, k), "float32")
+    check = compare(acc, ref, 0, "C", tolerance)
+    assert check.max_abs_rel_err > 1e-5 and check.failure() is None  # over the old bound, within the new
+    dropped = acc - np.outer(a[:, 1000], b[1000])  # one term of the quarter million missing
+    assert compare(dropped, ref, 0, "C", tolerance).failure() is not None
+    assert (
+        Tolerance.of("float32", 4096).norm == 1e-5
+        and Tolerance.of("float16", 262144).norm == Tolerance.of("float16").norm
+    )
+
+
 def test_unit_roundoff_is_half_an_ulp_of_each_format():
     assert UNIT_ROUNDOFF["float16"] == np.finfo(np.float16).eps / 2
     assert UNIT_ROUNDOFF["float32"] == np.finfo(np.float32).eps / 2
