@@ -62,14 +62,14 @@ def test_a_source_nvcc_refused_is_not_compiled_again_by_that_compiler(tmp_path, 
     compiler = Compiler(cache_dir=tmp_path)
     broken = Variant.create("softmax", "warp_row", "float16").source + "\nthis is not C++;\n"
     runs = []
-    real_run = subprocess.run
+    real_popen = subprocess.Popen
 
     def counting(cmd, *args, **kwargs):
         if "-cubin" in cmd:
             runs.append(cmd)
-        return real_run(cmd, *args, **kwargs)
+        return real_popen(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(subprocess, "run", counting)
+    monkeypatch.setattr(subprocess, "Popen", counting)
     (first,) = compiler.compile_many([broken], "sm_90")
     assert isinstance(first, CompileError)
     with pytest.raises(CompileError) as again:
