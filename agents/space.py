@@ -118,17 +118,17 @@ class Space:
         whose limit in it is loosest ("head_dim 257 > max_head_dim 256", not the first variant's 32). Walks the
         families' spaces only until one accepts, building no Space (a whole matmul space takes a quarter of a
         second)."""
-        first, loosest = None, None
+        loosest, wording, limit = None, None, 0  # the reason kept, its words without numbers, its last number
         searched = [op.family(name) for name in families] if families else default_families(op, dtype)
         for fam in searched:
             for params in fam.space(dtype):
                 reason = fam.check_shape(shape, params, dtype)
                 if reason is None:
                     return None
-                first = first or reason
-                if _same_but_numbers(reason, first) and _last_number(reason) > _last_number(loosest or first):
-                    loosest = reason
-        return loosest or first or f"no {op.name} family supports {dtype}"
+                words = _NUMBER.sub("#", reason)
+                if wording is None or (words == wording and _last_number(reason) > limit):
+                    loosest, wording, limit = reason, words, _last_number(reason)
+        return loosest or f"no {op.name} family supports {dtype}"
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -162,10 +162,9 @@ class Space:
         return out
 
 
-def _same_but_numbers(a: str, b: str) -> bool:
-    return re.sub(r"\d+", "#", a) == re.sub(r"\d+", "#", b)
+_NUMBER = re.compile(r"\d+")
 
 
 def _last_number(text: str) -> int:
-    numbers = re.findall(r"\d+", text)
+    numbers = _NUMBER.findall(text)
     return int(numbers[-1]) if numbers else 0
