@@ -306,15 +306,17 @@ class Compiler:
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
             )
+            timed_out = False
             try:
                 stdout, stderr = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
+                timed_out = True
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 stdout, stderr = proc.communicate()
-                log_text = (stdout + stderr).replace(str(src), "kernel.cu")
-                raise CompileTimeout(f"nvcc timed out after {self.timeout_s:g} s", log_text) from None
             log_text = (stdout + stderr).replace(str(src), "kernel.cu")
+            if timed_out:
+                raise CompileTimeout(f"nvcc timed out after {self.timeout_s:g} s", log_text)
             if proc.returncode != 0 or not out.exists():
                 raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)
             return CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)
