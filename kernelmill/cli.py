@@ -771,6 +771,71 @@ def kernels(
     console.print(table)
 
 
+# -- the compile cache ---------------------------------------------------------------------------------------
+
+cache_app = typer.Typer(help="The compile cache: its size, and pruning it.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+def _mb(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MB"
+
+
+@cache_app.command("info")
+@user_errors
+def cache_info() -> None:
+    """Where the cache is, what each part of it holds, and the compile cache's limit."""
+    from kernelmill.settings import get_settings
+
+    settings = get_settings()
+    root = Path(settings.cache_dir)
+    table = Table(title=f"cache at {root}")
+    for col, justify in (("part", "left"), ("files", "right"), ("size", "right"), ("what", "left")):
+        table.add_column(col, justify=justify)
+    for part, what in CACHE_PARTS.items():
+        files = [f for f in (root / part).rglob("*") if f.is_file()] if (root / part).is_dir() else []
+        table.add_row(part, str(len(files)), _mb(sum(f.stat().st_size for f in files)), what)
+    console.print(table)
+    limit = settings.compile_cache_max_mb
+    console.print(
+        f"compile cache limit: {_mb(limit * (1 << 20)) if limit else 'none'} (KERNELMILL_COMPILE_CACHE_MAX_MB)"
+    )
+
+
+CACHE_PARTS = {
+    "cubin": "compiled variants with their ptxas reports (pruned, least recently used first)",
+    "served": "kernels the runtime fetched from a service (kept: forwards run on them offline)",
+    "verified": "the runtime's first-use checks, per GPU model",
+    "chosen": "tiles and PDL edges the runtime chose at capture, per GPU model",
+}
+
+
+@cache_app.command("prune")
+@user_errors
+def cache_prune(
+    max_mb: Annotated[
+        float | None,
+        typer.Option(help="cut the compile cache to this size (default: KERNELMILL_COMPILE_CACHE_MAX_MB)", min=0),
+    ] = None,
+    clear: Annotated[bool, typer.Option("--all", help="remove every compiled variant")] = False,
+) -> None:
+    """Remove compiled variants, least recently used first: they are compiled again when next asked for."""
+    from kernelmill.settings import get_settings
+
+    if clear and max_mb is not None:
+        raise fail("--all and --max-mb: give one")
+    limit = 0.0 if clear else (get_settings().compile_cache_max_mb if max_mb is None else max_mb)
+    if not clear and not limit:
+        raise fail("the compile cache has no limit (KERNELMILL_COMPILE_CACHE_MAX_MB=0): give --max-mb or --all")
+    compiler = Compiler()
+    report = compiler.prune(int(limit * (1 << 20)))
+    left = report.bytes - report.freed_bytes
+    console.print(
+        f"{report.removed} of {report.entries} compiled variants removed ({_mb(report.freed_bytes)}); "
+        f"{_mb(left)} left in {compiler.cache_dir}"
+    )
+
+
 # -- a model's forward: tuning its problems, profiling it (nsys) ----------------------------------------------
 
 ModelArg = Annotated[

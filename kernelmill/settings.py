@@ -25,6 +25,12 @@ class Settings(BaseSettings):
     nvcc: str = Field("nvcc", description="nvcc executable")
     compile_timeout_s: float = Field(120.0, gt=0, description="nvcc wall-clock limit per variant")
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
+    compile_cache_max_mb: float = Field(
+        4096.0,
+        ge=0,
+        description="the compile cache (cache_dir/cubin) is kept under this size, its least recently used entries "
+        "removed first; 0: no limit (`kernelmill cache prune` cuts it by hand)",
+    )
     verify_seeds: int = Field(
         3, ge=1, description="random input sets per verification (at least one per kind of input an op draws)"
     )

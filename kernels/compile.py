@@ -17,7 +17,8 @@ import signal
 import struct
 import subprocess
 import tempfile
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -246,6 +247,47 @@ def parse_ptxas(log_text: str) -> dict[str, KernelResources]:
     return {name: KernelResources(**vals) for name, vals in found.items()}
 
 
+MB = 1 << 20
+#: A process prunes the compile cache on its first write and every PRUNE_EVERY writes after it (a scan of the
+#: cache's files: tens of ms for ten thousand entries, against seconds for one nvcc run).
+PRUNE_EVERY = 64
+#: A cache over its limit is cut to (1 - PRUNE_SLACK) of it.
+PRUNE_SLACK = 0.1
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    bytes: int
+    used: float  # the cubin's mtime: written, or last loaded
+
+
+@dataclass
+class PruneReport:
+    entries: int  # before
+    bytes: int  # before
+    removed: int
+    freed_bytes: int
+
+
+@contextlib.contextmanager
+def _build_folder(key: str) -> Iterator[str]:
+    """A folder for one nvcc run, named after the cache key. -lineinfo writes the folder nvcc ran in into the
+    cubin (and the source file's mtime, which the compile sets to 0), so a random temp folder made every build
+    of one source different bytes: a rebuilt cache entry then
+    missed the runtime's first-use records, which are keyed by the cubin. Another process building the same
+    key at the same moment (or one killed mid-build) gets a random folder, and only reproducibility is lost."""
+    folder = Path(tempfile.gettempdir()) / f"kernelmill-nvcc-{key[:32]}"
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        folder = Path(tempfile.mkdtemp(prefix="kernelmill-nvcc-"))
+    try:
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class Compiler:
     """Compiles CUDA source to cubin through nvcc; caches by content hash."""
 
@@ -258,6 +300,9 @@ class Compiler:
         # one variant at a time (agents.evaluator) ran nvcc twice on each failing source. Not timeouts: a busy
         # machine's would have failed that source in this worker for good.
         self._failed: dict[str, CompileError] = {}
+        self.max_cache_bytes = int(settings.compile_cache_max_mb * MB)
+        self._stores = 0
+        self._pruning = threading.Lock()
 
     @property
     def nvcc(self) -> str:
@@ -296,15 +341,16 @@ class Compiler:
         return compiled
 
     def _nvcc_compile(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
-        with tempfile.TemporaryDirectory(prefix="kernelmill-nvcc-") as tmp:
+        with _build_folder(key) as tmp:
             src = Path(tmp) / "kernel.cu"
             out = Path(tmp) / "kernel.cubin"
             src.write_text(source)
-            cmd = [self.nvcc, "-cubin", *flags, "-o", str(out), str(src)]
+            os.utime(src, (0, 0))  # -lineinfo records the source's mtime too
+            cmd = [self.nvcc, "-cubin", *flags, "-o", out.name, src.name]
             # A session of its own: on a timeout the whole group goes (killing nvcc alone left its cicc or ptxas
             # running, a core each, and the next compiles timed out behind them).
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+                cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
             )
             timed_out = False
             try:
@@ -314,7 +360,7 @@ class Compiler:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 stdout, stderr = proc.communicate()
-            log_text = (stdout + stderr).replace(str(src), "kernel.cu")
+            log_text = stdout + stderr
             if timed_out:
                 raise CompileTimeout(f"nvcc timed out after {self.timeout_s:g} s", log_text)
             if proc.returncode != 0 or not out.exists():
@@ -352,6 +398,8 @@ class Compiler:
             cubin = cubin_path.read_bytes()
         except (OSError, ValueError):
             return None
+        with contextlib.suppress(OSError):  # its last use, which pruning keeps the latest of
+            os.utime(cubin_path)
         try:
             if not cubin.startswith(_ELF64_LE) or len(cubin) != meta["cubin_bytes"]:
                 raise ValueError(f"cubin of {len(cubin)} bytes, {meta['cubin_bytes']} recorded")
@@ -380,3 +428,60 @@ class Compiler:
                     raise
         except OSError as exc:  # a read-only cache must not fail the compile
             log.warning("could not write the compile cache at %s: %s", self.cache_dir, exc)
+            return
+        self._stores += 1
+        # On the first write and every PRUNE_EVERY after it: a tuning worker writes a cubin per variant (tens
+        # of KB each, thousands a day), and the cache grew without end.
+        if self.max_cache_bytes and self._stores % PRUNE_EVERY == 1 and self._pruning.acquire(blocking=False):
+            try:
+                self.prune(self.max_cache_bytes, slack=PRUNE_SLACK)
+            finally:
+                self._pruning.release()
+
+    def entries(self) -> list[CacheEntry]:
+        """The cache's entries, least recently used first."""
+        found: dict[str, CacheEntry] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for folder in os.scandir(self.cache_dir):
+                if not folder.is_dir():
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    for f in os.scandir(folder.path):
+                        key, _, ext = f.name.partition(".")
+                        if ext not in ("cubin", "json"):
+                            continue  # a write in progress (mkstemp's name)
+                        with contextlib.suppress(FileNotFoundError):
+                            st = f.stat()
+                            entry = found.setdefault(key, CacheEntry(key, 0, 0.0))
+                            entry.bytes += st.st_size
+                            if ext == "cubin":
+                                entry.used = st.st_mtime
+        return sorted(found.values(), key=lambda e: e.used)
+
+    def prune(self, max_bytes: int, slack: float = 0.0) -> PruneReport:
+        """Remove the least recently used entries until the cache holds at most ``max_bytes`` (0: all of them).
+        With ``slack``, a cache over its limit is cut to ``(1 - slack) * max_bytes``, so the next writes do not
+        each prune again. Another process may prune or write at the same time: a missing file is no error."""
+        entries = self.entries()
+        total = sum(e.bytes for e in entries)
+        report = PruneReport(len(entries), total, 0, 0)
+        if total <= max_bytes:
+            return report
+        target = max_bytes * (1.0 - slack)
+        for entry in entries:
+            if total <= target:
+                break
+            for path in self._paths(entry.key):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            total -= entry.bytes
+            report.removed += 1
+            report.freed_bytes += entry.bytes
+        log.info(
+            "compile cache at %s: %d of %d entries removed (%.1f MB freed, least recently used first)",
+            self.cache_dir,
+            report.removed,
+            report.entries,
+            report.freed_bytes / MB,
+        )
+        return report

@@ -351,3 +351,40 @@ def test_a_web_server_answering_the_dask_handshake_is_named_without_an_exabyte_m
         threading.Thread(target=answer, daemon=True).start()
         said = cli._not_a_scheduler(f"tcp://127.0.0.1:{web.getsockname()[1]}", timeout_s=5)
     assert said == "it does not speak Dask's protocol (its answer is no Dask message: a web server, say)"
+
+
+def test_cache_info_and_prune(tmp_path, monkeypatch):
+    import os
+
+    from kernelmill.settings import reset_settings
+
+    monkeypatch.setenv("KERNELMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    for i, key in enumerate(("aa" + "0" * 62, "ab" + "1" * 62, "bc" + "2" * 62)):
+        folder = tmp_path / "cubin" / key[:2]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{key}.cubin").write_bytes(b"\x7fELF" + b"\0" * 496)
+        (folder / f"{key}.json").write_text("{}" + " " * 98)
+        os.utime(folder / f"{key}.cubin", (1000 + i, 1000 + i))  # the first the least recently used
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "k.json").write_text("{}")
+
+    info = runner.invoke(app, ["cache", "info"])
+    assert info.exit_code == 0, info.output
+    assert f"cache at {tmp_path}" in info.stdout.replace("\n", "")
+    assert "│ cubin    │     6 │" in info.stdout and "│ served   │     1 │" in info.stdout
+    assert "compile cache limit: 4096.0 MB" in info.stdout
+
+    pruned = runner.invoke(app, ["cache", "prune", "--max-mb", str(1300 / (1 << 20))])
+    assert pruned.exit_code == 0, pruned.output
+    assert "1 of 3 compiled variants removed" in pruned.stdout
+    assert not (tmp_path / "cubin" / "aa").joinpath("aa" + "0" * 62 + ".cubin").exists()
+    assert len(list((tmp_path / "cubin").rglob("*.cubin"))) == 2
+
+    assert "2 of 2 compiled variants removed" in runner.invoke(app, ["cache", "prune", "--all"]).stdout
+    assert (tmp_path / "served" / "k.json").exists()  # the served kernels are not the compile cache's
+
+    monkeypatch.setenv("KERNELMILL_COMPILE_CACHE_MAX_MB", "0")
+    reset_settings()
+    refused = runner.invoke(app, ["cache", "prune"])
+    assert refused.exit_code == 2 and "has no limit" in refused.stderr

@@ -6,12 +6,21 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from kernelmill.kernels.compile import CompileError, Compiler, CompileTimeout
+from kernelmill.kernels.compile import (
+    BASE_FLAGS,
+    MB,
+    CompileError,
+    Compiler,
+    CompileTimeout,
+    arch_flags,
+)
+from kernelmill.settings import override_settings
 
 FAKE_NVCC = """#!{python}
 import os, subprocess, sys, time
@@ -118,3 +127,80 @@ def test_a_missing_nvcc_is_the_machines_failure_not_a_variants_compile_error(tmp
     compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=str(tmp_path / "no-such-nvcc"))
     with pytest.raises(NvccMissing):
         evaluate(Variant.create("add", "vec", "float16"), (1024,), None, compiler, arch="sm_90")
+
+
+def _age(compiler: Compiler, source: str, seconds_ago: float) -> None:
+    """Mark ``source``'s cache entry as last used ``seconds_ago``."""
+    key = compiler.cache_key(source, "sm_90", [*BASE_FLAGS, *arch_flags("sm_90")])
+    cubin, _ = compiler._paths(key)
+    when = time.time() - seconds_ago
+    os.utime(cubin, (when, when))
+
+
+def test_prune_removes_the_least_recently_used_and_a_hit_counts_as_a_use(nvcc, tmp_path):
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    sources = [f"// source {i}" for i in range(4)]
+    for i, src in enumerate(sources):
+        compiler.compile(src, "sm_90")
+        _age(compiler, src, 1000 - i * 100)  # source 0 the oldest
+    assert compiler.compile(sources[0], "sm_90").cached  # used now: the newest
+    entries = compiler.entries()
+    assert len(entries) == 4 and all(e.bytes > 256 for e in entries)  # the cubin and its report
+    one = entries[0].bytes
+
+    report = compiler.prune(2 * one + one // 2)  # room for two
+    assert (report.entries, report.removed, report.freed_bytes) == (4, 2, 2 * one)
+    assert compiler.compile(sources[0], "sm_90").cached and compiler.compile(sources[3], "sm_90").cached
+    assert not compiler.compile(sources[1], "sm_90").cached  # removed: compiled again
+
+    assert compiler.prune(10 * one).removed == 0
+    assert compiler.prune(0).removed == 3 and compiler.entries() == []
+
+
+def test_writes_prune_the_cache_to_its_limit(nvcc, tmp_path, monkeypatch):
+    """The cache grew without end: a tuning worker writes one cubin per variant."""
+    script, _, _ = nvcc
+    monkeypatch.setattr("kernelmill.kernels.compile.PRUNE_EVERY", 2)
+    probe = Compiler(cache_dir=tmp_path / "probe", nvcc=script, timeout_s=30)
+    probe.compile("// probe", "sm_90")
+    one = probe.entries()[0].bytes
+    override_settings(compile_cache_max_mb=3.5 * one / MB)
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    for i in range(7):
+        compiler.compile(f"// source {i}", "sm_90")
+        _age(compiler, f"// source {i}", 1000 - i * 100)
+    # Pruned at the 1st, 3rd, 5th and 7th writes, to at most 90% of 3.5 entries: 3 left after the 7th.
+    assert sorted(e.key for e in compiler.entries()) == sorted(
+        compiler.cache_key(f"// source {i}", "sm_90", [*BASE_FLAGS, *arch_flags("sm_90")]) for i in (4, 5, 6)
+    )
+    override_settings(compile_cache_max_mb=0)  # no limit
+    unlimited = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    for i in range(10, 16):
+        unlimited.compile(f"// source {i}", "sm_90")
+    assert len(unlimited.entries()) == 9
+
+
+def test_nvcc_runs_in_a_folder_named_after_the_key_and_removed_after(nvcc, tmp_path, monkeypatch):
+    """-lineinfo writes the folder nvcc ran in into the cubin: a random temp folder made each build of a source
+    other bytes, so a rebuilt cache entry missed the runtime's first-use records (keyed by the cubin)."""
+    script, _, _ = nvcc
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    seen = tmp_path / "cwd"
+    Path(script).write_text(
+        Path(script)
+        .read_text()
+        .replace("mode = open(", f"open({str(seen)!r}, 'a').write(os.getcwd() + '\\n')\nmode = open(")
+    )
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    key = compiler.cache_key("// a", "sm_90", [*BASE_FLAGS, *arch_flags("sm_90")])
+    compiler.compile("// a", "sm_90")
+    assert seen.read_text().split() == [str(tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}")]
+
+    (tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}").mkdir()  # another process building it at this moment
+    compiler.prune(0)
+    assert not compiler.compile("// a", "sm_90").cached  # built in a folder of its own
+    second = seen.read_text().split()[1]
+    assert second.startswith(str(tmp_path / "tmp" / "kernelmill-nvcc-")) and not second.endswith(key[:32])
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [f"kernelmill-nvcc-{key[:32]}"]
