@@ -430,8 +430,9 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
     state_dict lists them in registration order). Linears named ``<i>.<j>`` (``nn.Sequential`` of
     ``nn.Sequential(Linear, act, Linear)`` blocks, lone Linears ``<i>`` among them) become one fused MLP
     layer per block, with no activation between blocks; any other names (a flat Sequential, fc1/fc2, a
-    ModuleList of Linears and a head) are one chain with ``act`` after every Linear but the last; where
-    that reading is a guess (_refuse_ambiguous_blocks), a ValueError. Entries
+    ModuleList of Linears and a head) are one chain with ``act`` after every Linear but the last; Sequential
+    indices in a row (``0`` and ``1``) have no activation between them, a gap (``0`` and ``2``) has one
+    (_acts_between); where that reading is a guess (_refuse_ambiguous_blocks), a ValueError. Entries
     that are not a Linear's 2-D weight or 1-D bias (LayerNorm, BatchNorm, other keys) are a ValueError."""
     act = ops.canonical_act(act)
     if names := [k for k in sd if not isinstance(k, str)]:
@@ -491,9 +492,36 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
 
     blocks = _sequential_blocks(linears)
     _refuse_ambiguous_blocks(linears, blocks)
+    layers: list[Module] = []
+    run = linears[:1]  # Linears with the activation between each two
+    for cur, act_between in zip(linears[1:], _acts_between(linears, blocks), strict=True):
+        if not act_between:
+            layers += chain(run)
+            run = []
+        run.append(cur)
+    return Sequential(*layers, *chain(run))
+
+
+def _acts_between(linears: list[str], blocks: dict[str, list[str]] | None) -> list[bool]:
+    """Whether the activation runs between each two Linears in a row. An nn.Sequential numbers every module,
+    those without parameters too: Linears at indices i and i + 1 have nothing between them (a flat
+    Sequential(Linear, Linear) ran with an activation added), and a gap holds a module without parameters,
+    taken to be the activation, between blocks as inside one. Names that are not Sequential indices cannot
+    say: the activation runs between every two."""
     if blocks is None:
-        return Sequential(*chain(linears))
-    return Sequential(*(layer for names in blocks.values() for layer in chain(names)))
+        flat = [name.rpartition(".") for name in linears]
+        if len({prefix for prefix, _, _ in flat}) != 1 or not all(i.isdigit() for _, _, i in flat):
+            return [True] * (len(linears) - 1)
+        return [int(b[2]) - int(a[2]) != 1 for a, b in itertools.pairwise(flat)]
+    block_of = {name: block for block, names in blocks.items() for name in names}
+    between = []
+    for a, b in itertools.pairwise(linears):
+        if block_of[a] == block_of[b]:  # <prefix>.<i>.<j>: the gap in j
+            gap = int(b.rpartition(".")[2]) - int(a.rpartition(".")[2])
+        else:  # the gap in i between the blocks (or lone Linears) holding them
+            gap = int(block_of[b].rpartition(".")[2]) - int(block_of[a].rpartition(".")[2])
+        between.append(gap != 1)
+    return between
 
 
 # -- the Model ---------------------------------------------------------------------------------------------

@@ -480,6 +480,39 @@ def test_mlp_with_numbered_and_named_keys_and_lone_linears_among_blocks(tmp_path
     assert _matches_torch(model, blocks.eval(), 24) < 1e-5
 
 
+def _seq(*layers):
+    return torch.nn.Sequential(*layers).eval()
+
+
+@pytest.mark.parametrize(
+    ("ref", "kinds"),
+    [
+        # Sequential indices in a row: nothing between the Linears (an activation was added: 0.61 and 0.68 error)
+        (lambda: _seq(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24)), ["Linear", "Linear"]),
+        (lambda: _seq(_seq(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24))), ["Linear", "Linear"]),
+        (
+            lambda: _seq(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 48), torch.nn.Linear(48, 8)),
+            ["MLP", "Linear"],
+        ),
+        # a module without parameters between two blocks: the activation
+        (
+            lambda: _seq(
+                _seq(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 24)),
+                torch.nn.ReLU(),
+                _seq(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8)),
+            ),
+            ["Linear", "Linear", "Linear", "Linear"],
+        ),
+    ],
+)
+def test_mlp_sequential_indices_say_where_no_activation_runs(tmp_path, ref, kinds):
+    torch.manual_seed(12)
+    ref = ref()
+    model = _load_mlp(tmp_path, ref.state_dict())
+    assert [type(layer).__name__ for layer in model.module.layers] == kinds
+    assert _matches_torch(model, ref, 24) < 1e-5
+
+
 def test_mlp_layers_that_do_not_chain_in_the_state_dicts_order_name_the_keys(tmp_path):
     state = {"b.weight": torch.zeros(16, 8), "a.weight": torch.zeros(4, 16)}
     assert _load_mlp(tmp_path, state).forward(np.zeros((1, 8), np.float32)).shape == (1, 4)
