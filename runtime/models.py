@@ -1292,7 +1292,7 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
 def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
     """A HuggingFace ``pytorch_model.bin``: a state_dict of tensors by name (as ``save_pretrained`` writes it,
     or wrapped in {"state_dict": ...}), as float32 arrays; ValueError naming what it holds instead."""
-    loaded = _torch_load(path)
+    loaded = _torch_load(path, _BIN_FILE)
     if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict):
@@ -1303,7 +1303,12 @@ def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
     return {k: host_array(v.float()) for k, v in loaded.items()}
 
 
-def _torch_load(path: Path) -> Any:
+#: What _torch_load's callers expect a file to hold, for its error.
+_MLP_FILE = "expected an MLP state_dict (torch.save(module.state_dict(), path)) or a HuggingFace directory"
+_BIN_FILE = "expected the state_dict save_pretrained writes"
+
+
+def _torch_load(path: Path, expected: str = _MLP_FILE) -> Any:
     try:
         import torch
     except ImportError:
@@ -1313,11 +1318,27 @@ def _torch_load(path: Path) -> Any:
     except OSError:
         raise  # unreadable (permissions, I/O): say so as it is
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError... for bad files
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
-            f"{path} is not a PyTorch file that torch.load reads with weights_only=True ({first}); "
-            "expected an MLP state_dict (torch.save(module.state_dict(), path)) or a HuggingFace directory"
-        ) from None
+        raise ValueError(f"{path} {_unloadable(exc)}; {expected}") from None
+
+
+def _unloadable(exc: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, in a clause: torch's message opens with paragraphs on
+    weights_only=False (which the loader never uses: it runs the file's code) and terminal escapes, and
+    names the cause after "WeightsUnpickler error:"."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    _, found, cause = text.partition("WeightsUnpickler error:")
+    cause = " ".join(cause.split()) if found else ""
+    if cause:
+        cause = cause.split(" Check the documentation")[0]
+        if m := re.search(r"Unsupported global: GLOBAL ([\w.]+)", cause):
+            name = m.group(1)
+            if name.startswith("torch.nn.modules."):
+                return f"holds a pickled module ({name.rsplit('.', 1)[1]}), not a state_dict: save module.state_dict()"
+            return f"holds a {name} object, which loading without running the file's code refuses"
+        cause = cause.split(". ")[0].rstrip(".")
+    else:
+        cause = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return f"is not a PyTorch file that torch.load reads with weights_only=True ({cause})"
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -1338,6 +1359,50 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
+#: A HuggingFace directory's weights, in the order save_pretrained prefers them: one file, or an index of shards.
+_CHECKPOINT_FILES = (
+    ("model.safetensors", _load_safetensors),
+    ("model.safetensors.index.json", None),
+    ("pytorch_model.bin", _bin_state_dict),
+    ("pytorch_model.bin.index.json", None),
+)
+
+
+def _checkpoint_state_dict(folder: Path) -> dict[str, np.ndarray]:
+    """The tensors of a HuggingFace checkpoint directory: its one weights file, or the shards its index names
+    (``save_pretrained`` shards a model larger than ``max_shard_size``, 5 GB by default)."""
+    for name, read in _CHECKPOINT_FILES:
+        path = folder / name
+        if not path.exists():
+            continue
+        if read is not None:
+            return read(path)
+        shard_read = _load_safetensors if name.startswith("model.safetensors") else _bin_state_dict
+        sd: dict[str, np.ndarray] = {}
+        for shard in _shards(path):
+            sd.update(shard_read(folder / shard))
+        return sd
+    raise ValueError(f"{folder} holds no weights: none of {', '.join(name for name, _ in _CHECKPOINT_FILES)}")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names in its weight_map, each once, in their first tensor's order."""
+    try:
+        loaded = json.loads(index.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{index} is not valid JSON ({exc})") from None
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map of tensor names to shard files")
+    shards = list(dict.fromkeys(weight_map.values()))
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(f"{index} names {shard!r} as a shard: expected a file name in {index.parent}")
+        if not (index.parent / shard).is_file():
+            raise ValueError(f"{index} names the shard {shard}, which {index.parent} does not hold")
+    return shards
+
+
 def load_module(path: str | Path, act: str | None = None) -> Module:
     """The Module stored at ``path`` (a HF BERT directory or an MLP state_dict file), on the CPU in float32."""
     path = Path(path)
@@ -1352,17 +1417,10 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
             raise ValueError(f"{path} has no config.json (expected a HuggingFace checkpoint directory)")
         config = _read_config(config_path)
         check_bert_config(config, str(config_path))
-        if (path / "model.safetensors").exists():
-            sd = _load_safetensors(path / "model.safetensors")
-        elif (path / "pytorch_model.bin").exists():
-            sd = _bin_state_dict(path / "pytorch_model.bin")
-        else:
-            raise ValueError(f"{path} has neither model.safetensors nor pytorch_model.bin")
-        return BertModel.from_state_dict(sd, config)
+        return BertModel.from_state_dict(_checkpoint_state_dict(path), config)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model (a checkpoint directory or a state_dict file)")
-    hf_file = path.name in ("config.json", "pytorch_model.bin") or path.suffix == ".safetensors"
-    if hf_file and (path.parent / "config.json").is_file():
+    if path.suffix in (".json", ".bin", ".safetensors") and (path.parent / "config.json").is_file():
         raise ValueError(
             f"{path} is a file of the HuggingFace checkpoint directory {path.parent}: pass the directory instead"
         )

@@ -43,12 +43,18 @@ ACT_ALIASES = {
     None: "none",
     "none": "none",
     "identity": "none",
+    "linear": "none",
     "relu": "relu",
     "gelu": "gelu_erf",
     "gelu_erf": "gelu_erf",
+    "gelu_python": "gelu_erf",
     "gelu_tanh": "gelu_tanh",
+    # transformers' tanh-form GELUs, each within 1e-6 of torch's gelu(approximate="tanh")
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_accurate": "gelu_tanh",
     "silu": "silu",
     "swish": "silu",
 }

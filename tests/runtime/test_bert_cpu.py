@@ -94,8 +94,10 @@ def test_bert_mask_and_types_of_another_shape_are_an_error(bert_dir):
     assert np.isfinite(one).all() and one.shape[:2] == (1, 3)
 
 
-def test_gelu_tanh_bert(tmp_path):
-    ref_model = small_bert(tmp_path, hidden_act="gelu_new")
+@pytest.mark.parametrize("act", ["gelu_new", "gelu_fast", "gelu_python", "gelu_accurate", "linear"])
+def test_bert_with_transformers_activation_names(tmp_path, act):
+    """gelu_fast, gelu_python, gelu_accurate and linear were refused as unknown activations."""
+    ref_model = small_bert(tmp_path, hidden_act=act)
     model = runtime.load_model(tmp_path, device="cpu")
     ids = np.random.default_rng(3).integers(0, 211, size=(2, 9))
     with torch.no_grad():
@@ -171,7 +173,16 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
     text.write_text("not a checkpoint\n")
     with pytest.raises(ValueError, match="not a PyTorch file") as err:
         runtime.load_model(text, device="cpu")
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "Unsupported operand" in str(err.value)
+    # torch's own message opened on weights_only=False, in terminal escapes, and left out the cause
+    whole = tmp_path / "whole.pt"
+    torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), whole)
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(whole, device="cpu")
+    assert str(err.value) == (
+        f"{whole} holds a pickled module (Sequential), not a state_dict: save module.state_dict(); expected an MLP "
+        "state_dict (torch.save(module.state_dict(), path)) or a HuggingFace directory"
+    )
     pickled_list = tmp_path / "list.pt"
     torch.save([torch.zeros(2)], pickled_list)
     with pytest.raises(ValueError, match="holds a list, not a state_dict"):
@@ -705,6 +716,54 @@ def test_a_tensor_of_another_shape_than_its_layer_is_refused_naming_it(bert_dir,
     assert (
         str(err.value)
         == f"checkpoint tensor {key} has shape (32,); the model needs (96,) (hidden_size=96 in config.json)"
+    )
+
+
+def test_sharded_checkpoints_load_from_their_index(bert_dir, tmp_path):
+    """save_pretrained shards a model over max_shard_size (5 GB by default): such a directory was refused as
+    having 'neither model.safetensors nor pytorch_model.bin'."""
+    src, ref_model = bert_dir
+    ids = np.random.default_rng(13).integers(0, 211, size=(2, 12))
+    with torch.no_grad():
+        want = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    sharded = tmp_path / "sharded"
+    ref_model.save_pretrained(sharded, max_shard_size="100KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (sharded / "model.safetensors").exists()
+    assert rel_err(runtime.load_model(sharded, device="cpu").forward(ids).numpy(), want) < 1e-4
+
+    # The .bin form: its index and shards as transformers names them, written with torch.save.
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "config.json").write_text((src / "config.json").read_text())
+    state = ref_model.state_dict()
+    names = list(state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for shard, keys in halves.items():
+        torch.save({k: state[k] for k in keys}, bins / shard)
+    weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+    (bins / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert rel_err(runtime.load_model(bins, device="cpu").forward(ids).numpy(), want) < 1e-4
+    with pytest.raises(ValueError) as err:  # a shard file passed alone
+        runtime.load_model(bins / "pytorch_model-00001-of-00002.bin", device="cpu")
+    assert "is a file of the HuggingFace checkpoint directory" in str(err.value)
+
+    (bins / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(bins, device="cpu")
+    assert str(err.value) == (
+        f"{bins / 'pytorch_model.bin.index.json'} names the shard pytorch_model-00002-of-00002.bin, which {bins} "
+        "does not hold"
+    )
+    (bins / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.bin"}}))
+    with pytest.raises(ValueError, match=r"names '../elsewhere.bin' as a shard: expected a file name in"):
+        runtime.load_model(bins, device="cpu")
+    (bins / "pytorch_model.bin.index.json").unlink()
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(bins, device="cpu")
+    assert str(err.value) == (
+        f"{bins} holds no weights: none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+        "pytorch_model.bin.index.json"
     )
 
 
