@@ -2,16 +2,18 @@
 
 ``load_model(path, device=, dtype=)`` reads
 
-* a HuggingFace BERT checkpoint directory (config.json + model.safetensors, or pytorch_model.bin):
-  ``BertModel``, whose forward gives the last hidden state. Encoders with absolute position embeddings only
-  (``is_decoder``, cross-attention and relative positions are refused); every tensor is checked against the
-  config's sizes at load, and tensors left unused (more layers than ``num_hidden_layers``) are an error, but
-  for what HF's BertModel leaves unused too (id buffers, the pooler, task heads of a ``bert.``-prefixed one);
+* a HuggingFace BERT checkpoint directory (config.json + model.safetensors, or pytorch_model.bin, or the shards
+  either's index names): ``BertModel``, whose forward gives the last hidden state. Encoders with absolute
+  position embeddings only (``is_decoder``, cross-attention and relative positions are refused); every tensor is
+  checked against the config's sizes at load, and tensors left unused (more layers than ``num_hidden_layers``)
+  are an error, but for what HF's BertModel leaves unused too (id buffers, the pooler, task heads of a
+  ``bert.``-prefixed one, or of one under any other single prefix);
 * a PyTorch state_dict file (torch.load on the CPU) of an MLP: Linear weights and biases only, run in the
   state_dict's order (a module's registration order). Blocks ``nn.Sequential(nn.Linear, act, nn.Linear)``
   (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, any other names (a flat
   ``nn.Sequential(Linear, act, ..., Linear)``, ``fc1``/``fc2``, a ModuleList of Linears and a head) one chain
-  of Linear layers with the activation in their epilogue. The activation is ``act=`` (or an ``"act"`` entry
+  of Linear layers with the activation in their epilogue (but between Sequential indices in a row, where
+  nothing sits). The activation is ``act=`` (or an ``"act"`` entry
   next to ``"state_dict"`` in the file); other entries (LayerNorm, BatchNorm, ...) are refused by name, and
   so are layouts whose activations a state_dict cannot place (several multi-Linear modules that are not a
   Sequential of Sequentials, a block of one Linear).
@@ -112,6 +114,23 @@ def check_bert_config(config: dict[str, Any], where: str = "config.json") -> Non
         raise ValueError(f"{where}: layer_norm_eps must be a small positive number, got {eps!r}")
 
 
+_WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
+
+
+def _bert_prefix(sd: dict[str, Any]) -> str:
+    """What a checkpoint's BERT tensors are named under: "" for a BertModel's, "bert." for a BertForMaskedLM's,
+    or whatever one prefix its word embeddings sit under (a model that holds a BERT as ``encoder``, say)."""
+    found = [k[: -len(_WORD_EMBEDDINGS)] for k in sd if k == _WORD_EMBEDDINGS or k.endswith("." + _WORD_EMBEDDINGS)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ValueError(f"checkpoint has no {_WORD_EMBEDDINGS}, under any prefix: not a BERT checkpoint")
+    raise ValueError(
+        f"checkpoint holds {len(found)} BERT models ({', '.join(repr(f) for f in sorted(found)[:4])} prefixes): "
+        "save the one to load on its own"
+    )
+
+
 def _bert_dims(config: dict[str, Any], shape_of: Callable[[str], tuple[int, ...]]) -> dict[str, tuple[int, str]]:
     """Each of ``_BERT_DIM_SOURCES``' fields as (its value, where it comes from): the config, else the
     checkpoint tensor ``shape_of`` gives the shape of."""
@@ -200,7 +219,8 @@ class BertModel(Module):
         self, buckets: Sequence[int], input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None
     ) -> tuple[tuple, Restore | None]:
         """``prepare`` with the sequence padded up to the smallest of ``buckets`` that holds it (at most the
-        position embeddings): padded tokens are masked out as keys, so no real token's output changes, and the
+        position embeddings): padded tokens are masked out as keys, so no real token's output changes (but in a
+        sequence whose mask is all zeros: it attends to every key evenly, the padded ones too), and the
         output is cut back to the real tokens. A sequence that fills its bucket gets a mask too (all ones), so
         it replays the bucket's graph."""
         ids = host_array(input_ids)
@@ -251,13 +271,26 @@ class BertModel(Module):
         tensor is checked against the shape the config gives it; a tensor left unused (another layer, say)
         is an error, except those HF's BertModel leaves unused too (see ``_BERT_UNUSED``)."""
         check_bert_config(config)
-        prefix = "bert." if any(k.startswith("bert.") for k in sd) else ""
+        prefix = _bert_prefix(sd)
+        layer_re = re.compile(rf"{re.escape(prefix)}encoder\.layer\.(\d+)\.")
+        held = {int(m.group(1)) for k in sd if (m := layer_re.match(k))}
+        if config.get("num_hidden_layers") is None:  # transformers would take 12; the tensors say how many
+            if not held:
+                raise ValueError(
+                    f"checkpoint has no {prefix}encoder.layer.* tensors and config.json no num_hidden_layers"
+                )
+            config = {**config, "num_hidden_layers": max(held) + 1}
         used: set[str] = set()
 
         def key_of(name: str) -> str:
             for key in (prefix + name, prefix + name.replace(".weight", ".gamma").replace(".bias", ".beta")):
                 if key in sd:
                     return key
+            if (m := layer_re.match(prefix + name)) and int(m.group(1)) not in held:
+                raise ValueError(
+                    f"checkpoint has no encoder layer {m.group(1)}: it holds {len(held)} "
+                    f"(num_hidden_layers is {config['num_hidden_layers']} in config.json)"
+                )
             raise ValueError(f"checkpoint has no {prefix + name}")
 
         dims = _bert_dims(config, lambda name: tuple(np.shape(sd[key_of(name)])))
@@ -312,8 +345,7 @@ class BertModel(Module):
         ]
         if unused:
             more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
-            layer = re.compile(rf"{re.escape(prefix)}encoder\.layer\.(\d+)\.")
-            deeper = {int(m.group(1)) for k in unused if (m := layer.match(k))}
+            deeper = {int(m.group(1)) for k in unused if (m := layer_re.match(k))}
             why = ""
             if deeper and max(deeper) >= len(layers):
                 why = f" (it has {max(deeper) + 1} encoder layers; num_hidden_layers is {len(layers)})"
@@ -1352,8 +1384,12 @@ def _read_config(path: Path) -> dict[str, Any]:
     model_type = config.get("model_type", "bert")
     if model_type != "bert":  # before the other checks, which name BERT's fields
         raise ValueError(f"{path}: model_type {model_type!r} is not supported (BERT only)")
+    if "num_attention_heads" not in config:
+        raise ValueError(f"{path}: num_attention_heads is missing (the tensors cannot say how many heads)")
     for key in ("num_attention_heads", "num_hidden_layers"):
         value = config.get(key)
+        if key == "num_hidden_layers" and value is None:
+            continue  # read from the tensors
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{path}: {key} must be a positive whole number, got {value!r}")
     return config

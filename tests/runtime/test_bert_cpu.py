@@ -215,7 +215,10 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         ("{not json", r"config.json is not valid JSON \(Expecting property name"),
         (b"\xff\xfe{}", "config.json is not valid JSON"),
         ("[1, 2]", "config.json holds a JSON list, not an object"),
-        ('{"num_hidden_layers": 2}', "config.json: num_attention_heads must be a positive whole number, got None"),
+        (
+            '{"num_hidden_layers": 2}',
+            "config.json: num_attention_heads is missing \\(the tensors cannot say how many heads\\)",
+        ),
         ('{"num_hidden_layers": "2", "num_attention_heads": 2}', "num_hidden_layers must be a positive whole number"),
         (
             '{"num_hidden_layers": 1, "num_attention_heads": 2, "layer_norm_eps": "abc"}',
@@ -301,6 +304,11 @@ def test_buckets_pad_the_sequence_and_leave_every_real_token_as_it_was(bert_dir)
         ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
     assert rel_err(bucketed.forward(ids, mask).numpy(), ref.numpy()) < 1e-4
     assert {p[1] for p in bucketed.problems if p[0] == "attention"} == {(3, 4, 32, 24), (1, 4, 32, 24)}
+    # The exception README names: a sequence with no real token attends to every key evenly, padded ones too.
+    mask[0] = 0
+    got, want = bucketed.forward(ids, mask).numpy(), exact.forward(ids, mask).numpy()
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-5)
+    assert rel_err(got[0], want[0]) > 1e-4
     # A sequence that fills its bucket gets a mask as well: the same tensors (and graph) as a padded one.
     full, restore = bucketed.prepare(np.tile(ids[:, :16], 2))
     padded, _ = bucketed.prepare(ids[:, :30])
@@ -642,6 +650,37 @@ def test_bert_with_fewer_layers_in_the_config_than_the_checkpoint_is_refused(ber
     )
     with pytest.raises(ValueError, match=r"^checkpoint tensors the model does not use: encoder.layer.0.extra.weight$"):
         runtime.load_model(stray, device="cpu")
+
+
+def test_bert_layer_counts_and_prefixes_read_from_the_tensors(bert_dir, tmp_path):
+    src, ref_model = bert_dir
+    ids = np.random.default_rng(14).integers(0, 211, size=(2, 7))
+    with torch.no_grad():
+        want = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    # No num_hidden_layers: counted from the tensors (transformers' default, 12, would fail on them).
+    counted = runtime.load_model(_variant(bert_dir, tmp_path / "a", num_hidden_layers=None), device="cpu")
+    assert len(counted.module.layers) == 2 and rel_err(counted.forward(ids).numpy(), want) < 1e-4
+    # Any one prefix (a model holding its BERT as "encoder"), not only "bert.".
+    nested = _variant(bert_dir, tmp_path / "b", lambda sd: {f"encoder.{k}": v for k, v in sd.items()})
+    assert rel_err(runtime.load_model(nested, device="cpu").forward(ids).numpy(), want) < 1e-4
+    refusals = (
+        (
+            _variant(bert_dir, tmp_path / "c", num_hidden_layers=3),
+            "checkpoint has no encoder layer 2: it holds 2 (num_hidden_layers is 3 in config.json)",
+        ),
+        (
+            _variant(bert_dir, tmp_path / "d", lambda sd: {**sd, **{f"doc.{k}": v for k, v in sd.items()}}),
+            "checkpoint holds 2 BERT models ('', 'doc.' prefixes): save the one to load on its own",
+        ),
+        (
+            _variant(bert_dir, tmp_path / "e", lambda sd: {"x.weight": np.ones((2, 2), np.float32)}),
+            "checkpoint has no embeddings.word_embeddings.weight, under any prefix: not a BERT checkpoint",
+        ),
+    )
+    for path, message in refusals:
+        with pytest.raises(ValueError) as err:
+            runtime.load_model(path, device="cpu")
+        assert str(err.value) == message
 
 
 def test_bert_ignores_what_hf_ignores_buffers_pooler_and_task_heads(bert_dir, tmp_path):
