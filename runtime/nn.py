@@ -16,7 +16,7 @@ import numpy as np
 
 from kernelmill.kernels.ops.base import numpy_dtype
 from kernelmill.runtime import ops
-from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor
+from kernelmill.runtime.tensor import FLOAT_DTYPES, Tensor, nested_array
 
 _BF16 = numpy_dtype("bfloat16")
 
@@ -164,7 +164,7 @@ def host_array(x: Any) -> np.ndarray:
         if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the same bits, as ml_dtypes' bfloat16
             return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
         return t.numpy()
-    return np.asarray(x)
+    return nested_array(x)
 
 
 def _as_input(x: Any, device: str, dtype: str, ints_are_values: bool = False) -> Tensor:

@@ -120,7 +120,7 @@ class Tensor:
         when no conversion or copy for contiguity is needed."""
         if type(a).__module__.startswith("torch"):  # np.asarray fails on grad and bfloat16 tensors
             raise TypeError("from_numpy takes a NumPy array; a torch tensor goes through runtime.from_torch")
-        a = np.asarray(a)
+        a = nested_array(a)
         # Given, a name or a NumPy dtype (np.float16); a refusal names every dtype, the integer ones too.
         default = "float32" if a.dtype == np.float64 else a.dtype
         dtype = dtype_name(default if dtype is None else dtype)
@@ -352,6 +352,21 @@ def to_torch(t: Tensor):
     import torch
 
     return torch.from_dlpack(t)
+
+
+def nested_array(x: Any) -> np.ndarray:
+    """np.asarray, with nested lists of different lengths named as such (NumPy's "setting an array element
+    with a sequence ... inhomogeneous shape" said nothing of padding)."""
+    try:
+        return np.asarray(x)
+    except ValueError as exc:
+        if not isinstance(x, list | tuple) or "inhomogeneous" not in str(exc):
+            raise
+        lengths = sorted({len(row) if isinstance(row, list | tuple) else 0 for row in x})
+        raise ValueError(
+            f"the input's rows have different lengths ({', '.join(map(str, lengths[:6]))}): pad them to one "
+            "length (a BERT model's padding masked out with attention_mask)"
+        ) from None
 
 
 def as_tensor(x: Any, device: str | None = None, dtype: str | None = None) -> Tensor:

@@ -94,6 +94,19 @@ def test_bert_mask_and_types_of_another_shape_are_an_error(bert_dir):
     assert np.isfinite(one).all() and one.shape[:2] == (1, 3)
 
 
+def test_ragged_input_ids_say_to_pad(bert_dir):
+    """NumPy's "setting an array element with a sequence ... inhomogeneous shape" before."""
+    model = runtime.load_model(bert_dir[0], device="cpu")
+    with pytest.raises(ValueError) as err:
+        model.forward([[1, 2, 3], [4, 5]])
+    assert str(err.value) == (
+        "the input's rows have different lengths (2, 3): pad them to one length (a BERT model's padding masked "
+        "out with attention_mask)"
+    )
+    with pytest.raises(ValueError, match=r"^the input's rows have different lengths \(1, 2\)"):
+        runtime.Tensor.from_numpy([[1.0, 2.0], [3.0]])
+
+
 @pytest.mark.parametrize("act", ["gelu_new", "gelu_fast", "gelu_python", "gelu_accurate", "linear"])
 def test_bert_with_transformers_activation_names(tmp_path, act):
     """gelu_fast, gelu_python, gelu_accurate and linear were refused as unknown activations."""
