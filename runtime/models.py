@@ -1439,6 +1439,10 @@ def _shards(index: Path) -> list[str]:
     return shards
 
 
+#: Keys of a file's dict that hold the state_dict itself, next to other entries.
+_STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model")
+
+
 def load_module(path: str | Path, act: str | None = None) -> Module:
     """The Module stored at ``path`` (a HF BERT directory or an MLP state_dict file), on the CPU in float32."""
     path = Path(path)
@@ -1468,9 +1472,13 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
             "layers' order; a safetensors file keeps its keys sorted as text, so the layer order is lost"
         )
     loaded = _torch_load(path)
-    if isinstance(loaded, dict) and "state_dict" in loaded:
+    # {"state_dict": ..., "act": ...}, or a training checkpoint: {"model_state_dict": ..., "optimizer...": ...}
+    wrapper = next(
+        (k for k in _STATE_DICT_WRAPPERS if isinstance(loaded, dict) and isinstance(loaded.get(k), dict)), None
+    )
+    if wrapper is not None:
         act = act or loaded.get("act")
-        loaded = loaded["state_dict"]
+        loaded = loaded[wrapper]
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict")
     if act is None:

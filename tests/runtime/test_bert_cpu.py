@@ -160,6 +160,15 @@ def test_mlp_flat_sequential_and_act_in_the_file(tmp_path):
     path = tmp_path / "flat.pt"
     torch.save({"state_dict": ref.state_dict(), "act": "gelu"}, path)
     model = runtime.load_model(path, device="cpu")
+    # A training checkpoint: the model's state_dict next to the optimizer's (refused before).
+    trained = tmp_path / "trained.pt"
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1).state_dict()
+    torch.save({"model_state_dict": ref.state_dict(), "optimizer_state_dict": optimizer, "epoch": 3}, trained)
+    assert [layer.act for layer in runtime.load_model(trained, device="cpu", act="gelu").module.layers] == [
+        "gelu_erf",
+        "gelu_erf",
+        "none",
+    ]
     assert [layer.act for layer in model.module.layers] == ["gelu_erf", "gelu_erf", "none"]
     x = np.random.default_rng(7).standard_normal((4, 10)).astype(np.float32)
     with torch.no_grad():
@@ -588,8 +597,11 @@ def test_mlp_state_dicts_with_stray_entries_are_refused(tmp_path):
     stray = r"entries an MLP cannot run: epoch \(not a tensor: int\), 0.2.gamma \(shape \(8,\)\);"
     with pytest.raises(ValueError, match=stray):
         _load_mlp(tmp_path, {**state, "epoch": 3, "0.2.gamma": torch.ones(8)})
-    with pytest.raises(ValueError, match=r"entries an MLP cannot run: model \(a dict\), optimizer \(a dict\);"):
-        _load_mlp(tmp_path, {"model": state, "optimizer": {}})
+    # A training checkpoint's {"model": ..., "optimizer": ...} holds the state_dict under "model" (was refused).
+    ref = _mlp_blocks(8, 16, 1, "relu")
+    assert _matches_torch(_load_mlp(tmp_path, {"model": state, "optimizer": {}}), ref, 8) < 1e-6
+    with pytest.raises(ValueError, match=r"entries an MLP cannot run: weights \(a dict\), optimizer \(a dict\);"):
+        _load_mlp(tmp_path, {"weights": state, "optimizer": {}})
     # A bare Linear's state_dict ("weight", "bias") is one Linear layer.
     linear = torch.nn.Linear(8, 3)
     assert _matches_torch(_load_mlp(tmp_path, linear.state_dict()), linear, 8) < 1e-6
