@@ -54,7 +54,8 @@ class Settings(BaseSettings):
         True,
         description="a captured forward is recaptured with the defaults' runners-up in place of each untuned "
         "kernel that has them (wgmma tiles), outputs checked, and the faster graph kept, once per input shape; "
-        "the choice is recorded per GPU model under cache_dir/chosen and reused, so only the first capture of "
+        "the choice is recorded per GPU model under cache_dir/chosen (where the replays timed for it were steady) "
+        "and reused, so only the first capture of "
         "a shape on a GPU model pays for the runners-up's compiles and timing (KERNELMILL_KERNEL_TUNE=false: "
         "shape defaults only)",
     )

@@ -5,7 +5,6 @@ with a log line when the driver cannot be reached."""
 from __future__ import annotations
 
 import logging
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -567,9 +566,9 @@ def test_buckets_on_the_gpu_path_pad_before_the_kernels_and_cut_after(fake):
 
 
 def _edge_choice(fake, monkeypatch, cost):
-    """A one-layer MLP forward on the fake backend and a stand-in for CapturedForward whose replay sleeps
-    ``cost(plain_ops)`` seconds (``plain_ops``: "up" / "down" for the linears on plain edges). Returns the
-    model, its problems, the up and down entries, the graph class and the list of graphs it made."""
+    """A one-layer MLP forward on the fake backend and a stand-in for CapturedForward whose replay takes
+    ``cost(plain_ops)`` seconds of a virtual clock (``plain_ops``: "up" / "down" for the linears on plain
+    edges). Returns the model, its problems, the up and down entries, the graph class and the graphs it made."""
     from kernelmill.runtime import graph as graph_module
     from kernelmill.runtime import models as models_module
     from kernelmill.runtime.nn import MLP
@@ -579,6 +578,7 @@ def _edge_choice(fake, monkeypatch, cost):
     model.forward(np.ones((12, 32), np.float32))
     up, down = registry.entries()
     captures = []
+    clock = _virtual_clock(monkeypatch, models_module)
 
     class FakeGraph:
         def __init__(self, backend, fn, prepared, pdl=False, plain=frozenset(), constants=frozenset()):
@@ -589,7 +589,7 @@ def _edge_choice(fake, monkeypatch, cost):
 
         def replay(self, prepared, copy_output=True):
             assert not self.closed
-            time.sleep(cost({name for name, e in (("up", up), ("down", down)) if id(e) in self.plain}))
+            clock.sleep(cost({name for name, e in (("up", up), ("down", down)) if id(e) in self.plain}))
 
         def close(self):
             self.closed = True
@@ -621,6 +621,31 @@ def test_pdl_edge_choices_are_timed_once_per_gpu_model_and_forward(fake, monkeyp
     assert registry.remembered_edges([up, down], problems[:1]) is None
     backend.device.info.name = "NVIDIA Fake H1"
     assert registry.remembered_edges([up, down], problems) is None
+
+
+def test_choices_timed_while_replays_varied_are_not_remembered(fake, monkeypatch):
+    """A choice timed while other work loaded the GPU was remembered for the GPU model: an H200's batch-256 MLP
+    took runners-up chosen beside a test suite on the other GPU, and later processes ran it at 0.89x eager."""
+    replays = []
+
+    def cost(plain):  # plain edges into the down projection win by far, but every other 10 replays run 3x slower
+        replays.append(1)
+        return (0.0008 - 0.0006 * ("down" in plain)) * (3 if (len(replays) - 1) // 10 % 2 else 1)
+
+    backend, registry = fake
+    model, problems, up, down, FakeGraph, _ = _edge_choice(fake, monkeypatch, cost)
+    model._timing_spread = 0.0
+    kept, line = model._tune_edges(FakeGraph(backend, None, ()), (), problems)
+    assert id(down) in kept.plain  # used by this process
+    assert model._timing_spread > 0.5 and not model._steady_timing()
+    assert registry.remembered_edges([up, down], problems) is None  # but not remembered
+    # Steady replays: remembered, as before.
+    model, problems, up, down, FakeGraph, _ = _edge_choice(
+        fake, monkeypatch, lambda plain: 0.0008 - 0.0006 * ("down" in plain)
+    )
+    model._timing_spread = 0.0
+    model._tune_edges(FakeGraph(backend, None, ()), (), problems)
+    assert model._timing_spread < 1e-9 and registry.remembered_edges([up, down], problems) == {1}
 
 
 @pytest.mark.parametrize("corner", ["plain", "pdl"])
