@@ -102,6 +102,25 @@ def test_a_real_failure_is_remembered_and_a_damaged_cache_entry_is_compiled_agai
     assert not compiler.compile("// fine", "sm_90").cached
 
 
+def test_the_key_changes_with_everything_that_changes_the_binary(nvcc, monkeypatch):
+    """Source, arch, flags and nvcc's version: a key without the arch would serve an sm_80 cubin for sm_90."""
+    script, _, _ = nvcc
+    compiler = Compiler(nvcc=script)
+    base = compiler.cache_key("// s", "sm_90", ["-O3"])
+    assert compiler.cache_key("// s", "sm_90", ["-O3"]) == base
+    others = [
+        compiler.cache_key("// t", "sm_90", ["-O3"]),
+        compiler.cache_key("// s", "sm_80", ["-O3"]),
+        compiler.cache_key("// s", "sm_90a", ["-O3"]),
+        compiler.cache_key("// s", "sm_90", ["-O2"]),
+        compiler.cache_key("// s", "sm_90", ["-O3", "-lineinfo"]),
+        compiler.cache_key("// s", "sm_90", ["-O", "3"]),  # not the same as one flag "-O3"
+    ]
+    monkeypatch.setattr("kernelmill.kernels.compile.nvcc_version", lambda nvcc: "fake 1.1")
+    others.append(compiler.cache_key("// s", "sm_90", ["-O3"]))
+    assert len({base, *others}) == len(others) + 1
+
+
 def test_flags_from_the_environment_are_part_of_the_key_and_failed_writes_leave_no_files(nvcc, tmp_path, monkeypatch):
     script, _, _ = nvcc
     compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)

@@ -274,3 +274,28 @@ def test_timing_from_samples():
     assert t.spread > 0
     with pytest.raises(Exception):  # noqa: B017 - statistics raises on empty input
         Timing.from_samples([])
+
+
+def test_the_reference_cache_keys_inputs_by_seed_and_attributes_and_keeps_to_its_size():
+    """Every evaluate() goes through it: a key without the seed would have verified every seed on the first
+    seed's inputs (and never drawn layernorm's other kind of rows)."""
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.verify import ReferenceCache
+
+    cache = ReferenceCache()
+    softmax = get_op("softmax")
+    first, ref = cache.get(softmax, (8, 64), "float32", {}, 1)
+    again, ref_again = cache.get(softmax, (8, 64), "float32", {}, 1)
+    assert again is first and ref_again is ref  # shared by the trials of a search
+    other, other_ref = cache.get(softmax, (8, 64), "float32", {}, 2)
+    assert not np.array_equal(other["x"], first["x"]) and not np.array_equal(other_ref["y"], ref["y"])
+    np.testing.assert_array_equal(first["x"], softmax.make_inputs((8, 64), "float32", 1)["x"])
+    linear = get_op("linear")
+    plain, plain_ref = cache.get(linear, (4, 16, 8), "float32", {"act": "none"}, 3)
+    relu, relu_ref = cache.get(linear, (4, 16, 8), "float32", {"act": "relu"}, 3)
+    assert not np.array_equal(plain_ref["Y"], relu_ref["Y"]) and (relu_ref["Y"] >= 0).all()
+
+    small = ReferenceCache(max_bytes=2 * 8 * 64 * (4 + 8))  # two seeds: float32 inputs, float64 references
+    for seed in range(3):
+        small.get(softmax, (8, 64), "float32", {}, seed)
+    assert [key[-1] for key in small._entries] == [1, 2]  # the least recently used went
