@@ -55,10 +55,12 @@ def test_profile_forward_summary_or_a_clear_reason(tmp_path, monkeypatch):
         assert result.exit_code == EXIT_NO_PROFILER, result.output
         assert "nsys not found" in result.output
         pytest.skip("nsys is not installed here: nothing was profiled")
-    if result.exit_code == EXIT_NO_REPORT:  # e.g. an nsys that cannot import its raw capture
-        assert "nothing profiled" in result.output and "nsys" in result.output
-        assert not out.exists()
-        pytest.skip(f"nsys produced no report here: {' '.join(result.output.split())[:200]}")
+    said = " ".join(result.output.split())
+    # Only an nsys without its importer (a raw .qdstrm capture left unconverted) is this host's lack; a report
+    # with no kernels, or nsys timing out, is what a misplaced capture window or a parsing bug gives: a failure.
+    if result.exit_code == EXIT_NO_REPORT and "raw .qdstrm capture it could not turn into a report" in said:
+        assert "nothing profiled" in said and not out.exists()
+        pytest.skip(f"this nsys cannot import its raw capture: {said[:200]}")
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
     assert summary["kernel_launches"] >= 3 * 2 and summary["kernel_time_ns"] > 0 and summary["id"] >= 1
