@@ -25,6 +25,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # Every GPU test runs here, or the run fails: a broken pycuda or driver must not pass as "N skipped".
 export KERNELMILL_REQUIRE_GPU=1
+# And what the GPU tests importorskip: CUDA graphs need cuda.bindings, the baselines torch.
+export KERNELMILL_REQUIRE_MODULES=torch,cuda.bindings,pycuda
 # pytest puts the rootdir on sys.path, where the source folder kernelmill/ would shadow the installed
 # package (whose subpackages live in other folders): run the tests from a copy.
 rm -rf /tmp/kmtests && mkdir -p /tmp/kmtests && cp -r tests pyproject.toml /tmp/kmtests/

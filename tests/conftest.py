@@ -3,7 +3,9 @@
 CI sets KERNELMILL_REQUIRE_NVCC=1 so that compile tests fail rather than skip
 when nvcc is missing there; a GPU run (benchmarks/device_check.sh) sets
 KERNELMILL_REQUIRE_GPU=1, so that a host whose pycuda or driver is broken fails
-instead of reporting every GPU test skipped.
+instead of reporting every GPU test skipped. KERNELMILL_REQUIRE_MODULES (comma-separated; CI names torch,
+transformers and schemathesis, a GPU run cuda.bindings and torch too) fails the session where one of them
+does not import, so the tests that ``pytest.importorskip`` it cannot all skip unseen.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ def _gpu_reason() -> str | None:
 
     ok, why = gpu_available()
     return None if ok else why
+
+
+def pytest_sessionstart(session):
+    import importlib
+
+    for name in filter(None, os.environ.get("KERNELMILL_REQUIRE_MODULES", "").split(",")):
+        try:
+            importlib.import_module(name.strip())
+        except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install's own error
+            raise pytest.UsageError(
+                f"KERNELMILL_REQUIRE_MODULES names {name.strip()}, which does not import here: {exc}"
+            ) from None
 
 
 def pytest_collection_modifyitems(config, items):
