@@ -128,6 +128,7 @@ def test_loop_spends_budget_per_shape_records_failures_and_publishes():
     best, fields = rec.published["64x1000"]
     assert fields["launches"][0]["args"][-2:] == [64, 1000] and "__global__" in fields["source"]
     assert progress[-1].trials == 30 and progress[-1].speedup == pytest.approx(1.0 / progress[-1].best_ms)
+    assert progress[-1].failed == sum(r.status != "ok" for rs in rec.trials.values() for r in rs) > 0
 
 
 def test_the_trial_budget_is_split_over_the_shapes_and_never_exceeded():
@@ -186,6 +187,21 @@ def test_the_time_budget_is_shared_by_the_shapes():
     assert all(n >= 2 for n in ran) and sum(ran) < 600 and set(rec.baselines) == {format_shape(s) for s in shapes}
 
 
+def test_no_shape_starts_once_the_jobs_time_is_spent():
+    """A later shape still timed its PyTorch baseline past the job's deadline."""
+    now = [0.0]
+
+    class Slow(FakeEvaluator):
+        def evaluate(self, *args, **kwargs):
+            now[0] += 100.0  # one batch outlives the 60 s budget
+            return super().evaluate(*args, **kwargs)
+
+    rec = MemoryRecorder()
+    job = plan(shapes=[(256, 256), (64, 1000)], budget_trials=20, budget_seconds=60, batch_size=2)
+    assert run_job(job, Slow(fail_every=0), rec, clock=lambda: now[0]) == "done"
+    assert set(rec.baselines) == {"256x256"} and set(rec.trials) == {"256x256"}
+
+
 def test_a_cancel_during_the_last_batch_or_profiling_ends_cancelled_and_publishes_nothing():
     """It ended "done" and published: the loop asked only before each batch."""
     rec = MemoryRecorder()
@@ -231,6 +247,24 @@ def test_loop_stops_on_plateau():
     rec = MemoryRecorder()
     run_job(plan(shapes=[(256, 256)], budget_trials=400, plateau=10, batch_size=2), FakeEvaluator(fail_every=0), rec)
     assert len(rec.trials["256x256"]) < 400
+
+
+def test_the_plateau_counts_trials_since_the_last_gain_of_one_percent():
+    """Scripted times, one trial a batch: gains under 1% do not reset the count, and the loop stops when the
+    count reaches the plateau, not a trial later (each mutation survived the loose test above)."""
+    times = iter([10.0, 9.0, 8.95, 8.92, 7.0, 6.95, 6.94, 6.93, 6.92, 6.91, 6.90, 6.89, 6.88])
+
+    class Scripted(FakeEvaluator):
+        def evaluate(self, *args, **kwargs):
+            results = super().evaluate(*args, **kwargs)
+            for r in results:
+                r.status, r.reason, r.median_ms = "ok", None, next(times)
+            return results
+
+    rec = MemoryRecorder()
+    run_job(plan(shapes=[(256, 256)], budget_trials=100, plateau=4, batch_size=1), Scripted(fail_every=0), rec)
+    # 10, 9 (gain), 8.95 and 8.92 (under 1%), 7 (gain: the count starts again), then four under 1%: stop.
+    assert [t.median_ms for t in rec.trials["256x256"]] == [10.0, 9.0, 8.95, 8.92, 7.0, 6.95, 6.94, 6.93, 6.92]
 
 
 def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
