@@ -390,6 +390,14 @@ def test_a_kernel_saved_without_a_parameter_runs_with_its_default_served_or_cach
     assert cached.source == TUNED and cached.params == params
 
 
+def test_a_nearest_shape_is_close_within_a_factor_of_two_in_every_dimension():
+    from kernelmill.runtime.registry import _close
+
+    assert _close((256, 4096, 11008), (128, 4096, 11008)) and _close((128, 4096, 11008), (256, 4096, 11008))
+    assert not _close((256, 4096, 11008), (127, 4096, 11008)) and not _close((256, 4096), (256, 8193))
+    assert _close((1, 64), (2, 64)) and _close((0, 64), (2, 64)) and not _close((1, 64), (3, 64))
+
+
 def test_a_nearest_kernel_of_another_kind_does_not_stand_in(tmp_path, caplog):
     # A wgmma linear tuned at M = 256 serves M = 128 (wgmma's regime too) but not the batch-1 product (gemv's).
     params = {"BM": 128, "BN": 128, "consumers": 2, "stages": 5, "ctas": 0, "stream_k": False, "k_splits": 2}

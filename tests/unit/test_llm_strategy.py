@@ -13,7 +13,20 @@ from kernelmill.agents.space import Space
 from kernelmill.agents.strategies.llm import LlmProposer
 from kernelmill.kernels.ops import get_op
 
-ANSWERS: list = []
+ANSWERS: list = []  # what the stub answers next, one per request
+PROMPTS: list = []  # the prompts it was sent, for the tests to check (an assert in the handler was a 500)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_exchange():
+    ANSWERS.clear()
+    PROMPTS.clear()
+    yield
+    assert not ANSWERS, f"answers never asked for: {ANSWERS}"
+
+
+def _asked_about_softmax() -> None:
+    assert PROMPTS and all(p["op"] == "softmax" and "block_row" in p["families"] for p in PROMPTS), PROMPTS
 
 
 def _stub() -> FastAPI:
@@ -22,8 +35,7 @@ def _stub() -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
-        prompt = json.loads(body["messages"][1]["content"])
-        assert prompt["op"] == "softmax" and "block_row" in prompt["families"]
+        PROMPTS.append(json.loads(body["messages"][1]["content"]))
         answer = ANSWERS.pop(0)
         if answer == "500":
             from fastapi.responses import PlainTextResponse
@@ -71,6 +83,7 @@ def test_valid_answers_are_used_with_reasons_and_invalid_dropped(stub_url, space
     assert batch[0].family == "block_row" and batch[0].params == good and batch[0].note == "llm: wider rows"
     assert all(c in space for c in batch)
     assert all("guided" in c.note for c in batch[1:])  # the rest came from the fallback
+    _asked_about_softmax()
 
 
 @pytest.mark.parametrize("bad", ["500", "no json here", json.dumps({"candidates": "nope"})])
@@ -78,6 +91,7 @@ def test_bad_answers_fall_back_to_guided(stub_url, space, bad):
     ANSWERS.append(bad)
     batch = LlmProposer(url=stub_url).propose(space, [], 4)
     assert len(batch) == 4 and all("unusable" in c.note and "guided" in c.note for c in batch)
+    _asked_about_softmax()  # a 500 is the stub's answer, not a prompt it refused
 
 
 def test_no_endpoint_means_guided(space, monkeypatch):
