@@ -42,6 +42,8 @@ class Timing:
 
     @classmethod
     def from_samples(cls, samples_ms: list[float]) -> Timing:
+        if not samples_ms:
+            raise ValueError("no timing samples")
         ordered = sorted(samples_ms)
         q = statistics.quantiles(ordered, n=10) if len(ordered) >= 2 else [ordered[0]] * 9
         return cls(statistics.median(ordered), ordered[0], q[0], q[-1], len(ordered))
