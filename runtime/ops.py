@@ -551,15 +551,21 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
         raise ValueError(f"embedding: sequence of {seq} > {pos.shape[0]} position embeddings")
     shape = (batch, seq, hidden, vocab, type_vocab)
     dtype = _float_dtype("embedding", word, pos, types)
+    # Ids given as values are checked on the host, for the GPU too: its kernel clamps an id past the table to
+    # the last row (an id == vocab read word row vocab - 1, where the CPU and torch raise). Packed ids come
+    # from device_ids, whose callers checked them (BertModel.prepare).
+    idx = None if packed else (ids_np if ids_np is not None else ids.numpy())
+    tidx = None if type_ids is None or _packed_ids(type_ids) else _host_ints(type_ids)
+    for name, values, n in (("ids", idx, vocab), ("type_ids", tidx, type_vocab)):
+        if values is not None and values.size and (values.min() < 0 or values.max() >= n):
+            raise IndexError(f"embedding: {name} out of range 0..{n - 1}")
     if not _on_cuda(word, pos, types):
+        if idx is None:
+            raise ValueError("embedding: ids packed for the GPU with embedding tables on the CPU")
         _note("embedding", shape, dtype, {})
-        idx = ids_np if ids_np is not None else ids.numpy()
-        tidx = np.zeros_like(idx) if type_ids is None else _host_ints(type_ids)
-        for name, values, n in (("ids", idx, vocab), ("type_ids", tidx, type_vocab)):
-            if values.size and (values.min() < 0 or values.max() >= n):
-                raise IndexError(f"embedding: {name} out of range 0..{n - 1}")
+        tidx = np.zeros_like(idx) if tidx is None else tidx
         return _cpu(_f32(word)[idx] + _f32(pos)[:seq][None] + _f32(types)[tidx], dtype)
-    ids_t = device_ids(ids if ids_np is None else ids_np, dtype)
+    ids_t = device_ids(ids if idx is None else idx, dtype)
     if type_ids is None:
         key = ("type_ids", batch, seq, dtype)
         if key not in _ZEROS:

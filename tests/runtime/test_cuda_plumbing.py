@@ -5,6 +5,7 @@ with a log line when the driver cannot be reached."""
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -103,6 +104,23 @@ def fake(monkeypatch, tmp_path):
 
 def _cuda(*shape, dtype="float16"):
     return Tensor.from_numpy(np.ones(shape, np.float32), "cuda", dtype)
+
+
+def test_gpu_embedding_checks_ids_against_its_tables(fake):
+    """The kernel clamps an id past the table to its last row: id == vocab read word row vocab - 1 on the GPU,
+    where the CPU and torch raise."""
+    backend, _ = fake
+    tables = (_cuda(100, 32), _cuda(20, 32), _cuda(2, 32))
+    for ids, types, named in (
+        (np.full((2, 5), 100), None, "ids out of range 0..99"),
+        (Tensor.from_numpy(np.full((2, 5), -1, np.int64)), None, "ids out of range 0..99"),
+        (np.zeros((2, 5), np.int64), np.full((2, 5), 2), "type_ids out of range 0..1"),
+    ):
+        with pytest.raises(IndexError, match=f"^embedding: {re.escape(named)}$"):
+            ops.embedding(ids, *tables, types)
+    assert backend.launches == []
+    ops.embedding(np.full((2, 5), 99), *tables, np.ones((2, 5), np.int64))
+    assert [launch[0] for launch in backend.launches] == ["embedding_gather"]
 
 
 def test_every_op_maps_its_tensors_to_kernel_arguments(fake):
