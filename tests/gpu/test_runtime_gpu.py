@@ -537,6 +537,25 @@ def test_a_0d_tensor_on_the_gpu(backend, registry):
             ops.softmax(t)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_relu_keeps_a_nan_as_torch_does(backend, registry, dtype):
+    """fmaxf(NaN, 0) is 0: a ReLU epilogue hid an upstream NaN on the GPU only."""
+    x = np.array([[1.5, -2.0, np.nan, 0.25, -np.inf, np.inf, -0.5, 3.0]], np.float32)
+    finite = np.nan_to_num(x, nan=0.75, posinf=1.0, neginf=-1.0)
+    bias = np.where(np.isnan(x), np.nan, 0.0).astype(np.float32)  # the NaN comes in through the bias
+    with ops.using_registry(registry):
+        relu = ops.relu(Tensor.from_numpy(x, "cuda", dtype))  # bias_act
+        linear = ops.linear(  # the GEMV's epilogue: x @ I + bias
+            Tensor.from_numpy(finite, "cuda", dtype),
+            Tensor.from_numpy(np.eye(8, dtype=np.float32), "cuda", dtype),
+            Tensor.from_numpy(bias, "cuda", dtype),
+            "relu",
+        )
+    np.testing.assert_array_equal(relu.numpy().astype(np.float32), torch.relu(torch.from_numpy(x)).numpy())
+    want = torch.relu(torch.from_numpy(finite + bias)).numpy()
+    np.testing.assert_array_equal(linear.numpy().astype(np.float32), want)  # NaN where want has it
+
+
 def test_empty_batches_on_the_gpu_launch_nothing_and_answer_empty(bert, registry, tmp_path):
     """A batch of 0 reached the kernels as a zero-size grid, which CUDA refuses."""
     model = runtime.load_model(bert[0], device="cuda", dtype="float32", registry=registry)
