@@ -476,9 +476,11 @@ def layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-12, residu
         h = _f32(x) if residual is None else _f32(x) + _f32(residual)
         if not h.size:  # no element to normalise: the mean of an empty row warned and was NaN
             return _cpu(h, dtype)
-        mean = h.mean(axis=-1, keepdims=True)
-        var = ((h - mean) ** 2).mean(axis=-1, keepdims=True)
-        return _cpu((h - mean) / np.sqrt(var + eps) * _f32(gamma) + _f32(beta), dtype)
+        # The statistics in float64: a float32 mean of a constant row was an ulp off, and that ulp over
+        # sqrt(eps) gave about +-gamma where torch gives beta (-0.23 everywhere at 1.7, eps 1e-12).
+        centred = h - h.mean(axis=-1, keepdims=True, dtype=np.float64)
+        var = (centred * centred).mean(axis=-1, keepdims=True)
+        return _cpu(centred / np.sqrt(var + eps) * _f32(gamma) + _f32(beta), dtype)
     out = Tensor.empty(x.shape, dtype, "cuda")
     tensors = {"X": x, "gamma": gamma, "beta": beta, "Y": out}
     if residual is not None:

@@ -131,6 +131,20 @@ def test_layernorm_and_residual(eps):
     close(ops.layernorm(x, g, b, eps, residual=r), F.layer_norm(th(x) + th(r), (48,), th(g), th(b), eps))
 
 
+def test_layernorm_of_a_constant_row_is_beta_as_in_torch():
+    """A float32 mean one ulp off, over sqrt(1e-12), gave -0.23 everywhere on a row of 1.7s."""
+    x = np.full((3, 1000), 1.7, np.float32)
+    x[1] = -3.14159
+    x[2] = RNG.standard_normal(1000)
+    g, b = t(1000), t(1000)
+    out = ops.layernorm(Tensor.from_numpy(x), g, b, 1e-12).numpy()
+    np.testing.assert_array_equal(out[:2], np.broadcast_to(b.numpy(), (2, 1000)))
+    close(
+        ops.layernorm(Tensor.from_numpy(x), g, b, 1e-12),
+        F.layer_norm(torch.from_numpy(x), (1000,), th(g), th(b), 1e-12),
+    )
+
+
 @pytest.mark.parametrize("act", ["relu", "gelu_erf", "gelu_tanh", "silu"])
 def test_fused_mlp(act):
     x, w1, b1, w2, b2 = t(5, 24), t(24, 40, scale=0.3), t(40), t(40, 12, scale=0.3), t(12)
