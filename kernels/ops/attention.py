@@ -368,8 +368,9 @@ class Attention(OpSpec):
 
     def make_inputs(self, shape, dtype, seed):
         """Uniform inputs; the mask by the seed's kind: random in [-2, 2] (every key tile masked), all zero
-        (the path the mma and wgmma families take for tiles without a mask: BERT without padding), or BERT's
-        padding (0, then the dtype's lowest value on each sequence's last keys, at least one key kept)."""
+        (the path the mma and wgmma families take for tiles without a mask: BERT without padding), or padding
+        (0, then on each sequence's last keys BERT's mask value, the dtype's lowest, or -inf as torch code
+        masks with, by turns over the batch: at least one key kept, and whole key tiles of -inf)."""
         out = super().make_inputs(shape, dtype, seed)
         kind = self.input_kind(seed)
         if kind != "random":
@@ -378,8 +379,11 @@ class Attention(OpSpec):
             if kind == "padding":
                 rng = np.random.default_rng([seed, 1])
                 keep = rng.integers(1, seq + 1, size=batch)
-                keep[0] = max(1, seq // 2)  # one sequence padded for sure, wherever its keys' tiles split
-                mask[np.arange(seq)[None, :] >= keep[:, None]] = MASK_MIN[dtype]
+                keep[:2] = max(1, seq // 2)  # padded for sure, wherever the keys' tiles split: one of each value
+                padded = np.arange(seq)[None, :] >= keep[:, None]
+                first = (seed // len(self.input_kinds)) % 2  # which value the first sequence takes
+                value = np.where((np.arange(batch) + first) % 2, -np.inf, MASK_MIN[dtype])
+                mask[padded] = np.broadcast_to(value[:, None], padded.shape)[padded]
             out["mask"] = mask.astype(out["mask"].dtype)
         return out
 

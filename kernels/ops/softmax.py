@@ -293,11 +293,33 @@ class SplitRow(Family):
         return None
 
 
+def _mask_rows(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Where a row is masked (-inf), as attention masks and causal masks put it, each row one of: a causal
+    prefix kept (the rest masked: whole vectors, chunks and blocks of -inf at the row's end), one run of -inf
+    from a random start (at the row's start too, so a chunk's max can be -inf before the row's is), or all
+    but one random element masked. Never a whole row: its softmax is NaN, in torch too."""
+    rows, cols = shape
+    masked = np.zeros(shape, bool)
+    col = np.arange(cols)
+    for r in range(rows):
+        pattern = r % 3
+        if pattern == 0:
+            masked[r] = col >= 1 + (r * 7919 + int(rng.integers(cols))) % cols
+        elif pattern == 1:
+            start, length = int(rng.integers(cols)), int(rng.integers(1, cols + 1))
+            masked[r] = (col >= start) & (col < start + length)
+            if masked[r].all():
+                masked[r, int(rng.integers(cols))] = False
+        else:
+            masked[r] = col != int(rng.integers(cols))
+    return masked
+
+
 class Softmax(OpSpec):
     name = "softmax"
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     cancels = False  # each output a positive exp over a positive sum: held to its own size
-    input_kinds = ("uniform", "offset")
+    input_kinds = ("uniform", "offset", "masked")
     dims = ("rows", "cols")
     inputs = ("x",)
     outputs = ("y",)
@@ -314,14 +336,18 @@ class Softmax(OpSpec):
 
     def make_inputs(self, shape, dtype, seed):
         """Uniform in [-8, 8]; on the "offset" kind's seeds each row moved by 100 to 2000 either way, where exp()
-        overflows or underflows float32 unless the row's max is subtracted first."""
+        overflows or underflows float32 unless the row's max is subtracted first; on the "masked" kind's, -inf
+        in every row as masks put it (``_mask_rows``), at least one element of each row kept."""
         out = super().make_inputs(shape, dtype, seed)
-        if self.input_kind(seed) == "offset":
-            rows = shape[0]
-            rng = np.random.default_rng([seed, 1])
+        kind = self.input_kind(seed)
+        rows = shape[0]
+        rng = np.random.default_rng([seed, 1])
+        if kind == "offset":
             offset = rng.uniform(100.0, 2000.0, size=(rows, 1)) * rng.choice([-1.0, 1.0], size=(rows, 1))
             x = out["x"]
             out["x"] = (x.astype(np.float32) + offset.astype(np.float32)).astype(x.dtype)
+        elif kind == "masked":
+            out["x"][_mask_rows(shape, rng)] = -np.inf
         return out
 
     def reference(self, inputs, attrs):

@@ -3,6 +3,7 @@ and its rendered layouts. No GPU, no nvcc."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kernelmill.kernels.ops import OPS
@@ -213,3 +214,23 @@ def test_mma_renders_each_layout_and_type(dtype):
         assert mma in src.replace('" KM_MMA_AB "', "bf16.bf16" if dtype == "bfloat16" else "f16.f16")
     assert "const T* __restrict__ qkv" in packed and "q_in" not in packed
     assert "const T* __restrict__ q_in" in bhsd and "qkv" not in bhsd
+
+
+def test_padding_masks_with_bert_s_lowest_value_and_with_minus_infinity():
+    """Torch code masks with -inf; verification fed only the dtype's lowest value, so a kernel turning a key
+    tile of -inf into NaN passed."""
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.ops.attention import MASK_MIN
+
+    op = get_op("attention")
+    seeds = [s for s in range(30) if op.input_kind(s) == "padding"][:2]
+    shape = (4, 2, 200, 64)
+    for seed in seeds:
+        inputs = op.make_inputs(shape, "float16", seed)
+        mask = inputs["mask"].astype(np.float32)
+        values = {float(v) for v in np.unique(mask)}
+        assert values == {0.0, MASK_MIN["float16"], -np.inf}
+        assert (mask[:, 0] == 0).all() and np.isneginf(mask[:, -64:]).all(axis=1).any()  # a whole tile of -inf
+        assert np.isfinite(op.reference(inputs, {})["out"]).all()
+    firsts = {float(op.make_inputs(shape, "float16", s)["mask"][0, -1]) for s in seeds}
+    assert firsts == {MASK_MIN["float16"], -np.inf}  # the first sequence takes each by turns

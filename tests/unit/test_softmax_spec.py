@@ -15,11 +15,31 @@ from kernelmill.kernels.render import render
 
 
 def test_reference_matches_direct_formula():
-    x = SOFTMAX.make_inputs((7, 33), "float32", seed=4)["x"]  # a "uniform" seed: "offset" ones overflow exp here
+    x = SOFTMAX.make_inputs((7, 33), "float32", seed=3)["x"]  # a "uniform" seed: "offset" ones overflow exp here
+    assert SOFTMAX.input_kind(3) == "uniform"
     y = SOFTMAX.reference({"x": x}, {})["y"]
     direct = np.exp(x.astype(np.float64)) / np.exp(x.astype(np.float64)).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(y, direct, rtol=1e-12)
     np.testing.assert_allclose(y.sum(axis=1), 1.0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(9, 1), (12, 5), (30, 4096), (3, 70000)])
+def test_masked_inputs_hold_minus_infinity_in_rows_that_keep_an_element(shape):
+    """Kernels special-case -inf (a chunk or block whose max is -inf); verification never fed them one."""
+    seeds = [s for s in range(40) if SOFTMAX.input_kind(s) == "masked"][:4]
+    masked = 0
+    for seed in seeds:
+        x = SOFTMAX.make_inputs(shape, "float16", seed)["x"].astype(np.float64)
+        assert np.isfinite(x).any(axis=1).all() and not np.isnan(x).any() and not (x == np.inf).any()
+        masked += int(np.isneginf(x).sum())
+        y = SOFTMAX.reference({"x": x}, {})["y"]
+        assert np.isfinite(y).all() and (y[np.isneginf(x)] == 0).all()
+        np.testing.assert_allclose(y.sum(axis=1), 1.0, rtol=1e-12)
+    assert masked > 0 if shape[1] > 1 else masked == 0
+    if shape[1] >= 4096:  # whole 1024-element blocks of -inf, at a row's start as well as its end
+        x = SOFTMAX.make_inputs(shape, "float32", seeds[0])["x"]
+        runs = [np.isneginf(row[i : i + 1024]).all() for row in x for i in range(0, shape[1] - 1023, 1024)]
+        assert any(runs) and np.isneginf(x[:, 0]).any()
 
 
 def test_min_bytes_is_one_read_one_write():
