@@ -88,9 +88,11 @@ def test_attention_inputs_take_the_production_mask_paths_by_seed(op, dtype):
     assert set(masks) == {"random", "zero", "padding"}
     assert (masks["random"] != 0).mean() > 0.9
     assert (masks["zero"] == 0).all()
-    padded = masks["padding"] == MASK_MIN[dtype]  # BERT's padding value, finite
+    # BERT's padding value, finite, and torch code's -inf, by turns over the batch
+    padded = (masks["padding"] == MASK_MIN[dtype]) | np.isneginf(masks["padding"])
     assert padded.any() and (masks["padding"][~padded] == 0).all() and not padded.all(axis=1).any()
-    assert padded[0].sum() == 20  # batch 0 loses its second half, whatever the seed
+    assert padded[0].sum() == padded[1].sum() == 20  # batches 0 and 1 lose their second half, whatever the seed
+    assert (masks["padding"][0, -1] == MASK_MIN[dtype]) == np.isneginf(masks["padding"][1, -1])  # one of each
     for seed in range(3):
         assert np.isfinite(spec.reference(spec.make_inputs(shape, dtype, seed), {})["out"]).all()
 
