@@ -29,6 +29,7 @@ import collections
 import itertools
 import json
 import logging
+import math
 import re
 import statistics
 import time
@@ -566,6 +567,8 @@ _EDGE_MIN_GAIN = 0.01
 _KERNEL_MIN_GAIN = 0.02
 #: Seconds each graph replays before a timing (after a capture or compile the GPU may idle at low clocks).
 _WARMUP_S = 0.05
+#: The least time each graph's turn of timed replays lasts (more replays for a fast forward).
+_TURN_S = 0.002
 #: Kernel and edge choices are remembered for later captures on the GPU model only where every graph timed for
 #: them replayed within this share of its median from round to round. A choice timed while other work loaded
 #: the GPU (an H200 beside a test suite: a batch-256 MLP's replays at 4x their time) was remembered, and every
@@ -1191,13 +1194,20 @@ class Model:
 
     def _time_graphs(self, graphs: dict, prepared: tuple, rounds: int = 5, replays: int = 10) -> dict:
         """Milliseconds per replay of each graph, back to back, median of ``rounds`` (the graphs take turns),
-        after each graph has replayed for ``_WARMUP_S`` (clocks that dropped while compiles ran come back up)."""
+        after each graph has replayed for ``_WARMUP_S`` (clocks that dropped while compiles ran come back up).
+        A turn is at least ``replays`` replays and lasts at least ``_TURN_S`` (by the warm-up's pace): ten
+        replays of a small forward took a few hundred us, which the host's own jitter spread by 15% and more."""
+        per_replay = math.inf  # the fastest graph's: every turn lasts _TURN_S
         for graph in graphs.values():
-            start = time.perf_counter()
+            start, done = time.perf_counter(), 0
             while time.perf_counter() - start < _WARMUP_S:
                 for _ in range(replays):
                     graph.replay(prepared, copy_output=False)
                 self.backend.synchronize()
+                done += replays
+            per_replay = min(per_replay, (time.perf_counter() - start) / done)
+        if 0 < per_replay < math.inf:
+            replays = max(replays, math.ceil(_TURN_S / per_replay - 1e-6))  # 0.002 / 0.0002 is 10.000000000000002
         samples: dict = {name: [] for name in graphs}
         for _ in range(rounds):
             for name, graph in graphs.items():

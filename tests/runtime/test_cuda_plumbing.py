@@ -312,9 +312,13 @@ def test_graph_timings_warm_each_graph_up_then_take_turns(fake, monkeypatch):
 
     times = model._time_graphs({"a": Timed("a", 0.001), "b": Timed("b", 0.0002)}, (), rounds=3, replays=4)
     assert order[0] == "a" and order.index("b") >= 4  # a's warm-up first (at least one batch of replays)
-    timed = order[-24:]
-    assert timed == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # turns
+    # Turns of 10 replays: at least 4, and at least _TURN_S (2 ms) of the faster graph's 0.2 ms replays.
+    timed = order[-60:]
+    assert timed == ["a"] * 10 + ["b"] * 10 + ["a"] * 10 + ["b"] * 10 + ["a"] * 10 + ["b"] * 10  # turns
     assert times == {"a": pytest.approx(1.0), "b": pytest.approx(0.2)}  # ms per replay, medians
+    order.clear()
+    model._time_graphs({"a": Timed("a", 0.001)}, (), rounds=2, replays=4)
+    assert len(order) == 4 + 2 * 4  # slow enough: one warm-up batch, then two turns of 4
 
 
 def _virtual_clock(monkeypatch, module) -> SimpleNamespace:
