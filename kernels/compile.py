@@ -274,9 +274,9 @@ class PruneReport:
 def _build_folder(key: str) -> Iterator[str]:
     """A folder for one nvcc run, named after the cache key. -lineinfo writes the folder nvcc ran in into the
     cubin (and the source file's mtime, which the compile sets to 0), so a random temp folder made every build
-    of one source different bytes: a rebuilt cache entry then
-    missed the runtime's first-use records, which are keyed by the cubin. Another process building the same
-    key at the same moment (or one killed mid-build) gets a random folder, and only reproducibility is lost."""
+    of one source different bytes: a rebuilt cache entry then missed the runtime's first-use records, which
+    are keyed by the cubin. Another process building the same key at the same moment (or one killed
+    mid-build) gets a random folder, and only reproducibility is lost."""
     folder = Path(tempfile.gettempdir()) / f"kernelmill-nvcc-{key[:32]}"
     try:
         folder.mkdir(mode=0o700)
@@ -441,12 +441,12 @@ class Compiler:
     def entries(self) -> list[CacheEntry]:
         """The cache's entries, least recently used first."""
         found: dict[str, CacheEntry] = {}
-        with contextlib.suppress(FileNotFoundError):
-            for folder in os.scandir(self.cache_dir):
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.cache_dir) as folders:
+            for folder in folders:
                 if not folder.is_dir():
                     continue
-                with contextlib.suppress(FileNotFoundError):
-                    for f in os.scandir(folder.path):
+                with contextlib.suppress(FileNotFoundError), os.scandir(folder.path) as files:
+                    for f in files:
                         key, _, ext = f.name.partition(".")
                         if ext not in ("cubin", "json"):
                             continue  # a write in progress (mkstemp's name)
