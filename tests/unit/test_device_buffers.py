@@ -212,60 +212,55 @@ def test_the_module_cache_keeps_the_most_recently_used_and_lets_the_others_go(mo
     assert unkeyed not in dev._modules.values() and len(dev._modules) == 3
 
 
-def _softmax_bound(memory):
+def _softmax_kernel(memory, tamper):
+    """A float32 softmax "kernel" on host memory that writes the right answer, then lets ``tamper(out, call,
+    y)`` change it before the write (``call``: 1 for the first run)."""
     from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.ops import get_op
     from kernelmill.kernels.variant import BoundVariant, Variant
 
-    return BoundVariant(
+    bound = BoundVariant(
         memory, Variant.create("softmax", "warp_row", "float32"), CompiledKernel(b"", "sm_90", "k"), (4, 10)
     )
-
-
-def test_verify_fails_a_kernel_wrong_on_a_later_seed_only():
-    from kernelmill.kernels.ops import get_op
-    from kernelmill.kernels.verify import verify
-
-    memory = HostMemory()
-    bound = _softmax_bound(memory)
     y, calls = bound.buffers["y"], []
 
     def run():
         calls.append(1)
         x = memory.download(bound.buffers["x"], (4, 10), "float32")
         out = get_op("softmax").reference({"x": x}, {})["y"].astype("float32")
-        if len(calls) == 2:
-            out[3, 7] *= 1.5
+        tamper(out, len(calls), y)
         memory.copy_in(y, out)
 
     bound.run = run
-    result = verify(memory, bound, seeds=[11, 12, 13])
+    return bound
+
+
+def test_verify_fails_a_kernel_wrong_on_a_later_seed_only():
+    from kernelmill.kernels.verify import verify
+
+    def second_run_off(out, call, y):
+        if call == 2:
+            out[3, 7] *= 1.5
+
+    memory = HostMemory()
+    result = verify(memory, _softmax_kernel(memory, second_run_off), seeds=[11, 12, 13])
     assert result.status == "wrong_result" and result.reason.endswith("> tolerance 1e-05 (seed 12)")
-    assert [c.seed for c in result.checks] == [11, 12, 13] and [c.failure() is None for c in result.checks] == [
-        True,
-        False,
-        True,
-    ]
+    assert [c.seed for c in result.checks] == [11, 12, 13]
+    assert [c.failure() is None for c in result.checks] == [True, False, True]
 
 
 def test_verify_poisons_outputs_so_an_element_left_from_the_last_run_fails():
     """The same seed twice: a kernel that skips an element on the second run leaves the first run's right value
     there, which only the poison (NaN) between runs exposes."""
-    from kernelmill.kernels.ops import get_op
     from kernelmill.kernels.verify import verify
 
     memory = HostMemory()
-    bound = _softmax_bound(memory)
-    y, calls = bound.buffers["y"], []
 
-    def run():
-        calls.append(1)
-        x = memory.download(bound.buffers["x"], (4, 10), "float32")
-        out = get_op("softmax").reference({"x": x}, {})["y"].astype("float32")
-        if len(calls) > 1:  # element (1, 2) not written: whatever the buffer holds stays
+    def skips_an_element(out, call, y):
+        if call > 1:  # element (1, 2) not written: whatever the buffer holds stays
             out[1, 2] = memory.download(y, (4, 10), "float32")[1, 2]
-        memory.copy_in(y, out)
 
-    bound.run = run
+    bound = _softmax_kernel(memory, skips_an_element)
     result = verify(memory, bound, seeds=[5, 5])
     assert (
         result.status == "wrong_result"
