@@ -825,7 +825,7 @@ def cache_prune(
     if clear and max_mb is not None:
         raise fail("--all and --max-mb: give one")
     limit = 0.0 if clear else (get_settings().compile_cache_max_mb if max_mb is None else max_mb)
-    if not clear and not limit:
+    if max_mb is None and not clear and not limit:
         raise fail("the compile cache has no limit (KERNELMILL_COMPILE_CACHE_MAX_MB=0): give --max-mb or --all")
     compiler = Compiler()
     report = compiler.prune(int(limit * (1 << 20)))
