@@ -21,7 +21,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from kernelmill import __version__
-from kernelmill.kernels.compile import CompileError, Compiler, NvccMissing, normalize_arch, too_old, unknown_gpu
+from kernelmill.kernels.compile import (
+    MB,
+    CompileError,
+    Compiler,
+    NvccMissing,
+    normalize_arch,
+    too_old,
+    unknown_gpu,
+)
 from kernelmill.kernels.ops import OPS, get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import RenderError
@@ -778,7 +786,7 @@ app.add_typer(cache_app, name="cache")
 
 
 def _mb(n: float) -> str:
-    return f"{n / (1 << 20):.1f} MB"
+    return f"{n / MB:.1f} MB"
 
 
 @cache_app.command("info")
@@ -797,9 +805,7 @@ def cache_info() -> None:
         table.add_row(part, str(len(files)), _mb(sum(f.stat().st_size for f in files)), what)
     console.print(table)
     limit = settings.compile_cache_max_mb
-    console.print(
-        f"compile cache limit: {_mb(limit * (1 << 20)) if limit else 'none'} (KERNELMILL_COMPILE_CACHE_MAX_MB)"
-    )
+    console.print(f"compile cache limit: {_mb(limit * MB) if limit else 'none'} (KERNELMILL_COMPILE_CACHE_MAX_MB)")
 
 
 CACHE_PARTS = {
@@ -828,7 +834,7 @@ def cache_prune(
     if max_mb is None and not clear and not limit:
         raise fail("the compile cache has no limit (KERNELMILL_COMPILE_CACHE_MAX_MB=0): give --max-mb or --all")
     compiler = Compiler()
-    report = compiler.prune(int(limit * (1 << 20)))
+    report = compiler.prune(int(limit * MB))
     left = report.bytes - report.freed_bytes
     console.print(
         f"{report.removed} of {report.entries} compiled variants removed ({_mb(report.freed_bytes)}); "

@@ -1426,12 +1426,13 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-#: A HuggingFace directory's weights, in the order save_pretrained prefers them: one file, or an index of shards.
+#: A HuggingFace directory's weights, in the order save_pretrained prefers them: one file, or an index of shards,
+#: each with the reader of its (shards') format.
 _CHECKPOINT_FILES = (
     ("model.safetensors", _load_safetensors),
-    ("model.safetensors.index.json", None),
+    ("model.safetensors.index.json", _load_safetensors),
     ("pytorch_model.bin", _bin_state_dict),
-    ("pytorch_model.bin.index.json", None),
+    ("pytorch_model.bin.index.json", _bin_state_dict),
 )
 
 
@@ -1442,12 +1443,11 @@ def _checkpoint_state_dict(folder: Path) -> dict[str, np.ndarray]:
         path = folder / name
         if not path.exists():
             continue
-        if read is not None:
+        if not name.endswith(".index.json"):
             return read(path)
-        shard_read = _load_safetensors if name.startswith("model.safetensors") else _bin_state_dict
         sd: dict[str, np.ndarray] = {}
         for shard in _shards(path):
-            sd.update(shard_read(folder / shard))
+            sd.update(read(folder / shard))
         return sd
     raise ValueError(f"{folder} holds no weights: none of {', '.join(name for name, _ in _CHECKPOINT_FILES)}")
 

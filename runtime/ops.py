@@ -573,8 +573,8 @@ def embedding(ids: Any, word: Tensor, pos: Tensor, types: Tensor, type_ids: Any 
         if key not in _ZEROS:
             _ZEROS[key] = device_ids(np.zeros((batch, seq), np.int64), dtype)
         tids_t = _ZEROS[key]
-    else:
-        tids_t = device_ids(type_ids, dtype)
+    else:  # the host copy checked above, not a second download of a cuda tensor
+        tids_t = device_ids(type_ids if tidx is None else tidx, dtype)
     out = Tensor.empty((batch, seq, hidden), dtype, "cuda")
     tensors = {"ids": ids_t, "type_ids": tids_t, "word": word, "pos": pos, "types": types, "Y": out}
     _launch("embedding", shape, dtype, {}, tensors)

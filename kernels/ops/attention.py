@@ -383,7 +383,7 @@ class Attention(OpSpec):
                 padded = np.arange(seq)[None, :] >= keep[:, None]
                 first = (seed // len(self.input_kinds)) % 2  # which value the first sequence takes
                 value = np.where((np.arange(batch) + first) % 2, -np.inf, MASK_MIN[dtype])
-                mask[padded] = np.broadcast_to(value[:, None], padded.shape)[padded]
+                mask = np.where(padded, value[:, None], mask)
             out["mask"] = mask.astype(out["mask"].dtype)
         return out
 

@@ -123,7 +123,7 @@ class LayerNorm(OpSpec):
             noise[:, :2] = (1.0, -1.0)[:cols]
             x = mean + mean * spread * noise
             constant = np.arange(rows) % 8 == 7
-            x[constant] = np.broadcast_to(mean, x.shape)[constant]
+            x = np.where(constant[:, None], mean, x)
             if "R" in self.inputs:  # X + R is the row normalized: the offset rides on X, R is spread like it
                 residual = mean * spread * rng.uniform(-1.0, 1.0, size=(rows, cols))
                 residual[constant] = 0.0
