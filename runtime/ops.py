@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.ops.attention import masked_softmax
 from kernelmill.kernels.ops.base import format_shape
 from kernelmill.kernels.ops.elementwise import ACT_FUNCTIONS, ELEMENTWISE_ACTIVATIONS
 from kernelmill.kernels.ops.embedding import ID_ELEMS, pack_ids
@@ -342,7 +343,7 @@ def _sdpa_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     scores = q @ np.swapaxes(k, -1, -2) / np.float32(math.sqrt(q.shape[-1]))
     if mask is not None:
         scores = scores + mask[:, None, None, :]
-    return _softmax_np(scores) @ v
+    return masked_softmax(scores) @ v  # a query whose every key is -inf gives 0, as torch's sdpa does
 
 
 # -- ops --------------------------------------------------------------------------------------------------

@@ -335,10 +335,18 @@ def attention64(qkv: np.ndarray, mask: np.ndarray) -> np.ndarray:
     x = qkv.astype(np.float64).transpose(2, 0, 3, 1, 4)
     q, k, v = x[0], x[1], x[2]  # (batch, heads, seq, head_dim)
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(head_dim) + mask.astype(np.float64)[:, None, None, :]
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    return (p @ v).transpose(0, 2, 1, 3)
+    return (masked_softmax(scores) @ v).transpose(0, 2, 1, 3)
+
+
+def masked_softmax(scores: np.ndarray) -> np.ndarray:
+    """softmax over the last axis, where a row whose every score is -inf (every key masked) gives 0, as
+    torch's scaled_dot_product_attention does, not NaN; NaN scores still give NaN."""
+    if not scores.size:  # no rows, or rows of no key: max() has no identity
+        return scores.copy()
+    top = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - np.where(top == -np.inf, 0.0, top))
+    total = p.sum(axis=-1, keepdims=True)
+    return p / np.where(total == 0.0, 1.0, total)
 
 
 class Attention(OpSpec):
@@ -370,7 +378,8 @@ class Attention(OpSpec):
         """Uniform inputs; the mask by the seed's kind: random in [-2, 2] (every key tile masked), all zero
         (the path the mma and wgmma families take for tiles without a mask: BERT without padding), or padding
         (0, then on each sequence's last keys BERT's mask value, the dtype's lowest, or -inf as torch code
-        masks with, by turns over the batch: at least one key kept, and whole key tiles of -inf)."""
+        masks with, by turns over the batch: at least one key kept, and whole key tiles of -inf; from batch 3, a
+        sequence whose every key is -inf)."""
         out = super().make_inputs(shape, dtype, seed)
         kind = self.input_kind(seed)
         if kind != "random":
@@ -380,9 +389,11 @@ class Attention(OpSpec):
                 rng = np.random.default_rng([seed, 1])
                 keep = rng.integers(1, seq + 1, size=batch)
                 keep[:2] = max(1, seq // 2)  # padded for sure, wherever the keys' tiles split: one of each value
-                padded = np.arange(seq)[None, :] >= keep[:, None]
                 first = (seed // len(self.input_kinds)) % 2  # which value the first sequence takes
                 value = np.where((np.arange(batch) + first) % 2, -np.inf, MASK_MIN[dtype])
+                if batch > 2:  # every key masked with -inf: the output is 0, as torch's sdpa gives
+                    keep[2], value[2] = 0, -np.inf
+                padded = np.arange(seq)[None, :] >= keep[:, None]
                 mask = np.where(padded, value[:, None], mask)
             out["mask"] = mask.astype(out["mask"].dtype)
         return out

@@ -209,6 +209,9 @@ def _mask_kind(mask, kind: str):
     if kind == "minus_inf":  # the first 150 keys of batch 0 (whole key tiles: the running max stays -inf)
         mask[0, :150] = -np.inf
         mask[1, -40:] = -np.inf
+    elif kind == "all_minus_inf":  # every key of batch 0 (its output is 0, as torch's sdpa gives), some of batch 1
+        mask[0] = -np.inf
+        mask[1, -40:] = -np.inf
     elif kind == "zero":  # no key masked: the mma family's tiles take the path without the mask
         mask[:] = 0.0
     elif kind == "padding":  # BERT's: 0, and the dtype's lowest value on batch 1's last keys
@@ -261,7 +264,7 @@ MMA_MASK_POINTS = [
 @pytest.mark.parametrize(
     ("family", "params"), [("fused", {})] + [("mma", p) for p in MMA_MASK_POINTS], ids=lambda v: str(v)
 )
-@pytest.mark.parametrize("kind", ["minus_inf", "zero", "padding"])
+@pytest.mark.parametrize("kind", ["minus_inf", "all_minus_inf", "zero", "padding"])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_attention_masks(device, compiler, op, family, params, kind, head_dim):
     # Exponents of -inf - -inf would be NaN; all-zero tiles take the mma family's softmax without the mask;
@@ -287,7 +290,7 @@ WGMMA_POINTS = [
 
 @pytest.mark.parametrize("op", ["attention", "sdpa"])
 @pytest.mark.parametrize("params", WGMMA_POINTS, ids=lambda v: str(v))
-@pytest.mark.parametrize("kind", ["random", "minus_inf", "zero", "padding"])
+@pytest.mark.parametrize("kind", ["random", "minus_inf", "all_minus_inf", "zero", "padding"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_attention_wgmma(device, compiler, op, params, kind, head_dim, dtype):

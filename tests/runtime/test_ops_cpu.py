@@ -194,6 +194,8 @@ def test_attention_matches_torch_sdpa():
     qkv = t(batch, seq, 3 * heads * head_dim)
     mask_np = np.zeros((batch, seq), np.float32)
     mask_np[1, 7:] = -1e9
+    mask_np[2, 4:] = -np.inf
+    mask_np[0] = -np.inf  # every key masked: torch's sdpa gives 0 there, not NaN
     mask = Tensor.from_numpy(mask_np)
     x = th(qkv).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
     for m in (None, mask):

@@ -230,7 +230,24 @@ def test_padding_masks_with_bert_s_lowest_value_and_with_minus_infinity():
         mask = inputs["mask"].astype(np.float32)
         values = {float(v) for v in np.unique(mask)}
         assert values == {0.0, MASK_MIN["float16"], -np.inf}
-        assert (mask[:, 0] == 0).all() and np.isneginf(mask[:, -64:]).all(axis=1).any()  # a whole tile of -inf
+        assert (mask[[0, 1, 3], 0] == 0).all() and np.isneginf(mask[2]).all()  # sequence 2: every key -inf
+        assert np.isneginf(mask[[0, 1, 3], -64:]).all(axis=1).any()  # a whole tile of -inf with a key kept
         assert np.isfinite(op.reference(inputs, {})["out"]).all()
     firsts = {float(op.make_inputs(shape, "float16", s)["mask"][0, -1]) for s in seeds}
     assert firsts == {MASK_MIN["float16"], -np.inf}  # the first sequence takes each by turns
+
+
+def test_a_query_whose_every_key_is_minus_inf_gives_zero_in_the_reference_as_in_torch():
+    from kernelmill.kernels.ops import get_op
+    from kernelmill.kernels.ops.attention import masked_softmax
+
+    op = get_op("attention")
+    seed = next(s for s in range(30) if op.input_kind(s) == "padding")
+    inputs = op.make_inputs((3, 2, 40, 16), "float16", seed)
+    assert np.isneginf(inputs["mask"][2]).all()  # from batch 3 the padding kind masks a whole sequence
+    out = op.reference(inputs, {})["out"]
+    assert (out[2] == 0).all() and np.isfinite(out).all() and np.abs(out[:2]).min(axis=(1, 2, 3)).all()
+    rows = np.array([[-np.inf, -np.inf], [0.0, -np.inf], [np.nan, 0.0], [1.0, 1.0]])
+    got = masked_softmax(rows)
+    assert (got[0] == 0).all() and (got[1] == [1, 0]).all() and np.isnan(got[2]).all() and (got[3] == 0.5).all()
+    assert masked_softmax(np.zeros((2, 0))).shape == (2, 0)

@@ -90,7 +90,8 @@ def test_attention_inputs_take_the_production_mask_paths_by_seed(op, dtype):
     assert (masks["zero"] == 0).all()
     # BERT's padding value, finite, and torch code's -inf, by turns over the batch
     padded = (masks["padding"] == MASK_MIN[dtype]) | np.isneginf(masks["padding"])
-    assert padded.any() and (masks["padding"][~padded] == 0).all() and not padded.all(axis=1).any()
+    assert padded.any() and (masks["padding"][~padded] == 0).all() and not padded[:2].all(axis=1).any()
+    assert np.isneginf(masks["padding"][2]).all()  # from batch 3, a sequence whose every key is -inf
     assert padded[0].sum() == padded[1].sum() == 20  # batches 0 and 1 lose their second half, whatever the seed
     assert (masks["padding"][0, -1] == MASK_MIN[dtype]) == np.isneginf(masks["padding"][1, -1])  # one of each
     for seed in range(3):
