@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from kernelmill.kernels.ops.attention import MASK_MIN
 from kernelmill.kernels.ops.base import SpecError, Tolerance, format_shape
 from kernelmill.kernels.verify import compare
 from kernelmill.runtime import ops
@@ -201,9 +200,12 @@ class BertModel(Module):
         device, dtype = self.device, self.dtype
         mask = None
         if attention_mask is not None:
-            # Any nonzero value keeps its token, as HF reads the mask (a 2 here once overflowed the softmax).
+            # Any nonzero value keeps its token, as HF reads the mask (a 2 here once overflowed the softmax). A
+            # masked key scores -inf, as transformers' default (sdpa) attention masks: a sequence with no real
+            # token then gives 0 from attention, as there, not the even average of its eager attention's
+            # lowest-value mask, and padding keys to a bucket changes nothing in it either.
             masked = _shaped_like("attention_mask", attention_mask, ids.shape) == 0
-            mask = (masked * np.float32(MASK_MIN[dtype])).astype(numpy_dtype(dtype))
+            mask = np.where(masked, -np.inf, 0.0).astype(numpy_dtype(dtype))
         if device == "cpu":
             ids_t = Tensor.from_numpy(ids.astype(np.int64))
             types_t = None if types is None else Tensor.from_numpy(types.astype(np.int64))
@@ -220,8 +222,7 @@ class BertModel(Module):
         self, buckets: Sequence[int], input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None
     ) -> tuple[tuple, Restore | None]:
         """``prepare`` with the sequence padded up to the smallest of ``buckets`` that holds it (at most the
-        position embeddings): padded tokens are masked out as keys, so no real token's output changes (but in a
-        sequence whose mask is all zeros: it attends to every key evenly, the padded ones too), and the
+        position embeddings): padded tokens are masked out as keys, so no real token's output changes, and the
         output is cut back to the real tokens. A sequence that fills its bucket gets a mask too (all ones), so
         it replays the bucket's graph."""
         ids = host_array(input_ids)

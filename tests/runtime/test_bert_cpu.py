@@ -326,11 +326,15 @@ def test_buckets_pad_the_sequence_and_leave_every_real_token_as_it_was(bert_dir)
         ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
     assert rel_err(bucketed.forward(ids, mask).numpy(), ref.numpy()) < 1e-4
     assert {p[1] for p in bucketed.problems if p[0] == "attention"} == {(3, 4, 32, 24), (1, 4, 32, 24)}
-    # The exception README names: a sequence with no real token attends to every key evenly, padded ones too.
+    # A sequence with no real token: its keys score -inf, so attention gives it 0, padded or not, as transformers'
+    # default (sdpa) attention gives (its eager attention's lowest-value mask attended to every key evenly).
     mask[0] = 0
     got, want = bucketed.forward(ids, mask).numpy(), exact.forward(ids, mask).numpy()
-    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-5)
-    assert rel_err(got[0], want[0]) > 1e-4
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+    assert ref_model.config._attn_implementation == "sdpa"
+    assert rel_err(got, ref.numpy()) < 1e-4
     # A sequence that fills its bucket gets a mask as well: the same tensors (and graph) as a padded one.
     full, restore = bucketed.prepare(np.tile(ids[:, :16], 2))
     padded, _ = bucketed.prepare(ids[:, :30])
