@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kernelmill import __version__
 from kernelmill.kernels.compile import (
@@ -891,8 +892,8 @@ def tune_model(
     base = (server or "").rstrip("/")
     collecting = f"one forward of {spec.model_name} on the CPU to collect its problems"
     if not console.is_terminal:  # rich's status shows only on a terminal: a log would see seconds of nothing
-        console.print(collecting + " ...")
-    with console.status(collecting):
+        console.print(collecting + " ...", markup=False, soft_wrap=True)  # a path is neither markup nor wrapped
+    with console.status(Text(collecting)):
         module = build_module(spec)
         inputs = example_inputs(module, batch, seq)
         cpu_model = Model(module, "cpu")

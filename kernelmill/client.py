@@ -257,11 +257,11 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
     evaluator = LocalEvaluator(0, settings.verify_seeds, settings.bench_reps, settings.kernel_timeout_s)
     store = Store(settings.database_url)
     facts = evaluator.facts()
-    job = store.create_job(**{**fields, "arch": facts.arch})
-    # Leased to this process like a service's runner, so a service on the same database neither takes the job
-    # over as lapsed while it runs here nor finds it stuck "running" should this process die.
+    # Created running and leased to this process like a service's runner, so a service on the same database
+    # neither takes it while queued or as lapsed while it runs here, nor finds it stuck "running" should this
+    # process die.
     runner = f"tune@{socket.gethostname()}:{os.getpid()}"
-    store.start_job(job.id, "embedded", facts.name, runner, JobRunner.lease_s)
+    job = store.create_running_job("embedded", facts.name, runner, JobRunner.lease_s, **{**fields, "arch": facts.arch})
     plan = JobPlan(
         job.id,
         job.op,
@@ -290,7 +290,7 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
         error = None
         try:
             with _lease_kept(store, runner, job.id):
-                state = run_job(plan, evaluator, StoreRecorder(store, job.id), show)
+                state = run_job(plan, evaluator, StoreRecorder(store, job.id, runner=runner), show)
         except KeyboardInterrupt:
             store.finish_job(job.id, "cancelled", "interrupted", runner=runner)
             raise
@@ -306,7 +306,7 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
             store.finish_job(job.id, "failed", f"{type(exc).__name__}: {exc}", runner=runner)
             raise
     if not store.finish_job(job.id, state, error, runner=runner):
-        console.print(f"job {job.id} was taken over meanwhile (its lease lapsed): the state it ended in is not ours")
+        console.print(f"job {job.id} stopped here: its lease lapsed and it was queued again, to resume elsewhere")
     out = job_out(store, store.get_job(job.id)).model_dump()
     _summary(console, out)
     return out

@@ -164,8 +164,15 @@ def no_worker_for(job_arch: str | None, worker_archs: Sequence[str | None]) -> s
 class StoreRecorder:
     """The loop's Recorder backed by the store."""
 
-    def __init__(self, store: Store, job_id: int, stopping: threading.Event | None = None) -> None:
+    def __init__(
+        self, store: Store, job_id: int, stopping: threading.Event | None = None, runner: str | None = None
+    ) -> None:
         self.store, self.job_id, self.stopping = store, job_id, stopping
+        #: The runner holding the job's lease: trials and time are recorded only while it still holds the job.
+        self.runner = runner
+        #: Set once the job was found no longer held (its lease lapsed and another runner may run it): the loop
+        #: stops at its next check, recording nothing more.
+        self.lost = False
         self._since = time.monotonic()
         job = store.get_job(job_id)
         #: The GPU model this start runs on (start_job set it): trials are recorded with it, and a baseline or a
@@ -176,7 +183,8 @@ class StoreRecorder:
         """Count the time since the last checkpoint against the job's budget (after each batch, and when the
         run ends), so that a crash loses at most one batch's time."""
         now = time.monotonic()
-        self.store.add_job_seconds(self.job_id, now - self._since)
+        if not self.store.add_job_seconds(self.job_id, now - self._since, self.runner):
+            self.lost = self.runner is not None
         self._since = now
 
     def observations(self, shape: str) -> list[Observation]:
@@ -186,7 +194,11 @@ class StoreRecorder:
         ]
 
     def record(self, shape: str, results: Sequence[TrialResult]) -> None:
-        self.store.record_trials(self.job_id, shape, [{**r.row(), "device_name": self.device} for r in results])
+        rows = [{**r.row(), "device_name": self.device} for r in results]
+        if self.store.record_trials(self.job_id, shape, rows, self.runner) is None:
+            self.lost = True
+            log.warning("job %s: %d trials of %s not recorded: this runner no longer holds the job", self.job_id,
+                        len(rows), shape)  # fmt: skip
         self.checkpoint()
 
     def baseline(self, shape: str) -> tuple[bool, float | None]:
@@ -203,8 +215,13 @@ class StoreRecorder:
         self.store.record_baseline(self.job_id, shape, median_ms, device_name)
 
     def cancelled(self) -> bool:
-        """Cancelled by a user, or the service is stopping (the runner then queues the job again)."""
-        return (self.stopping is not None and self.stopping.is_set()) or self.store.cancel_requested(self.job_id)
+        """Cancelled by a user, the service is stopping (the runner then queues the job again), or the job is
+        no longer this runner's (``lost``)."""
+        if self.stopping is not None and self.stopping.is_set() or self.store.cancel_requested(self.job_id):
+            return True
+        if self.runner is not None and not self.lost and not self.store.holds(self.job_id, self.runner):
+            self.lost = True
+        return self.lost
 
     def warm_start(self, shape: str, limit: int = 8) -> list[Candidate]:
         """Best parameters of other jobs of this op, nearest problem first: same dtype and a close shape
@@ -380,7 +397,7 @@ class JobRunner:
                 batch_size=self.settings.batch_size,
                 families=list(job.families) if job.families else None,
             )
-            recorder = StoreRecorder(self.store, job.id, self._stop)
+            recorder = StoreRecorder(self.store, job.id, self._stop, self.name)
             try:
                 state = run_job(plan, evaluator, recorder, self._on_progress)
             except (GpuUnavailable, NvccMissing) as exc:  # the machine failed (its GPU went, it has no nvcc), not the
@@ -392,7 +409,12 @@ class JobRunner:
                 recorder.checkpoint()
             # Only while this runner still holds the job: one whose lease lapsed (a stop that outlived its wait)
             # must not queue again, or end, a job another runner has taken over.
-            if state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
+            if recorder.lost:
+                log.warning(
+                    "job %s stopped here: its lease lapsed (this service did not renew it in %.0f s) and it was "
+                    "queued again, to resume from its recorded trials on another service or here", job.id, self.lease_s,
+                )  # fmt: skip
+            elif state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
                 if self.store.requeue_job(job.id, self.name):
                     log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
             elif not self.store.finish_job(job.id, state, runner=self.name):

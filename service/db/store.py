@@ -236,6 +236,11 @@ def _shown(url: str) -> str:
 _REQUEUED: dict[str, Any] = dict(state="queued", worker=None, device_name=None, runner=None, lease_until=None)
 
 
+def _held(statement, runner: str | None):
+    """``statement`` (on jobs) narrowed to a job ``runner`` still runs; unchanged where runner is None."""
+    return statement if runner is None else statement.where(Job.runner == runner, Job.state == "running")
+
+
 class Store:
     def __init__(self, url: str, *, migrate_on_open: bool = True) -> None:
         self.url = url
@@ -288,6 +293,15 @@ class Store:
             job = Job(**fields)
             s.add(job)
         return job
+
+    def create_running_job(
+        self, worker: str, device_name: str | None, runner: str, lease_s: float, **fields: Any
+    ) -> Job:
+        """A job that starts running at once for ``runner`` (a local ``kernelmill tune``): created already
+        leased, so no service on the database can take it as queued before its runner starts it."""
+        now = utcnow()
+        held = dict(state="running", worker=worker, device_name=device_name, runner=runner, started_at=now)
+        return self.create_job(**fields, **held, lease_until=now + timedelta(seconds=lease_s))
 
     def get_job(self, job_id: int) -> Job | None:
         with self.session() as s:
@@ -355,8 +369,7 @@ class Store:
             self.update_job(job_id, **values)
             return True
         with self.session() as s, s.begin():
-            held = update(Job).where(Job.id == job_id, Job.runner == runner, Job.state == "running")
-            return bool(s.execute(held.values(**values)).rowcount)
+            return bool(s.execute(_held(update(Job).where(Job.id == job_id), runner).values(**values)).rowcount)
 
     def renew_leases(self, runner: str, job_ids: Iterable[int], lease_s: float) -> None:
         """``runner`` still runs ``job_ids``: their leases hold ``lease_s`` seconds more."""
@@ -365,9 +378,9 @@ class Store:
             return
         with self.session() as s, s.begin():
             s.execute(
-                update(Job)
-                .where(Job.id.in_(ids), Job.runner == runner, Job.state == "running")
-                .values(lease_until=utcnow() + timedelta(seconds=lease_s))
+                _held(update(Job).where(Job.id.in_(ids)), runner).values(
+                    lease_until=utcnow() + timedelta(seconds=lease_s)
+                )
             )
 
     def _lapsed(self, now: datetime):
@@ -402,10 +415,20 @@ class Store:
             )
             return set(rows.all())
 
-    def add_job_seconds(self, job_id: int, seconds: float) -> None:
-        """Count ``seconds`` more of running time against the job's budget (one UPDATE, no read)."""
+    def add_job_seconds(self, job_id: int, seconds: float, runner: str | None = None) -> bool:
+        """Count ``seconds`` more of running time against the job's budget (one UPDATE, no read); with
+        ``runner``, only while that runner still holds the job. Whether they were counted."""
+        added = Job.seconds_used + max(0.0, seconds)
         with self.session() as s, s.begin():
-            s.execute(update(Job).where(Job.id == job_id).values(seconds_used=Job.seconds_used + max(0.0, seconds)))
+            return bool(
+                s.execute(_held(update(Job).where(Job.id == job_id), runner).values(seconds_used=added)).rowcount
+            )
+
+    def holds(self, job_id: int, runner: str) -> bool:
+        """Whether ``runner`` still runs the job: not if its lease lapsed and the job was queued again (another
+        runner may have taken it over), nor once the job ended."""
+        with self.session() as s:
+            return s.scalar(_held(select(Job.id).where(Job.id == job_id), runner)) is not None
 
     def finish_job(self, job_id: int, state: str, error: str | None = None, runner: str | None = None) -> bool:
         """The job ended in ``state``; with ``runner``, only while that runner still holds it; whether it did."""
@@ -440,10 +463,19 @@ class Store:
         with self.session() as s:
             return list(s.scalars(query.order_by(Trial.seq)).all())
 
-    def record_trials(self, job_id: int, shape: str, rows: Iterable[dict[str, Any]]) -> list[Trial]:
-        """Insert trials; a candidate already recorded for this job and shape is skipped (no duplicates)."""
+    def record_trials(
+        self, job_id: int, shape: str, rows: Iterable[dict[str, Any]], runner: str | None = None
+    ) -> list[Trial] | None:
+        """Insert trials; a candidate already recorded for this job and shape is skipped (no duplicates). With
+        ``runner``, only while that runner still holds the job: None where it does not (nothing recorded)."""
         added = []
         with self.session() as s:
+            # The job's row first, written unchanged where the runner holds it: its lock (SQLite's write lock, a
+            # row lock elsewhere) keeps another writer's trials, and a takeover, out until the commit.
+            touched = s.execute(_held(update(Job).where(Job.id == job_id), runner).values(id=Job.id)).rowcount
+            if not touched:
+                s.rollback()
+                return None
             seq = s.scalar(select(func.coalesce(func.max(Trial.seq), 0)).where(Trial.job_id == job_id)) or 0
             for row in rows:
                 seq += 1

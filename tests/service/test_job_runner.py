@@ -258,6 +258,48 @@ def test_a_job_another_live_service_runs_is_left_alone_with_its_gpu_and_resumed_
     assert resumed.runner == runner.name and 0 < len(store.trials(held.id)) <= 8
 
 
+class _HeldUpEvaluator(FakeEvaluator):
+    """Its second batch waits until released (a service held up past its lease, frozen or swapping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.entered, self.release = 0, threading.Event(), threading.Event()
+
+    def evaluate(self, op, shape, dtype, attrs, candidates):
+        self.calls += 1
+        if self.calls == 2:
+            self.entered.set()
+            self.release.wait(30)
+        return super().evaluate(op, shape, dtype, attrs, candidates)
+
+
+def test_a_job_taken_over_while_a_batch_ran_stops_here_and_records_nothing_more(store, caplog):
+    """A service held up past its lease went on running the job another service had taken over: both ran it,
+    60 trials recorded against a budget of 40 and its time counted twice."""
+    executor = FakeExecutor(1)
+    held_up = executor._evaluators["fake-gpu0"] = _HeldUpEvaluator()
+    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
+    job = softmax_job(store, trials=40)
+    runner.start()
+    try:
+        assert held_up.entered.wait(20)
+        recorded, used = len(store.trials(job.id)), store.get_job(job.id).seconds_used
+        assert recorded == 2  # the first batch's
+        store.update_job(job.id, runner="the-other-service")  # its lease lapsed and the other service took it
+        with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+            held_up.release.set()
+            wait_for(lambda: not runner._running)
+    finally:
+        held_up.release.set()
+        runner.stop()
+    assert held_up.calls == 2  # no batch after the one it was in
+    after = store.get_job(job.id)
+    assert len(store.trials(job.id)) == recorded and after.seconds_used == used
+    assert after.state == "running" and after.runner == "the-other-service"  # neither ended nor queued by this one
+    assert f"job {job.id} stopped here: its lease lapsed" in caplog.text
+    assert "trials of 1024x1024 not recorded: this runner no longer holds the job" in caplog.text
+
+
 def test_a_running_job_keeps_its_lease_and_gets_no_second_start(store):
     """The runner renews the leases of its jobs: a job running longer than a lease is never taken as lapsed."""
     runner = JobRunner(store, FakeExecutor(1, delay_s=0.05), Settings(database_url=store.url, batch_size=2), 0.02)

@@ -34,6 +34,10 @@ def tables(store: Store) -> set[str]:
 
 
 def new_job(store: Store, op: str = "softmax", shapes=((1024, 1024),), **fields):
+    return store.create_job(**new_job_fields(op, shapes, **fields))
+
+
+def new_job_fields(op: str = "softmax", shapes=((1024, 1024),), **fields) -> dict:
     values = {
         "op": op,
         "shapes": [list(s) for s in shapes],
@@ -44,7 +48,7 @@ def new_job(store: Store, op: str = "softmax", shapes=((1024, 1024),), **fields)
         "budget_seconds": 60.0,
     }
     values.update(fields)
-    return store.create_job(**values)
+    return values
 
 
 def row(family: str, status: str = "ok", ms: float | None = 1.0, **params) -> dict:
@@ -268,7 +272,25 @@ def test_only_the_runner_holding_a_job_may_queue_it_again_or_end_it(store):
     assert store.start_job(job.id, "w1", "GPU", runner="b", lease_s=60) is not None  # ... and b takes it
     assert store.requeue_job(job.id, "a") is False and store.finish_job(job.id, "done", runner="a") is False
     assert store.get_job(job.id).state == "running" and store.get_job(job.id).runner == "b"
+    # Nor record trials or time for it: the job ran twice at once, past its trial budget, its time counted twice.
+    assert not store.holds(job.id, "a") and store.holds(job.id, "b")
+    assert store.record_trials(job.id, "1024x1024", [row("rowwise", BLOCK=128)], runner="a") is None
+    assert store.add_job_seconds(job.id, 5.0, runner="a") is False
+    assert not store.trials(job.id) and store.get_job(job.id).seconds_used == 0
+    assert len(store.record_trials(job.id, "1024x1024", [row("rowwise", BLOCK=128)], runner="b")) == 1
+    assert store.add_job_seconds(job.id, 5.0, runner="b") is True and store.get_job(job.id).seconds_used == 5.0
     assert store.finish_job(job.id, "done", runner="b") is True and store.get_job(job.id).state == "done"
+    assert not store.holds(job.id, "b") and store.add_job_seconds(job.id, 1.0, runner="b") is False
+
+
+def test_a_local_tune_s_job_is_created_running_and_leased(store):
+    """``kernelmill tune`` created its job queued, then started it: a service on the database could take it
+    in between, and both ran it."""
+    job = store.create_running_job("embedded", "NVIDIA H200", "tune@host:1", 30.0, **new_job_fields())
+    assert job.state == "running" and job.runner == "tune@host:1" and job.worker == "embedded"
+    assert job.started_at is not None and job.lease_until > job.started_at
+    assert store.jobs_in_state("queued") == [] and store.lapsed_jobs() == [] and store.holds(job.id, "tune@host:1")
+    assert store.start_job(job.id, "w0", "GPU", runner="a", lease_s=60) is None
 
 
 def test_a_device_row_inserted_by_another_service_meanwhile_is_updated(store, monkeypatch):
