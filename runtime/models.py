@@ -12,8 +12,10 @@
   state_dict's order (a module's registration order). Blocks ``nn.Sequential(nn.Linear, act, nn.Linear)``
   (keys ``<i>.0.weight``, ``<i>.2.weight``) become fused MLP layers, any other names (a flat
   ``nn.Sequential(Linear, act, ..., Linear)``, ``fc1``/``fc2``, a ModuleList of Linears and a head) one chain
-  of Linear layers with the activation in their epilogue (but between Sequential indices in a row, where
-  nothing sits). The activation is ``act=`` (or an ``"act"`` entry
+  of Linear layers with the activation in their epilogue (but between Sequential indices in a row of a module
+  whose indices show a gap elsewhere, where nothing sits; a module's Linears all at indices in a row take what
+  ``act=`` says, 'none' or the activation between each two, and are refused where it is not said). The
+  activation is ``act=`` (or an ``"act"`` entry
   next to ``"state_dict"`` in the file); other entries (LayerNorm, BatchNorm, ...) are refused by name, and
   so are layouts whose activations a state_dict cannot place (several multi-Linear modules that are not a
   Sequential of Sequentials, a block of one Linear).
@@ -423,11 +425,13 @@ def _sequential_blocks(names: list[str]) -> dict[str, list[str]] | None:
     return blocks
 
 
-def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | None) -> None:
+def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | None, act: str | None) -> None:
     """A ValueError where a state_dict cannot say where the activations go: a Sequential block holding one
-    Linear (``Sequential(Linear, act)`` or ``Sequential(Linear)``?), or Linears grouped in several modules
+    Linear (``Sequential(Linear, act)`` or ``Sequential(Linear)``?), Linears grouped in several modules
     that are not a Sequential of Sequentials (a ModuleList of blocks, blocks and a head: an activation
-    between blocks or not?)."""
+    between blocks or not?), or, where ``act`` was not said (None), a module's Linears at indices in a row
+    with no gap among them (a Sequential of Linears alone, or a ModuleList of Linears with the activation run
+    between them in a loop?)."""
     how = (
         "save the stack as one flat nn.Sequential (act after every Linear but the last) or as an nn.Sequential "
         "of nn.Sequential(Linear, act, Linear) blocks and lone Linears (no activation between blocks), or "
@@ -449,6 +453,19 @@ def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | 
             f"{', ...' if len(grouped) > 4 else ''}): whether an activation runs between them cannot be read "
             f"from a state_dict; {how}"
         )
+    if act is not None:  # said: 'none' runs nothing between Linears in a row, another runs it between each two
+        return
+    for parent in parents:
+        indices = [name.rpartition(".")[2] for name in linears if name.rpartition(".")[0] == parent]
+        numbered = len(indices) > 1 and all(i.isdigit() for i in indices)
+        if numbered and all(int(b) - int(a) == 1 for a, b in itertools.pairwise(indices)):
+            keys = ", ".join(_key(f"{parent}.{i}" if parent else i, "weight") for i in indices[:4])
+            raise ValueError(
+                f"{keys}{', ...' if len(indices) > 4 else ''} are Linears at indices in a row: an nn.Sequential "
+                "of them has nothing between them, a ModuleList run in a loop an activation between each two, and "
+                "a state_dict cannot say which: give act='none' for the first, or the loop's activation "
+                "(act='relu', ...) for the second"
+            )
 
 
 #: What mlp_from_state_dict reads, for its errors.
@@ -459,16 +476,21 @@ _MLP_LAYOUT = (
 )
 
 
-def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
+def mlp_from_state_dict(sd: dict[str, Any], act: str | None = "relu") -> Sequential:
     """An MLP stack from a torch state_dict: its Linear layers run in the dict's order (a module's
     state_dict lists them in registration order). Linears named ``<i>.<j>`` (``nn.Sequential`` of
     ``nn.Sequential(Linear, act, Linear)`` blocks, lone Linears ``<i>`` among them) become one fused MLP
     layer per block, with no activation between blocks; any other names (a flat Sequential, fc1/fc2, a
     ModuleList of Linears and a head) are one chain with ``act`` after every Linear but the last; Sequential
-    indices in a row (``0`` and ``1``) have no activation between them, a gap (``0`` and ``2``) has one
-    (_acts_between); where that reading is a guess (_refuse_ambiguous_blocks), a ValueError. Entries
-    that are not a Linear's 2-D weight or 1-D bias (LayerNorm, BatchNorm, other keys) are a ValueError."""
-    act = ops.canonical_act(act)
+    indices in a row (``0`` and ``1``) have no activation between them where a gap elsewhere among the
+    module's Linears shows its activations are listed (``0``, ``1``, ``3``), and a gap has one (_acts_between);
+    a module's Linears all at indices in a row are a Sequential of Linears alone or a ModuleList run in a loop:
+    ``act`` decides ('none': nothing between them; another: it runs between each two; None, not said: relu
+    elsewhere, and those a ValueError). Where the reading is a guess (_refuse_ambiguous_blocks), a ValueError.
+    Entries that are not a Linear's 2-D weight or 1-D bias (LayerNorm, BatchNorm, other keys) are a
+    ValueError."""
+    said = act is not None
+    act = ops.canonical_act(act or "relu")
     if names := [k for k in sd if not isinstance(k, str)]:
         raise ValueError(
             f"the state_dict has keys that are not names: {', '.join(map(repr, names[:4]))}; {_MLP_LAYOUT}"
@@ -525,7 +547,9 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
         return [make(n, act if i < len(names) - 1 else "none") for i, n in enumerate(names)]
 
     blocks = _sequential_blocks(linears)
-    _refuse_ambiguous_blocks(linears, blocks)
+    _refuse_ambiguous_blocks(linears, blocks, act if said else None)
+    if act == "none":  # nothing runs between any two Linears
+        return Sequential(*(make(name, "none") for name in linears))
     layers: list[Module] = []
     run = linears[:1]  # Linears with the activation between each two
     for cur, act_between in zip(linears[1:], _acts_between(linears, blocks), strict=True):
@@ -538,15 +562,22 @@ def mlp_from_state_dict(sd: dict[str, Any], act: str = "relu") -> Sequential:
 
 def _acts_between(linears: list[str], blocks: dict[str, list[str]] | None) -> list[bool]:
     """Whether the activation runs between each two Linears in a row. An nn.Sequential numbers every module,
-    those without parameters too: Linears at indices i and i + 1 have nothing between them (a flat
-    Sequential(Linear, Linear) ran with an activation added), and a gap holds a module without parameters,
-    taken to be the activation, between blocks as inside one. Names that are not Sequential indices cannot
-    say: the activation runs between every two."""
-    if blocks is None:
+    those without parameters too: where a module's Linears show a gap (0, 2, 3: its activations are listed),
+    Linears at indices i and i + 1 have nothing between them (a Sequential(Linear, ReLU, Linear, Linear) ran
+    with an activation added), and a gap holds a module without parameters, taken to be the activation, between
+    blocks as inside one. Indices all in a row (a ModuleList's as well: act= decided, _refuse_ambiguous_blocks),
+    Linears of different modules, and names that are not indices: the activation runs between every two."""
+    if blocks is None:  # the index rule within a module whose Linears' indices show a gap (its activations listed)
         flat = [name.rpartition(".") for name in linears]
-        if len({prefix for prefix, _, _ in flat}) != 1 or not all(i.isdigit() for _, _, i in flat):
-            return [True] * (len(linears) - 1)
-        return [int(b[2]) - int(a[2]) != 1 for a, b in itertools.pairwise(flat)]
+        listed = {
+            parent
+            for parent in {p for p, _, _ in flat}
+            if all(i.isdigit() for p, _, i in flat if p == parent)
+            and any(int(b[2]) - int(a[2]) > 1 for a, b in itertools.pairwise(flat) if a[0] == b[0] == parent)
+        }
+        return [
+            not (a[0] == b[0] and a[0] in listed) or int(b[2]) - int(a[2]) != 1 for a, b in itertools.pairwise(flat)
+        ]
     block_of = {name: block for block, names in blocks.items() for name in names}
     between = []
     for a, b in itertools.pairwise(linears):
@@ -1516,7 +1547,7 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
     if act is None:
         # A state_dict holds no activation: say which one the model assumes, since a wrong one runs silently.
         log.warning("%s names no activation: the MLP uses relu (give act=..., or --act, if it is another)", path)
-    return mlp_from_state_dict(loaded, act or "relu")
+    return mlp_from_state_dict(loaded, act)
 
 
 def load_model(

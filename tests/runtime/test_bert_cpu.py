@@ -533,7 +533,6 @@ def _seq(*layers):
     ("ref", "kinds"),
     [
         # Sequential indices in a row: nothing between the Linears (an activation was added: 0.61 and 0.68 error)
-        (lambda: _seq(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24)), ["Linear", "Linear"]),
         (lambda: _seq(_seq(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24))), ["Linear", "Linear"]),
         (
             lambda: _seq(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 48), torch.nn.Linear(48, 8)),
@@ -556,6 +555,45 @@ def test_mlp_sequential_indices_say_where_no_activation_runs(tmp_path, ref, kind
     model = _load_mlp(tmp_path, ref.state_dict())
     assert [type(layer).__name__ for layer in model.module.layers] == kinds
     assert _matches_torch(model, ref, 24) < 1e-5
+
+
+class _ListLoop(torch.nn.Module):
+    """A ModuleList of Linears run in a loop with GELU between them: the keys of a Sequential of Linears alone."""
+
+    def __init__(self, head: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(3))
+        self.head = torch.nn.Linear(24, 8) if head else None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = torch.nn.functional.gelu(x) if i < 2 or self.head is not None else x
+        return x if self.head is None else self.head(x)
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_mlp_linears_at_indices_all_in_a_row_take_what_act_says(tmp_path, head):
+    """layers.0, layers.1, layers.2: a Sequential of Linears alone, or a ModuleList run with an activation between
+    them? The keys cannot say. Before, the ModuleList ran with no activation (0.23 error) unless a head sat after
+    it, which flipped the reading (and a Sequential of Linears and a head ran with activations between them)."""
+    torch.manual_seed(13)
+    loop = _ListLoop(head).eval()
+    path = tmp_path / "mlp.pt"
+    torch.save(loop.state_dict(), path)
+    with pytest.raises(ValueError) as err:
+        runtime.load_model(path, device="cpu")  # no act said
+    message = str(err.value)
+    assert message.startswith("layers.0.weight, layers.1.weight, layers.2.weight are Linears at indices in a row")
+    assert "give act='none' for the first, or the loop's activation (act='relu', ...)" in message
+    assert _matches_torch(runtime.load_model(path, device="cpu", act="gelu"), loop, 24) < 1e-5
+    plain = _seq(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24))  # nothing between them
+    torch.save(plain.state_dict(), path)
+    with pytest.raises(ValueError, match=r"^0.weight, 1.weight are Linears at indices in a row"):
+        runtime.load_model(path, device="cpu")
+    model = runtime.load_model(path, device="cpu", act="none")
+    assert [type(layer).__name__ for layer in model.module.layers] == ["Linear", "Linear"]
+    assert _matches_torch(model, plain, 24) < 1e-5
 
 
 def test_mlp_layers_that_do_not_chain_in_the_state_dicts_order_name_the_keys(tmp_path):
