@@ -8,6 +8,7 @@ job another live runner holds is left alone, and so is its GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,6 +18,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from sqlalchemy.exc import OperationalError
 
 from kernelmill.agents.evaluator import TrialResult
 from kernelmill.agents.loop import JobPlan, Progress, run_job
@@ -405,8 +408,16 @@ class JobRunner:
                 self.store.requeue_job(job.id, self.name)
                 self._bench(worker, job, exc)
                 return
+            except OperationalError as exc:  # the database failed, not the job (SQLite busy past its timeout, a
+                # server gone a while): queued again to resume from what was recorded, or, where the database
+                # cannot take that either, left to its lease to lapse, as if this service had died
+                log.warning("job %s: the database failed it (%s): queued again to resume", job.id, exc.orig or exc)
+                with contextlib.suppress(OperationalError):
+                    self.store.requeue_job(job.id, self.name)
+                return
             finally:
-                recorder.checkpoint()
+                with contextlib.suppress(OperationalError):  # the time of a batch recorded, or of none
+                    recorder.checkpoint()
             # Only while this runner still holds the job: one whose lease lapsed (a stop that outlived its wait)
             # must not queue again, or end, a job another runner has taken over.
             if recorder.lost:

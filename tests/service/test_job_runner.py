@@ -403,3 +403,29 @@ def test_a_job_for_an_arch_waits_for_a_worker_of_that_arch():
     assert no_worker_for("sm_80", ["sm_90", "sm_90"]) == "no GPU worker has sm_80; the workers have sm_90"
     assert no_worker_for("sm_80", ["sm_90", None]) is None  # one is not known yet: it may have it
     assert no_worker_for("sm_80", []) is None and no_worker_for("auto", ["sm_90"]) is None
+
+
+def test_a_database_error_in_a_batch_queues_the_job_again_to_resume(store, caplog):
+    """SQLite busy past its timeout (or a database server gone a while) as a batch was recorded ended the job
+    failed for good, though the job had done nothing wrong."""
+    from sqlalchemy.exc import OperationalError
+
+    record_trials, calls = store.record_trials, []
+
+    def busy_once(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OperationalError("INSERT INTO trials", {}, Exception("database is locked"))
+        return record_trials(*args, **kwargs)
+
+    store.record_trials = busy_once
+    runner = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url, batch_size=2), poll_s=0.02)
+    job = softmax_job(store, trials=8)
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: store.get_job(job.id).state == "done")
+        finally:
+            runner.stop()
+    assert f"job {job.id}: the database failed it (database is locked): queued again to resume" in caplog.text
+    assert len(store.trials(job.id)) == 8 and store.get_job(job.id).error is None  # resumed to its full budget
