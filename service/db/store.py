@@ -53,10 +53,11 @@ class Served:
 def nearest_shape(
     served: Iterable[Served | tuple[int, Sequence[int]]], shape: Sequence[int], device: str | None = None
 ) -> tuple[int, bool] | None:
-    """Of a problem's served kernels in id order: those with exactly ``shape``, else those of the nearest shape
-    of the same rank (the sum over dims of |log(tuned / wanted)|); among those, the one tuned on ``device`` (a
-    GPU model: an H100's best tiles are not an H200's), else the highest speedup over its own GPU's PyTorch,
-    else the first. Returns ``(id, exact)``."""
+    """Of a problem's served kernels in id order: those with exactly ``shape``, else those of the nearest
+    shapes of the same rank (the sum over dims of |log(tuned / wanted)|; shapes as near as each other, 1024 and
+    4096 for 2048, all count); among those, the first tuned on ``device`` (a GPU model: an H100's best tiles
+    are not an H200's), else the highest speedup over its own GPU's PyTorch, else the first. Returns
+    ``(id, exact)``."""
     want = [max(int(v), 1) for v in shape]
     best: list[Served] = []
     best_distance = math.inf
@@ -71,7 +72,7 @@ def nearest_shape(
         )
         if distance < best_distance:
             best, best_distance = [row], distance
-        elif distance == best_distance and row.shape == best[0].shape:
+        elif distance == best_distance:  # as near: another GPU model's kernel of the same shape, or another shape
             best.append(row)
     if not best:
         return None

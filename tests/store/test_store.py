@@ -609,6 +609,25 @@ def test_best_kernel_exact_then_nearest(store):
     assert store.best_kernel("fused_mlp", (64, 256, 1024, 256), "float16", None, {"act": "gelu_erf"}) is None
 
 
+def test_nearest_shape_ties_prefer_this_gpu_model_then_the_highest_speedup_then_the_first():
+    """Shapes as near as each other (1024 and 4096 for 2048) count alike: only the first one's kernels were
+    weighed, so another GPU model's kernel at 1024 won over this GPU's at 4096."""
+    from kernelmill.service.db.store import Served, nearest_shape
+
+    served = [
+        Served(1, [1024], "NVIDIA H100", 1.5),
+        Served(2, [4096], "NVIDIA H200", 1.1),
+        Served(3, [4096], "NVIDIA H100", 2.0),
+        Served(4, [8192], "NVIDIA H200", 9.0),  # farther
+    ]
+    assert nearest_shape(served, [2048], "NVIDIA H200") == (2, False)
+    assert nearest_shape(served, [2048], "NVIDIA A100") == (3, False)  # no kernel of its own: the highest speedup
+    assert nearest_shape(served, [2048]) == (3, False)
+    assert nearest_shape([Served(5, [1024]), Served(6, [4096])], [2048]) == (5, False)  # no speedups: the first
+    assert nearest_shape(served, [4096], "NVIDIA H200") == (2, True)  # the exact shape before any other
+    assert nearest_shape(served, [4096, 1]) is None  # no shape of that rank
+
+
 def test_served_problems_lists_each_problem_of_an_op_once(store):
     assert store.served_problems("fused_mlp") == []
     relu = new_job(store, op="fused_mlp", shapes=[(64, 256, 1024, 256), (8, 256, 1024, 256)], attrs={"act": "relu"})
