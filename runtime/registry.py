@@ -10,8 +10,10 @@ Resolution, once per problem (then kept in memory):
    DEBUG, its body cut to 200 characters). Where a service is
    configured it is asked even when the local cache holds the problem's kernel, so that a kernel tuned since
    replaces the cached one: the cached cubin is used when the service still serves that kernel (no
-   download), the service's kernel when it serves another for the exact shape, and the cached one when the
-   service cannot be reached or has nothing better than a nearest shape. A kernel tuned for a
+   download; the same server, id, family, params and code, ``served_digest``: ids are per database, and a
+   problem's better kernel is re-published under its id), the service's kernel when it serves another for the
+   exact shape, and the cached one when the service cannot be reached or has nothing better than a nearest
+   shape. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
@@ -97,6 +99,9 @@ class KernelEntry:
     code: str | None = None
     #: Its cubin was compiled here from this version's template, not the one it was tuned with.
     rebuilt: bool = False
+    #: Digest of the service's answer it came from (``served_digest``): a cached copy is the service's kernel
+    #: only where the digests match, not where the ids do (another server's, or a kernel re-published under its id).
+    served: str | None = None
     #: Picked over the shape default by timing the forward on this GPU (``Model.tune_kernels``).
     chosen: bool = False
     #: Its first-use check on this GPU (runtime/check.py), where it had one: no tuning job verified it at its shape.
@@ -197,6 +202,13 @@ def code_digest(source: str) -> str:
     (``render``), which names a parameter the kernel predates without changing its code."""
     first, _, body = source.partition("\n")
     return hashlib.sha256((body if first.startswith("// kernelmill variant:") else source).encode()).hexdigest()
+
+
+def served_digest(server: str, served: Mapping[str, Any]) -> str:
+    """What makes a served kernel the one a local cache entry holds: the service it came from and the answer's id,
+    shape, arch, family, params and code (the service re-publishes a problem's better kernel under its id)."""
+    fields = [server] + [served.get(name) for name in ("id", "shape", "arch", "family", "params", "source")]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _missing_entries(entry: KernelEntry) -> str | None:
@@ -584,6 +596,7 @@ class KernelRegistry:
             note="from the local cache",
             code=meta.get("code"),
             rebuilt=bool(meta.get("rebuilt")),
+            served=meta.get("served"),
         )
         if self._with_current_code(entry):
             self._store_local(entry, meta.get("attrs"))
@@ -635,6 +648,7 @@ class KernelRegistry:
             "server": self.server,
             "code": entry.code,
             "rebuilt": entry.rebuilt,
+            "served": entry.served,
             "cubin_sha256": hashlib.sha256(entry.cubin).hexdigest(),
         }
         try:
@@ -672,6 +686,10 @@ class KernelRegistry:
             )
             return None
 
+    def _service_name(self) -> str:
+        """The service's URL (that of a test's client where none was named)."""
+        return self.server or str(getattr(self._client, "base_url", "the service"))
+
     def _log_answer(self, kind: str, message: str, *args: Any) -> None:
         """Logs an unusable answer from a reachable service: the first of each ``kind`` at WARNING, later ones
         (the other arch of the same lookup, the forward's other problems) at DEBUG."""
@@ -679,8 +697,7 @@ class KernelRegistry:
             first = kind not in self._answers_logged
             self._answers_logged.add(kind)
         if first:
-            where = self.server or getattr(self._client, "base_url", "the service")
-            log.warning(message + " (more such answers from %s are logged at DEBUG)", *args, where)
+            log.warning(message + " (more such answers from %s are logged at DEBUG)", *args, self._service_name())
         else:
             log.debug(message, *args)
 
@@ -743,7 +760,8 @@ class KernelRegistry:
         self, spec, shape, dtype, attrs, served: dict[str, Any], notes: list[str], cached: KernelEntry | None = None
     ) -> KernelEntry | None:
         exact = bool(served.get("exact"))
-        if cached is not None and cached.kernel_id == served["id"] and cached.source == (TUNED if exact else NEAREST):
+        digest = served_digest(self._service_name(), served)
+        if cached is not None and cached.served == digest and cached.source == (TUNED if exact else NEAREST):
             cached.note = "from the local cache; still the service's"
             return cached  # the kernel the cache holds: no download
         params, reason = self._usable(
@@ -785,6 +803,7 @@ class KernelRegistry:
             speedup=served.get("speedup"),
             median_ms=served.get("median_ms"),
             code=code_digest(served["source"]) if served.get("source") else None,
+            served=digest,
         )
         # Rebuilt, it is this version's code and launches: nothing of the served cubin's is left to check.
         if not self._with_current_code(entry):
@@ -1022,7 +1041,7 @@ _SERVED_FIELDS = {"id": int, "family": str, "params": dict, "shape": list}
 _CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
 _OPTIONAL_FIELDS = {
     "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
-    "launches": list, "kernel_id": int, "code": str,
+    "launches": list, "kernel_id": int, "code": str, "served": str,
 }  # fmt: skip
 
 

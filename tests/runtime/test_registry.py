@@ -188,6 +188,36 @@ def test_the_service_revalidates_the_local_cache(tmp_path):
     assert registry(nearest, []).get(*problem).kernel_id == 8
 
 
+def test_a_cached_kernel_is_the_services_only_where_server_and_kernel_match_not_the_id_alone(tmp_path):
+    """Kernel ids are per database, and a problem's better kernel is re-published under its id: a cache entry
+    with the served id but from another server, or with other params, was used without downloading."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+    def registry(server, kernel, calls, cubin):
+        client = _mock_service(kernel, calls, cubin)
+        return KernelRegistry(server, client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+
+    staging = _fused_kernel(exact=True)
+    assert registry("http://staging:8000", staging, [], b"staging-cubin").get(*problem).params["unroll"] == 2
+    # Another server's kernel 7 (unroll=4): downloaded, and the cache now holds it.
+    prod = _fused_kernel(exact=True, params={**staging["params"], "unroll": 4}, speedup=3.0)
+    calls: list = []
+    entry = registry("http://prod:8000", prod, calls, b"prod-cubin").get(*problem)
+    assert (entry.params["unroll"], entry.cubin, entry.speedup) == (4, b"prod-cubin", 3.0)
+    assert "/api/kernels/7/cubin" in calls[-1] and entry.note == ""
+    # The same server and kernel again: the cached cubin, nothing downloaded.
+    calls = []
+    again = registry("http://prod:8000", prod, calls, b"prod-cubin").get(*problem)
+    assert again.cubin == b"prod-cubin" and again.note == "from the local cache; still the service's"
+    assert not any("/cubin" in c for c in calls)
+    # Kernel 7 re-published on that server with other params (a better trial of the problem): downloaded.
+    republished = _fused_kernel(exact=True, params={**staging["params"], "unroll": 8})
+    calls = []
+    newer = registry("http://prod:8000", republished, calls, b"republished-cubin").get(*problem)
+    assert newer.params["unroll"] == 8 and newer.cubin == b"republished-cubin"
+    assert any("/api/kernels/7/cubin" in c for c in calls)
+
+
 @pytest.mark.parametrize(
     ("body", "why"),
     [
