@@ -4,16 +4,15 @@ Resolution, once per problem (then kept in memory):
 
 1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
    (source and cubin), so a machine that once reached the service works offline;
-2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``;
-   an answer must arrive whole within ``timeout_s``, 2 s; an unreachable or too slow service is logged once
-   and not asked again, and an unusable answer (an error status, garbage) is a WARNING once per kind, then
-   DEBUG, its body cut to 200 characters). Where a service is
-   configured it is asked even when the local cache holds the problem's kernel, so that a kernel tuned since
-   replaces the cached one: the cached cubin is used when the service still serves that kernel (no
-   download; the same server, id, family, params and code, ``served_digest``: ids are per database, and a
-   problem's better kernel is re-published under its id), the service's kernel when it serves another for the
-   exact shape, and the cached one when the service cannot be reached or has nothing better than a nearest
-   shape. A kernel tuned for a
+2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``; an answer must
+   arrive whole within ``timeout_s``, 2 s; an unreachable or too slow service is logged once and not asked again, and an
+   unusable answer (an error status, garbage, a 404 that is not kernelmill's "nothing tuned", ``nothing_tuned``) is a
+   WARNING once per kind, then DEBUG, its body cut to 200 characters). Where a service is configured it is asked even
+   when the local cache holds the problem's kernel, so that a kernel tuned since replaces the cached one: the cached
+   cubin is used when the service still serves that kernel (no download; the same server, id, family, params and code,
+   ``served_digest``: ids are per database, and a problem's better kernel is re-published under its id), the service's
+   kernel when it serves another for the exact shape, and the cached one when the service cannot be reached or has
+   nothing better than a nearest shape. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
@@ -739,7 +738,7 @@ class KernelRegistry:
                     self._log_answer("unusable", "runtime: %s: the service's answer is unusable: %s", what, wrong)
                 else:
                     answers.append(served)
-            elif resp.status_code != 404:
+            elif not (resp.status_code == 404 and nothing_tuned(resp)):
                 notes.append(f"service answered {resp.status_code}")
                 what, body = f"{spec.name} {format_shape(shape)}", excerpt(resp.text, 200)
                 self._log_answer(
@@ -1129,6 +1128,17 @@ def answer_detail(resp: Any, limit: int = 80) -> str:
     if not resp.text.strip():
         return "an empty answer"
     return f"not a kernelmill answer: {excerpt(resp.text, limit)}"
+
+
+def nothing_tuned(resp: Any) -> bool:
+    """Whether a 404 is kernelmill's answer that nothing is tuned for the problem, its Problem body (``{"detail":
+    "no tuned kernel for ..."}``): not another server's page, a proxy's, nor a route that does not exist there
+    (a wrong port or path prefix: FastAPI's ``{"detail": "Not Found"}``), which say nothing about the problem."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("detail"), str) and body["detail"] != "Not Found"
 
 
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:

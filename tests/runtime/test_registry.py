@@ -603,6 +603,38 @@ def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path,
     ]
 
 
+def test_kernelmills_own_404_is_nothing_tuned_and_logs_nothing(service, tmp_path, caplog):
+    reg = KernelRegistry(client=service, arch="sm_90", cache_dir=tmp_path / "c", compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        entry = reg.get("add", (100,), "float16")
+    assert entry.source == DEFAULT and entry.note == "no tuned kernel on the service"
+    assert caplog.messages == []
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        (b"<html>not found</html>", "'<html>not found</html>'"),  # another server on that port, a proxy
+        (b'{"detail": "Not Found"}', '\'{"detail": "Not Found"}\''),  # kernelmill's, under a wrong path prefix
+        (b"", "''"),
+    ],
+)
+def test_a_404_that_is_not_kernelmills_nothing_tuned_is_an_unusable_answer(tmp_path, caplog, body, shown):
+    """It was read as "nothing tuned", silently: a wrong port or path prefix looked like a service with no kernels."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, content=body)
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        entry = reg.get("add", (100,), "float16")
+    assert entry.source == DEFAULT and entry.note.startswith("service answered 404")
+    assert caplog.messages == [
+        f"runtime: add 100: service answered 404: {shown} (more such answers from http://svc are logged at DEBUG)"
+    ]
+
+
 def _trickling_server(status: bytes) -> tuple[socket.socket, list, str]:
     """A server that answers ``status`` with a 1000-byte body sent a byte every 50 ms: (its listening socket,
     to close; the connections it accepted; its URL)."""
