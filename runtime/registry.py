@@ -747,8 +747,16 @@ class KernelRegistry:
         if not answers:
             notes.append("no tuned kernel on the service")
             return None
-        # Exact shapes first, then the faster kernel.
-        answers.sort(key=lambda k: (not k.get("exact"), k.get("median_ms") or math.inf))
+        # Exact shapes first, then the kernel tuned on this GPU model (the service prefers it within an arch; the
+        # arches' answers, sm_90 and sm_90a, may come from other models, whose times do not compare), then the faster.
+        mine = self.backend.device.info.name if self.backend is not None else None
+        answers.sort(
+            key=lambda k: (
+                not k.get("exact"),
+                bool(mine) and k.get("device_name") != mine,
+                k.get("median_ms") or math.inf,
+            )
+        )
         for served in answers:
             entry = self._use_served(spec, shape, dtype, attrs, served, notes, cached)
             if entry is not None:
@@ -1040,7 +1048,7 @@ _SERVED_FIELDS = {"id": int, "family": str, "params": dict, "shape": list}
 _CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
 _OPTIONAL_FIELDS = {
     "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
-    "launches": list, "kernel_id": int, "code": str, "served": str,
+    "launches": list, "kernel_id": int, "code": str, "served": str, "device_name": str,
 }  # fmt: skip
 
 

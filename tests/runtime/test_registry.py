@@ -529,6 +529,38 @@ def test_a_kernel_tuned_for_the_exact_shape_is_taken_before_a_faster_one_tuned_a
     assert reg.get("matmul", (64, 64, 64), "float32").kernel_id == 8
 
 
+def test_the_kernel_tuned_on_this_gpu_model_is_taken_before_a_faster_time_on_another(tmp_path):
+    """The sm_90 and sm_90a answers may come from different GPU models: an H100's 0.045 ms was taken over this
+    H200's own 0.050 ms, though the two times were never measured on one GPU."""
+    linear = get_op("linear")
+    mine = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, exact=True, id=1)
+    mine.update(family="tensorcore", params=linear.family("tensorcore").resolve({}, "float16"), median_ms=0.050)
+    mine["device_name"] = "NVIDIA H200"
+    other = {**mine, "id": 2, "arch": "sm_90a", "family": "wgmma", "median_ms": 0.045, "device_name": "NVIDIA H100"}
+    other["params"] = linear.family("wgmma").resolve({}, "float16")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best":
+            return httpx.Response(200, json=mine if request.url.params["arch"] == "sm_90" else other)
+        return httpx.Response(200, content=request.url.path.encode())
+
+    info = SimpleNamespace(name="NVIDIA H200", sm_count=132)
+    backend = SimpleNamespace(
+        arch="sm_90", device=SimpleNamespace(info=info, load=lambda cubin, key: None), capturing_graph=False
+    )
+
+    def chosen(cache: str) -> int:
+        client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+        reg = KernelRegistry(
+            client=client, backend=backend, cache_dir=tmp_path / cache, compiler=_NoCompile(), check=False
+        )
+        return reg.get("linear", (256, 4096, 4096), "float16", {"act": "none"}).kernel_id
+
+    assert chosen("a") == 1
+    other["device_name"] = "NVIDIA H200"  # both timed on this GPU model: the faster
+    assert chosen("b") == 2
+
+
 def test_an_exact_kernel_whose_launches_are_not_this_versions_is_passed_over(tmp_path):
     problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
     # The entries this version launches for the served parameters (served with no source: nothing to rebuild).
