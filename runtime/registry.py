@@ -12,7 +12,9 @@ Resolution, once per problem (then kept in memory):
    cubin is used when the service still serves that kernel (no download; the same server, id, family, params and code,
    ``served_digest``: ids are per database, and a problem's better kernel is re-published under its id), the service's
    kernel when it serves another for the exact shape, and the cached one when the service cannot be reached or has
-   nothing better than a nearest shape. A kernel tuned for a
+   nothing better than a nearest shape. An answer is checked against the question: another op, dtype or arch than
+   asked is an unusable answer, and a kernel is tuned for the problem (no first-use check) only where the answer's
+   shape is the problem's, whatever its ``exact`` says. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
@@ -730,14 +732,14 @@ class KernelRegistry:
                 return None
             if resp.status_code == 200:
                 served, wrong = _record(resp, _SERVED_FIELDS)
-                wrong = wrong or _wrong_rank(served, "shape", shape)
+                wrong = wrong or _wrong_rank(served, "shape", shape) or _wrong_problem(served, spec.name, dtype, ask)
                 if wrong:
                     wrong = excerpt(wrong, 200, quote=False)
                     notes.append(f"service answered an unusable kernel ({wrong})")
                     what = f"{spec.name} {format_shape(shape)}"
                     self._log_answer("unusable", "runtime: %s: the service's answer is unusable: %s", what, wrong)
-                else:
-                    answers.append(served)
+                else:  # tuned at this very shape, whatever the answer says: that skips the first-use check
+                    answers.append({**served, "exact": served["shape"] == list(shape)})
             elif not (resp.status_code == 404 and nothing_tuned(resp)):
                 notes.append(f"service answered {resp.status_code}")
                 what, body = f"{spec.name} {format_shape(shape)}", excerpt(resp.text, 200)
@@ -804,7 +806,7 @@ class KernelRegistry:
             TUNED if exact else NEAREST,
             cubin,
             f"served-{hashlib.sha256(cubin).hexdigest()}",
-            arch=served.get("arch") or self.target_arch,
+            arch=served["arch"],
             served_shape=tuple(served["shape"]),
             kernel_id=served["id"],
             speedup=served.get("speedup"),
@@ -1044,7 +1046,7 @@ class KernelRegistry:
 
 #: The fields of a /api/kernels/best answer and of a local cache entry that the registry reads without a default,
 #: and those it reads where present (None allowed).
-_SERVED_FIELDS = {"id": int, "family": str, "params": dict, "shape": list}
+_SERVED_FIELDS = {"id": int, "op": str, "dtype": str, "arch": str, "family": str, "params": dict, "shape": list}
 _CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
 _OPTIONAL_FIELDS = {
     "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
@@ -1078,6 +1080,14 @@ def _wrong_rank(record: dict[str, Any], name: str, shape: Sequence[int]) -> str 
     """Why ``record[name]``, a shape, cannot stand for a problem of ``shape``: another rank."""
     if len(record[name]) != len(shape):
         return f"{name} is {record[name]!r}, of rank {len(record[name])}, for a problem of rank {len(shape)}"
+    return None
+
+
+def _wrong_problem(served: dict[str, Any], op: str, dtype: str, ask: Mapping[str, str]) -> str | None:
+    """Why a served kernel (fields checked) is not one for the problem asked about: another op, dtype or arch."""
+    for name, asked in (("op", op), ("dtype", dtype), ("arch", ask["arch"])):
+        if served[name] != asked:
+            return f"{name} is {served[name]!r}, asked for {asked!r}"
     return None
 
 

@@ -247,6 +247,38 @@ def test_an_unusable_answer_from_the_service_is_logged_and_the_default_used(tmp_
     assert "the service's answer is unusable: " + why in caplog.text
 
 
+def test_the_services_answer_is_checked_against_the_question(tmp_path, caplog):
+    """An answer claiming exact: true for another shape was taken as tuned at this one (so never verified at it),
+    and one for another op, dtype or arch was taken as this problem's kernel."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+    def registry(answer, cache):
+        def handler(request: httpx.Request) -> httpx.Response:  # the same answer to every arch asked
+            if request.url.path == "/api/kernels/best":
+                return httpx.Response(200, json=answer)
+            return httpx.Response(200, content=b"served-cubin")
+
+        client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+        return KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path / cache, compiler=_Recompile())
+
+    claimed = registry(_fused_kernel(exact=True, shape=[8, 64, 128, 64]), "claimed").get(*problem)
+    assert (claimed.source, claimed.served_shape) == (NEAREST, (8, 64, 128, 64))
+    assert registry(_fused_kernel(exact=False), "unclaimed").get(*problem).source == TUNED  # at this very shape
+
+    for field, value, asked in [
+        ("op", "linear", "fused_mlp"),
+        ("dtype", "bfloat16", "float16"),
+        ("arch", "sm_80", "sm_90"),
+    ]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+            entry = registry(_fused_kernel(exact=True, **{field: value}), field).get(*problem)
+        assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+        why = f"{field} is {value!r}, asked for {asked!r}"
+        assert entry.note.startswith(f"service answered an unusable kernel ({why})")
+        assert f"the service's answer is unusable: {why}" in caplog.text
+
+
 @pytest.mark.parametrize("damage", ["{}", "[1]", '{"family": "small_batch", "params": {}, "source": 3}', "{"])
 def test_a_damaged_local_cache_entry_is_passed_over(tmp_path, damage):
     problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
@@ -395,7 +427,7 @@ def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
     kernel = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, family="wgmma", params=old)
     reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
     entry = reg.get("linear", (256, 4096, 4096), "float16", {"act": "none"})
-    assert entry.source == NEAREST and entry.cubin == b"served-cubin"
+    assert entry.source == TUNED and entry.cubin == b"served-cubin"
     assert entry.launches[-1].grid == (2 * 32 * 2, 1, 1)  # 2 x 32 tiles of 128 x 128, clusters of 2: not swapped
     # A value this version would change (an unknown knob, a value out of its range) is not served.
     for params in ({**old, "unroll": 3}, {**old, "BN": 100}):
