@@ -273,7 +273,9 @@ class KernelRegistry:
         self._answers_logged: set[str] = set()  # kinds of unusable answers logged at WARNING (then at DEBUG)
         self._no_device_query = False  # the service refused device= (it predates it)
         self._entries: dict[tuple, KernelEntry] = {}
-        self._untuned: set[tuple] = set()  # problems find() met with nothing tuned
+        # Problems find() met with nothing tuned (or a kernel that failed its check): that lookup, its kernel and notes,
+        # which get() then takes instead of asking the service again.
+        self._untuned: dict[tuple, tuple[KernelEntry | None, list[str]]] = {}
         self._lock = threading.RLock()
 
     # -- public ----------------------------------------------------------------------
@@ -292,7 +294,7 @@ class KernelRegistry:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._resolve(spec, shape, dtype, attrs)
+                entry = self._resolve(spec, shape, dtype, attrs, key)
                 self._entries[key] = entry
                 self._log(entry)
             return entry
@@ -360,9 +362,10 @@ class KernelRegistry:
                 return entry if entry.source != DEFAULT else None
             if key in self._untuned:
                 return None
-            entry = self._lookup(spec, shape, dtype, attrs, [])
+            notes: list[str] = []
+            entry = self._lookup(spec, shape, dtype, attrs, notes)
             if entry is None or not self._passes(entry):
-                self._untuned.add(key)
+                self._untuned[key] = (entry, notes)
                 return None
             self._entries[key] = entry
             self._log(entry)
@@ -386,12 +389,18 @@ class KernelRegistry:
             return cached
         return served or cached
 
-    def _resolve(self, spec, shape, dtype, attrs) -> KernelEntry:
+    def _resolve(self, spec, shape, dtype, attrs, key) -> KernelEntry:
         notes: list[str] = []
-        entry = self._lookup(spec, shape, dtype, attrs, notes)
+        if key in self._untuned:  # find() looked it up (prepare() does, for each problem): not asked twice
+            entry, seen = self._untuned[key]
+            notes.extend(seen)
+            passed = False
+        else:
+            entry = self._lookup(spec, shape, dtype, attrs, notes)
+            passed = entry is not None and self._passes(entry)
+        if passed:
+            return entry
         if entry is not None:
-            if self._passes(entry):
-                return entry
             failed = "does not load" if entry.checked.status == "unloadable" else "failed its first-use check"
             notes.append(f"{entry.source} kernel #{entry.kernel_id} {entry.family} {failed}")
         entry = self._default(spec, shape, dtype, attrs, notes)

@@ -373,6 +373,9 @@ class _Recompile:
             raise self.error
         return SimpleNamespace(cubin=b"rebuilt-cubin", key="rebuilt-key")
 
+    def compile_many(self, sources, arch):
+        return [self.compile(source, arch) for source in sources]
+
 
 def _this_versions_source(kernel: dict) -> str:
     spec = get_op(kernel["op"])
@@ -489,6 +492,18 @@ def test_find_returns_only_tuned_kernels_and_never_compiles(tmp_path):
     assert reg.find("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"}) is None
     assert len(calls) == asked
     assert [r["op"] for r in reg.report()] == ["fused_mlp"]
+
+
+def test_prepare_asks_the_service_once_per_problem(tmp_path):
+    """prepare() asked for each problem in find() (is there a tuned kernel?) and, finding none, again in get()."""
+    calls: list = []
+    reg = KernelRegistry(client=_mock_service(None, calls), arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    problems = [("add", (100,), "float16", {}), ("softmax", (64, 512), "float16", {})]
+    reg.prepare(problems)
+    assert len(calls) == 4  # each problem for sm_90 and sm_90a
+    assert [reg.get(*problem).source for problem in problems] == [DEFAULT, DEFAULT]
+    assert len(calls) == 4
+    assert [row["note"] for row in reg.report()] == ["no tuned kernel on the service"] * 2
 
 
 def test_served_arch_specific_kernels_and_tf32_policy(tmp_path):
