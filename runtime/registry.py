@@ -5,16 +5,17 @@ Resolution, once per problem (then kept in memory):
 1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
    (source and cubin), so a machine that once reached the service works offline;
 2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``; an answer must
-   arrive whole within ``timeout_s``, 2 s; an unreachable or too slow service is logged once and not asked again, and an
-   unusable answer (an error status, garbage, a 404 that is not kernelmill's "nothing tuned", ``nothing_tuned``) is a
-   WARNING once per kind, then DEBUG, its body cut to 200 characters). Where a service is configured it is asked even
-   when the local cache holds the problem's kernel, so that a kernel tuned since replaces the cached one: the cached
-   cubin is used when the service still serves that kernel (no download; the same server, id, family, params and code,
-   ``served_digest``: ids are per database, and a problem's better kernel is re-published under its id), the service's
-   kernel when it serves another for the exact shape, and the cached one when the service cannot be reached or has
-   nothing better than a nearest shape. An answer is checked against the question: another op, dtype or arch than
-   asked is an unusable answer, and a kernel is tuned for the problem (no first-use check) only where the answer's
-   shape is the problem's, whatever its ``exact`` says. A kernel tuned for a
+   arrive whole within ``timeout_s``, 2 s; a service that cannot be reached, is too slow, fails (5xx) or is not
+   kernelmill (a page that is not JSON, a 404 that is not kernelmill's "nothing tuned": ``kernelmill_answer``) is logged
+   once and not asked again, and an unusable answer (another error status, a kernel that is not for the problem asked)
+   is a WARNING once per kind, then DEBUG, its body cut to 200 characters). Where a service is configured it is asked
+   even when the local cache holds the problem's kernel, so that a kernel tuned since replaces the cached one: the
+   cached cubin is used when the service still serves that kernel (no download; the same server, id, family, params and
+   code, ``served_digest``: ids are per database, and a problem's better kernel is re-published under its id), the
+   service's kernel when it serves another for the exact shape, and the cached one when the service cannot be reached or
+   has nothing better than a nearest shape. An answer is checked against the question: another op, dtype or arch than
+   asked is an unusable answer, and a kernel is tuned for the problem (no first-use check) only where the answer's shape
+   is the problem's, whatever its ``exact`` says. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
@@ -677,24 +678,42 @@ class KernelRegistry:
             self._client = httpx.Client(base_url=self.server, timeout=timeout)
         return self._client
 
-    def _get(self, path: str, *, within: float | None = None, **params) -> Any:
-        """GET on the service: the response, or None (logged) when it cannot be reached or its answer does not
-        arrive within ``within`` seconds in all (default ``timeout_s``: a server that trickles bytes; httpx's
-        timeouts bound each read)."""
+    def _get(self, path: str, *, within: float | None = None, binary: bool = False, **params) -> Any:
+        """GET on the service: kernelmill's answer (a ``binary`` one for a cubin), or None where the service cannot
+        be reached, its answer does not arrive within ``within`` seconds in all (default ``timeout_s``: a server
+        that trickles bytes; httpx's timeouts bound each read), it fails (5xx), or what answers is not kernelmill
+        (``kernelmill_answer``): it is then asked nothing more (``_give_up``)."""
         import httpx
 
         try:
-            return request_within(
+            resp = request_within(
                 self._http(), "GET", path, self.timeout_s if within is None else within, params=params
             )
         except httpx.HTTPError as exc:
-            self._offline_reason = f"{type(exc).__name__}: {exc}"
-            log.warning(
-                "runtime: kernel service %s unreachable (%s); using the local cache and default kernels",
-                self.server,
-                self._offline_reason,
-            )
+            self._give_up("unreachable", f"{type(exc).__name__}: {exc}")
             return None
+        if resp.status_code >= 500:
+            self._give_up(f"answered {resp.status_code}", excerpt(resp.text, 200))
+            return None
+        if not kernelmill_answer(resp, binary):
+            self._give_up(f"answered {resp.status_code} not as kernelmill does", excerpt(resp.text, 200))
+            return None
+        return resp
+
+    def _give_up(self, why: str, detail: str) -> None:
+        """Asks the service nothing more for this registry's life, logged once: one that cannot be reached, is
+        too slow, fails or is not kernelmill would cost every problem a wait for the same answer."""
+        with self._lock:
+            first = self._offline_reason is None
+            if first:
+                self._offline_reason = why
+        if first:
+            log.warning(
+                "runtime: kernel service %s %s (%s); using the local cache and default kernels",
+                self._service_name(),
+                why,
+                detail,
+            )
 
     def _service_name(self) -> str:
         """The service's URL (that of a test's client where none was named)."""
@@ -715,7 +734,7 @@ class KernelRegistry:
         if not self.use_service or not (self.server or self._client is not None):
             return None
         if self._offline_reason:
-            notes.append("service unreachable")
+            notes.append(f"service {self._offline_reason}")
             return None
         query: dict[str, Any] = {"op": spec.name, "shape": format_shape(shape), "dtype": dtype}
         if self.backend is not None and not self._no_device_query:  # the kernel tuned on this GPU model
@@ -737,7 +756,7 @@ class KernelRegistry:
                 query.pop("device")
                 resp = self._get("/api/kernels/best", **query, **ask)
             if resp is None:
-                notes.append("service unreachable")
+                notes.append(f"service {self._offline_reason}")
                 return None
             if resp.status_code == 200:
                 served, wrong = _record(resp, _SERVED_FIELDS)
@@ -749,7 +768,7 @@ class KernelRegistry:
                     self._log_answer("unusable", "runtime: %s: the service's answer is unusable: %s", what, wrong)
                 else:  # tuned at this very shape, whatever the answer says: that skips the first-use check
                     answers.append({**served, "exact": served["shape"] == list(shape)})
-            elif not (resp.status_code == 404 and nothing_tuned(resp)):
+            elif resp.status_code != 404:  # kernelmill's 404 (``_get``): nothing tuned
                 notes.append(f"service answered {resp.status_code}")
                 what, body = f"{spec.name} {format_shape(shape)}", excerpt(resp.text, 200)
                 self._log_answer(
@@ -800,7 +819,7 @@ class KernelRegistry:
             notes.append(f"served kernel #{served['id']}{where} not used: {reason}")
             return None
         # A cubin (up to a few MB) may take longer in all than a lookup; a stalled read still ends at timeout_s.
-        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin", within=CUBIN_READS * self.timeout_s)
+        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin", within=CUBIN_READS * self.timeout_s, binary=True)
         if cubin_resp is None or cubin_resp.status_code != 200:
             notes.append(f"cubin of kernel #{served['id']} not fetched")
             return None
@@ -1157,15 +1176,20 @@ def answer_detail(resp: Any, limit: int = 80) -> str:
     return f"not a kernelmill answer: {excerpt(resp.text, limit)}"
 
 
-def nothing_tuned(resp: Any) -> bool:
-    """Whether a 404 is kernelmill's answer that nothing is tuned for the problem, its Problem body (``{"detail":
-    "no tuned kernel for ..."}``): not another server's page, a proxy's, nor a route that does not exist there
-    (a wrong port or path prefix: FastAPI's ``{"detail": "Not Found"}``), which say nothing about the problem."""
+def kernelmill_answer(resp: Any, binary: bool = False) -> bool:
+    """Whether an HTTP answer is one kernelmill gives: a 200's body JSON (or anything, ``binary``), an error's its
+    Problem body (``{"detail": "no tuned kernel for ..."}``); not another server's page, a proxy's, nor FastAPI's
+    ``{"detail": "Not Found"}`` for a route kernelmill lacks (a wrong port or path prefix), so that such a 404 is
+    never read as "nothing tuned"."""
+    if resp.status_code == 200 and binary:
+        return True
     try:
         body = resp.json()
     except ValueError:
         return False
-    return isinstance(body, dict) and isinstance(body.get("detail"), str) and body["detail"] != "Not Found"
+    if resp.status_code == 200:
+        return True
+    return isinstance(body, dict) and "detail" in body and body["detail"] != "Not Found"
 
 
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:

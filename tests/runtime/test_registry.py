@@ -22,7 +22,7 @@ from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.matmul import TensorCoreCore
 from kernelmill.kernels.render import render
 from kernelmill.runtime import registry as registry_module
-from kernelmill.runtime.registry import CUBIN_READS, DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
+from kernelmill.runtime.registry import CUBIN_READS, DEFAULT, NEAREST, TUNED, KernelRegistry, default_params, excerpt
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
 
@@ -221,7 +221,6 @@ def test_a_cached_kernel_is_the_services_only_where_server_and_kernel_match_not_
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        (b"<html>oops</html>", "not JSON: '<html>oops</html>'"),
         (b"{}", "no id"),
         (b"[1, 2, 3]", "a JSON list, not an object"),
         (json.dumps(_fused_kernel(family=None)).encode(), "family is None"),
@@ -651,9 +650,11 @@ def test_a_malformed_server_url_is_one_clear_error_naming_where_it_came_from(tmp
 
 
 def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path, caplog):
-    """A service answering 500 (or garbage) stays reachable, so it is asked for every problem, for sm_90 and
-    sm_90a: the first answer of a kind is a WARNING with its body cut to 200 characters, the rest DEBUG."""
-    answer = {"status": 500, "body": b"boom " * 100}
+    """A service refusing a question (400) or answering a kernel that is not for the problem is kernelmill, so it
+    is asked for every problem, for sm_90 and sm_90a: the first answer of a kind is a WARNING with its body cut to
+    200 characters, the rest DEBUG."""
+    detail = json.dumps({"detail": "boom " * 100})
+    answer = {"status": 400, "body": detail.encode()}
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(answer["status"], content=answer["body"])
@@ -663,22 +664,75 @@ def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path,
     with caplog.at_level(logging.DEBUG, logger="kernelmill.runtime.registry"):
         reg.get("add", (100,), "float16")
         reg.get("add", (200,), "float16")
-        answer.update(status=200, body=b"<html>" + b"x" * 1000)
+        answer.update(status=200, body=json.dumps(_fused_kernel(op="add", shape=[300], dtype="bfloat16")).encode())
         entry = reg.get("add", (300,), "float16")
-    assert entry.source == DEFAULT and entry.note.startswith("service answered an unusable kernel (not JSON: ")
+    assert entry.source == DEFAULT and entry.note.startswith("service answered an unusable kernel (dtype is 'bfloat16'")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    shown = f"{detail[:200]!r}... ({len(detail)} characters)"
     assert warnings == [
-        f"runtime: add 100: service answered 500: '{'boom ' * 40}'... (499 characters) "
-        "(more such answers from http://svc are logged at DEBUG)",
-        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'... (1006 characters) "
+        f"runtime: add 100: service answered 400: {shown} (more such answers from http://svc are logged at DEBUG)",
+        "runtime: add 300: the service's answer is unusable: dtype is 'bfloat16', asked for 'float16' "
         "(more such answers from http://svc are logged at DEBUG)",
     ]
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "answer" in r.getMessage()]
     assert debug == [
-        f"runtime: add 100: service answered 500: '{'boom ' * 40}'... (499 characters)",
-        f"runtime: add 200: service answered 500: '{'boom ' * 40}'... (499 characters)",
-        f"runtime: add 200: service answered 500: '{'boom ' * 40}'... (499 characters)",
-        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'... (1006 characters)",
+        f"runtime: add 100: service answered 400: {shown}",
+        f"runtime: add 200: service answered 400: {shown}",
+        f"runtime: add 200: service answered 400: {shown}",
+        "runtime: add 300: the service's answer is unusable: dtype is 'bfloat16', asked for 'float16'",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "why"),
+    [
+        (502, b"<html><body>502 Bad Gateway</body></html>", "answered 502"),  # a proxy before a dead service
+        (500, b'{"detail": "Internal Server Error"}', "answered 500"),
+        (200, b"<html>a login page</html>", "answered 200 not as kernelmill does"),
+        (403, b"Forbidden", "answered 403 not as kernelmill does"),
+    ],
+)
+def test_a_failing_service_or_one_that_is_not_kernelmill_is_not_asked_again(tmp_path, caplog, status, body, why):
+    """Such a service was asked for every problem and both arches, each answer a wait (5 problems against a proxy
+    answering 502 after 0.8 s: 16 s), as only a timeout stopped it."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(status, content=body)
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        reg.prepare([("add", (100 * i,), "float16", {}) for i in range(1, 6)])
+    assert len(calls) == 1
+    assert [row["note"] for row in reg.report()] == [f"service {why}"] * 5
+    shown = excerpt(body.decode())
+    assert caplog.messages == [
+        f"runtime: kernel service http://svc {why} ({shown}); using the local cache and default kernels"
+    ]
+
+
+def test_a_cubin_download_that_fails_stops_the_service_too(tmp_path, caplog):
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/api/kernels/best":
+            if request.url.params["arch"] != "sm_90":
+                return httpx.Response(404, json={"detail": "none"})
+            return httpx.Response(200, json=_fused_kernel(exact=True))
+        return httpx.Response(503, text="unavailable")
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        entry = reg.get("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+        reg.get("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    assert entry.source == DEFAULT and "cubin of kernel #7 not fetched" in entry.note
+    assert calls == ["/api/kernels/best", "/api/kernels/best", "/api/kernels/7/cubin"]
+    assert caplog.messages == [
+        "runtime: kernel service http://svc answered 503 ('unavailable'); using the local cache and default kernels"
     ]
 
 
@@ -698,20 +752,25 @@ def test_kernelmills_own_404_is_nothing_tuned_and_logs_nothing(service, tmp_path
         (b"", "''"),
     ],
 )
-def test_a_404_that_is_not_kernelmills_nothing_tuned_is_an_unusable_answer(tmp_path, caplog, body, shown):
+def test_a_404_that_is_not_kernelmills_nothing_tuned_is_not_a_service(tmp_path, caplog, body, shown):
     """It was read as "nothing tuned", silently: a wrong port or path prefix looked like a service with no kernels."""
+    calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
         return httpx.Response(404, content=body)
 
     client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
     reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
     with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
         entry = reg.get("add", (100,), "float16")
-    assert entry.source == DEFAULT and entry.note.startswith("service answered 404")
+        reg.get("add", (200,), "float16")
+    assert entry.source == DEFAULT and entry.note == "service answered 404 not as kernelmill does"
     assert caplog.messages == [
-        f"runtime: add 100: service answered 404: {shown} (more such answers from http://svc are logged at DEBUG)"
+        f"runtime: kernel service http://svc answered 404 not as kernelmill does ({shown}); "
+        "using the local cache and default kernels"
     ]
+    assert len(calls) == 1  # not asked again
 
 
 def _trickling_server(status: bytes) -> tuple[socket.socket, list, str]:
