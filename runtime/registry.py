@@ -4,14 +4,18 @@ Resolution, once per problem (then kept in memory):
 
 1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
    (source and cubin), so a machine that once reached the service works offline;
-2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``;
-   an answer must arrive whole within ``timeout_s``, 2 s; an unreachable or too slow service is logged once
-   and not asked again, and an unusable answer (an error status, garbage) is a WARNING once per kind, then
-   DEBUG, its body cut to 200 characters). Where a service is
-   configured it is asked even when the local cache holds the problem's kernel, so that a kernel tuned since
-   replaces the cached one: the cached cubin is used when the service still serves that kernel (no
-   download), the service's kernel when it serves another for the exact shape, and the cached one when the
-   service cannot be reached or has nothing better than a nearest shape. A kernel tuned for a
+2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``; an answer must
+   arrive whole within ``timeout_s``, 2 s; a service that cannot be reached, is too slow, fails (5xx) or is not
+   kernelmill (a page that is not JSON, a 404 that is not kernelmill's "nothing tuned": ``kernelmill_answer``) is logged
+   once and not asked again, and an unusable answer (another error status, a kernel that is not for the problem asked)
+   is a WARNING once per kind, then DEBUG, its body cut to 200 characters). Where a service is configured it is asked
+   even when the local cache holds the problem's kernel, so that a kernel tuned since replaces the cached one: the
+   cached cubin is used when the service still serves that kernel (no download; the same server, id, family, params and
+   code, ``served_digest``: ids are per database, and a problem's better kernel is re-published under its id), the
+   service's kernel when it serves another for the exact shape, and the cached one when the service cannot be reached or
+   has nothing better than a nearest shape. An answer is checked against the question: another op, dtype or arch than
+   asked is an unusable answer, and a kernel is tuned for the problem (no first-use check) only where the answer's shape
+   is the problem's, whatever its ``exact`` says. A kernel tuned for a
    *nearest* shape is used only when its family's ``check_shape`` accepts the actual shape; its launches
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
@@ -97,6 +101,9 @@ class KernelEntry:
     code: str | None = None
     #: Its cubin was compiled here from this version's template, not the one it was tuned with.
     rebuilt: bool = False
+    #: Digest of the service's answer it came from (``served_digest``): a cached copy is the service's kernel
+    #: only where the digests match, not where the ids do (another server's, or a kernel re-published under its id).
+    served: str | None = None
     #: Picked over the shape default by timing the forward on this GPU (``Model.tune_kernels``).
     chosen: bool = False
     #: Its first-use check on this GPU (runtime/check.py), where it had one: no tuning job verified it at its shape.
@@ -199,6 +206,13 @@ def code_digest(source: str) -> str:
     return hashlib.sha256((body if first.startswith("// kernelmill variant:") else source).encode()).hexdigest()
 
 
+def served_digest(server: str, served: Mapping[str, Any]) -> str:
+    """What makes a served kernel the one a local cache entry holds: the service it came from and the answer's id,
+    shape, arch, family, params and code (the service re-publishes a problem's better kernel under its id)."""
+    fields = [server] + [served.get(name) for name in ("id", "shape", "arch", "family", "params", "source")]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _missing_entries(entry: KernelEntry) -> str | None:
     """Why a served or cached cubin cannot run the launches this version builds for its family: the entries
     it lacks (it was built before the family's launches changed), or None."""
@@ -260,7 +274,9 @@ class KernelRegistry:
         self._answers_logged: set[str] = set()  # kinds of unusable answers logged at WARNING (then at DEBUG)
         self._no_device_query = False  # the service refused device= (it predates it)
         self._entries: dict[tuple, KernelEntry] = {}
-        self._untuned: set[tuple] = set()  # problems find() met with nothing tuned
+        # Problems find() met with nothing tuned (or a kernel that failed its check): that lookup, its kernel and notes,
+        # which get() then takes instead of asking the service again.
+        self._untuned: dict[tuple, tuple[KernelEntry | None, list[str]]] = {}
         self._lock = threading.RLock()
 
     # -- public ----------------------------------------------------------------------
@@ -279,7 +295,7 @@ class KernelRegistry:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._resolve(spec, shape, dtype, attrs)
+                entry = self._resolve(spec, shape, dtype, attrs, key)
                 self._entries[key] = entry
                 self._log(entry)
             return entry
@@ -347,9 +363,10 @@ class KernelRegistry:
                 return entry if entry.source != DEFAULT else None
             if key in self._untuned:
                 return None
-            entry = self._lookup(spec, shape, dtype, attrs, [])
+            notes: list[str] = []
+            entry = self._lookup(spec, shape, dtype, attrs, notes)
             if entry is None or not self._passes(entry):
-                self._untuned.add(key)
+                self._untuned[key] = (entry, notes)
                 return None
             self._entries[key] = entry
             self._log(entry)
@@ -373,12 +390,18 @@ class KernelRegistry:
             return cached
         return served or cached
 
-    def _resolve(self, spec, shape, dtype, attrs) -> KernelEntry:
+    def _resolve(self, spec, shape, dtype, attrs, key) -> KernelEntry:
         notes: list[str] = []
-        entry = self._lookup(spec, shape, dtype, attrs, notes)
+        if key in self._untuned:  # find() looked it up (prepare() does, for each problem): not asked twice
+            entry, seen = self._untuned[key]
+            notes.extend(seen)
+            passed = False
+        else:
+            entry = self._lookup(spec, shape, dtype, attrs, notes)
+            passed = entry is not None and self._passes(entry)
+        if passed:
+            return entry
         if entry is not None:
-            if self._passes(entry):
-                return entry
             failed = "does not load" if entry.checked.status == "unloadable" else "failed its first-use check"
             notes.append(f"{entry.source} kernel #{entry.kernel_id} {entry.family} {failed}")
         entry = self._default(spec, shape, dtype, attrs, notes)
@@ -584,6 +607,7 @@ class KernelRegistry:
             note="from the local cache",
             code=meta.get("code"),
             rebuilt=bool(meta.get("rebuilt")),
+            served=meta.get("served"),
         )
         if self._with_current_code(entry):
             self._store_local(entry, meta.get("attrs"))
@@ -635,6 +659,7 @@ class KernelRegistry:
             "server": self.server,
             "code": entry.code,
             "rebuilt": entry.rebuilt,
+            "served": entry.served,
             "cubin_sha256": hashlib.sha256(entry.cubin).hexdigest(),
         }
         try:
@@ -653,24 +678,46 @@ class KernelRegistry:
             self._client = httpx.Client(base_url=self.server, timeout=timeout)
         return self._client
 
-    def _get(self, path: str, *, within: float | None = None, **params) -> Any:
-        """GET on the service: the response, or None (logged) when it cannot be reached or its answer does not
-        arrive within ``within`` seconds in all (default ``timeout_s``: a server that trickles bytes; httpx's
-        timeouts bound each read)."""
+    def _get(self, path: str, *, within: float | None = None, binary: bool = False, **params) -> Any:
+        """GET on the service: kernelmill's answer (a ``binary`` one for a cubin), or None where the service cannot
+        be reached, its answer does not arrive within ``within`` seconds in all (default ``timeout_s``: a server
+        that trickles bytes; httpx's timeouts bound each read), it fails (5xx), or what answers is not kernelmill
+        (``kernelmill_answer``): it is then asked nothing more (``_give_up``)."""
         import httpx
 
         try:
-            return request_within(
+            resp = request_within(
                 self._http(), "GET", path, self.timeout_s if within is None else within, params=params
             )
         except httpx.HTTPError as exc:
-            self._offline_reason = f"{type(exc).__name__}: {exc}"
-            log.warning(
-                "runtime: kernel service %s unreachable (%s); using the local cache and default kernels",
-                self.server,
-                self._offline_reason,
-            )
+            self._give_up("unreachable", f"{type(exc).__name__}: {exc}")
             return None
+        if resp.status_code >= 500:
+            self._give_up(f"answered {resp.status_code}", excerpt(resp.text, 200))
+            return None
+        if not kernelmill_answer(resp, binary):
+            self._give_up(f"answered {resp.status_code} not as kernelmill does", excerpt(resp.text, 200))
+            return None
+        return resp
+
+    def _give_up(self, why: str, detail: str) -> None:
+        """Asks the service nothing more for this registry's life, logged once: one that cannot be reached, is
+        too slow, fails or is not kernelmill would cost every problem a wait for the same answer."""
+        with self._lock:
+            first = self._offline_reason is None
+            if first:
+                self._offline_reason = why
+        if first:
+            log.warning(
+                "runtime: kernel service %s %s (%s); using the local cache and default kernels",
+                self._service_name(),
+                why,
+                detail,
+            )
+
+    def _service_name(self) -> str:
+        """The service's URL (that of a test's client where none was named)."""
+        return self.server or str(getattr(self._client, "base_url", "the service"))
 
     def _log_answer(self, kind: str, message: str, *args: Any) -> None:
         """Logs an unusable answer from a reachable service: the first of each ``kind`` at WARNING, later ones
@@ -679,8 +726,7 @@ class KernelRegistry:
             first = kind not in self._answers_logged
             self._answers_logged.add(kind)
         if first:
-            where = self.server or getattr(self._client, "base_url", "the service")
-            log.warning(message + " (more such answers from %s are logged at DEBUG)", *args, where)
+            log.warning(message + " (more such answers from %s are logged at DEBUG)", *args, self._service_name())
         else:
             log.debug(message, *args)
 
@@ -688,7 +734,7 @@ class KernelRegistry:
         if not self.use_service or not (self.server or self._client is not None):
             return None
         if self._offline_reason:
-            notes.append("service unreachable")
+            notes.append(f"service {self._offline_reason}")
             return None
         query: dict[str, Any] = {"op": spec.name, "shape": format_shape(shape), "dtype": dtype}
         if self.backend is not None and not self._no_device_query:  # the kernel tuned on this GPU model
@@ -710,19 +756,19 @@ class KernelRegistry:
                 query.pop("device")
                 resp = self._get("/api/kernels/best", **query, **ask)
             if resp is None:
-                notes.append("service unreachable")
+                notes.append(f"service {self._offline_reason}")
                 return None
             if resp.status_code == 200:
                 served, wrong = _record(resp, _SERVED_FIELDS)
-                wrong = wrong or _wrong_rank(served, "shape", shape)
+                wrong = wrong or _wrong_rank(served, "shape", shape) or _wrong_problem(served, spec.name, dtype, ask)
                 if wrong:
                     wrong = excerpt(wrong, 200, quote=False)
                     notes.append(f"service answered an unusable kernel ({wrong})")
                     what = f"{spec.name} {format_shape(shape)}"
                     self._log_answer("unusable", "runtime: %s: the service's answer is unusable: %s", what, wrong)
-                else:
-                    answers.append(served)
-            elif resp.status_code != 404:
+                else:  # tuned at this very shape, whatever the answer says: that skips the first-use check
+                    answers.append({**served, "exact": served["shape"] == list(shape)})
+            elif resp.status_code != 404:  # kernelmill's 404 (``_get``): nothing tuned
                 notes.append(f"service answered {resp.status_code}")
                 what, body = f"{spec.name} {format_shape(shape)}", excerpt(resp.text, 200)
                 self._log_answer(
@@ -731,8 +777,16 @@ class KernelRegistry:
         if not answers:
             notes.append("no tuned kernel on the service")
             return None
-        # Exact shapes first, then the faster kernel.
-        answers.sort(key=lambda k: (not k.get("exact"), k.get("median_ms") or math.inf))
+        # Exact shapes first, then the kernel tuned on this GPU model (the service prefers it within an arch; the
+        # arches' answers, sm_90 and sm_90a, may come from other models, whose times do not compare), then the faster.
+        mine = self.backend.device.info.name if self.backend is not None else None
+        answers.sort(
+            key=lambda k: (
+                not k.get("exact"),
+                bool(mine) and k.get("device_name") != mine,
+                k.get("median_ms") or math.inf,
+            )
+        )
         for served in answers:
             entry = self._use_served(spec, shape, dtype, attrs, served, notes, cached)
             if entry is not None:
@@ -743,7 +797,8 @@ class KernelRegistry:
         self, spec, shape, dtype, attrs, served: dict[str, Any], notes: list[str], cached: KernelEntry | None = None
     ) -> KernelEntry | None:
         exact = bool(served.get("exact"))
-        if cached is not None and cached.kernel_id == served["id"] and cached.source == (TUNED if exact else NEAREST):
+        digest = served_digest(self._service_name(), served)
+        if cached is not None and cached.served == digest and cached.source == (TUNED if exact else NEAREST):
             cached.note = "from the local cache; still the service's"
             return cached  # the kernel the cache holds: no download
         params, reason = self._usable(
@@ -764,7 +819,7 @@ class KernelRegistry:
             notes.append(f"served kernel #{served['id']}{where} not used: {reason}")
             return None
         # A cubin (up to a few MB) may take longer in all than a lookup; a stalled read still ends at timeout_s.
-        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin", within=CUBIN_READS * self.timeout_s)
+        cubin_resp = self._get(f"/api/kernels/{served['id']}/cubin", within=CUBIN_READS * self.timeout_s, binary=True)
         if cubin_resp is None or cubin_resp.status_code != 200:
             notes.append(f"cubin of kernel #{served['id']} not fetched")
             return None
@@ -779,12 +834,13 @@ class KernelRegistry:
             TUNED if exact else NEAREST,
             cubin,
             f"served-{hashlib.sha256(cubin).hexdigest()}",
-            arch=served.get("arch") or self.target_arch,
+            arch=served["arch"],
             served_shape=tuple(served["shape"]),
             kernel_id=served["id"],
             speedup=served.get("speedup"),
             median_ms=served.get("median_ms"),
             code=code_digest(served["source"]) if served.get("source") else None,
+            served=digest,
         )
         # Rebuilt, it is this version's code and launches: nothing of the served cubin's is left to check.
         if not self._with_current_code(entry):
@@ -1018,11 +1074,11 @@ class KernelRegistry:
 
 #: The fields of a /api/kernels/best answer and of a local cache entry that the registry reads without a default,
 #: and those it reads where present (None allowed).
-_SERVED_FIELDS = {"id": int, "family": str, "params": dict, "shape": list}
+_SERVED_FIELDS = {"id": int, "op": str, "dtype": str, "arch": str, "family": str, "params": dict, "shape": list}
 _CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
 _OPTIONAL_FIELDS = {
     "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
-    "launches": list, "kernel_id": int, "code": str,
+    "launches": list, "kernel_id": int, "code": str, "served": str, "device_name": str,
 }  # fmt: skip
 
 
@@ -1052,6 +1108,14 @@ def _wrong_rank(record: dict[str, Any], name: str, shape: Sequence[int]) -> str 
     """Why ``record[name]``, a shape, cannot stand for a problem of ``shape``: another rank."""
     if len(record[name]) != len(shape):
         return f"{name} is {record[name]!r}, of rank {len(record[name])}, for a problem of rank {len(shape)}"
+    return None
+
+
+def _wrong_problem(served: dict[str, Any], op: str, dtype: str, ask: Mapping[str, str]) -> str | None:
+    """Why a served kernel (fields checked) is not one for the problem asked about: another op, dtype or arch."""
+    for name, asked in (("op", op), ("dtype", dtype), ("arch", ask["arch"])):
+        if served[name] != asked:
+            return f"{name} is {served[name]!r}, asked for {asked!r}"
     return None
 
 
@@ -1110,6 +1174,22 @@ def answer_detail(resp: Any, limit: int = 80) -> str:
     if not resp.text.strip():
         return "an empty answer"
     return f"not a kernelmill answer: {excerpt(resp.text, limit)}"
+
+
+def kernelmill_answer(resp: Any, binary: bool = False) -> bool:
+    """Whether an HTTP answer is one kernelmill gives: a 200's body JSON (or anything, ``binary``), an error's its
+    Problem body (``{"detail": "no tuned kernel for ..."}``); not another server's page, a proxy's, nor FastAPI's
+    ``{"detail": "Not Found"}`` for a route kernelmill lacks (a wrong port or path prefix), so that such a 404 is
+    never read as "nothing tuned"."""
+    if resp.status_code == 200 and binary:
+        return True
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    if resp.status_code == 200:
+        return True
+    return isinstance(body, dict) and "detail" in body and body["detail"] != "Not Found"
 
 
 def _record(resp: Any, fields: dict[str, type]) -> tuple[Any, str | None]:

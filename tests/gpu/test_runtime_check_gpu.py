@@ -33,7 +33,8 @@ def _served_planted(fault: str) -> httpx.Client:
     params = family.resolve({"fault": fault}, "float32")
     arch = normalize_arch(default_arch())
     cubin = Compiler().compile(render(family, params, "float32", {}), arch).cubin
-    kernel = {"id": 11, "family": "planted", "params": params, "shape": [64, 384], "arch": arch, "exact": False}
+    kernel = {"id": 11, "op": "planted_softmax", "dtype": "float32", "family": "planted", "params": params}
+    kernel.update(shape=[64, 384], arch=arch, exact=False)
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == arch:

@@ -207,6 +207,8 @@ def _served(kernel: dict, cubin: bytes) -> httpx.Client:
 def _softmax_kernel(exact: bool) -> dict:
     return {
         "id": 3,
+        "op": "softmax",
+        "dtype": "float32",
         "family": "block_row",
         "params": {"vec": 4, "unroll": 4, "threads": 128, "fast_exp": False},
         "shape": list(SHAPE) if exact else [64, 384],

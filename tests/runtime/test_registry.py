@@ -22,7 +22,7 @@ from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.matmul import TensorCoreCore
 from kernelmill.kernels.render import render
 from kernelmill.runtime import registry as registry_module
-from kernelmill.runtime.registry import CUBIN_READS, DEFAULT, NEAREST, TUNED, KernelRegistry, default_params
+from kernelmill.runtime.registry import CUBIN_READS, DEFAULT, NEAREST, TUNED, KernelRegistry, default_params, excerpt
 from kernelmill.service.app import create_app
 from kernelmill.settings import Settings
 
@@ -188,10 +188,39 @@ def test_the_service_revalidates_the_local_cache(tmp_path):
     assert registry(nearest, []).get(*problem).kernel_id == 8
 
 
+def test_a_cached_kernel_is_the_services_only_where_server_and_kernel_match_not_the_id_alone(tmp_path):
+    """Kernel ids are per database, and a problem's better kernel is re-published under its id: a cache entry
+    with the served id but from another server, or with other params, was used without downloading."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+    def registry(server, kernel, calls, cubin):
+        client = _mock_service(kernel, calls, cubin)
+        return KernelRegistry(server, client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+
+    staging = _fused_kernel(exact=True)
+    assert registry("http://staging:8000", staging, [], b"staging-cubin").get(*problem).params["unroll"] == 2
+    # Another server's kernel 7 (unroll=4): downloaded, and the cache now holds it.
+    prod = _fused_kernel(exact=True, params={**staging["params"], "unroll": 4}, speedup=3.0)
+    calls: list = []
+    entry = registry("http://prod:8000", prod, calls, b"prod-cubin").get(*problem)
+    assert (entry.params["unroll"], entry.cubin, entry.speedup) == (4, b"prod-cubin", 3.0)
+    assert "/api/kernels/7/cubin" in calls[-1] and entry.note == ""
+    # The same server and kernel again: the cached cubin, nothing downloaded.
+    calls = []
+    again = registry("http://prod:8000", prod, calls, b"prod-cubin").get(*problem)
+    assert again.cubin == b"prod-cubin" and again.note == "from the local cache; still the service's"
+    assert not any("/cubin" in c for c in calls)
+    # Kernel 7 re-published on that server with other params (a better trial of the problem): downloaded.
+    republished = _fused_kernel(exact=True, params={**staging["params"], "unroll": 8})
+    calls = []
+    newer = registry("http://prod:8000", republished, calls, b"republished-cubin").get(*problem)
+    assert newer.params["unroll"] == 8 and newer.cubin == b"republished-cubin"
+    assert any("/api/kernels/7/cubin" in c for c in calls)
+
+
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        (b"<html>oops</html>", "not JSON: '<html>oops</html>'"),
         (b"{}", "no id"),
         (b"[1, 2, 3]", "a JSON list, not an object"),
         (json.dumps(_fused_kernel(family=None)).encode(), "family is None"),
@@ -215,6 +244,38 @@ def test_an_unusable_answer_from_the_service_is_logged_and_the_default_used(tmp_
     with caplog.at_level(logging.WARNING), pytest.raises(_Compiled):  # the default variant is compiled instead
         reg.get("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
     assert "the service's answer is unusable: " + why in caplog.text
+
+
+def test_the_services_answer_is_checked_against_the_question(tmp_path, caplog):
+    """An answer claiming exact: true for another shape was taken as tuned at this one (so never verified at it),
+    and one for another op, dtype or arch was taken as this problem's kernel."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+
+    def registry(answer, cache):
+        def handler(request: httpx.Request) -> httpx.Response:  # the same answer to every arch asked
+            if request.url.path == "/api/kernels/best":
+                return httpx.Response(200, json=answer)
+            return httpx.Response(200, content=b"served-cubin")
+
+        client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+        return KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path / cache, compiler=_Recompile())
+
+    claimed = registry(_fused_kernel(exact=True, shape=[8, 64, 128, 64]), "claimed").get(*problem)
+    assert (claimed.source, claimed.served_shape) == (NEAREST, (8, 64, 128, 64))
+    assert registry(_fused_kernel(exact=False), "unclaimed").get(*problem).source == TUNED  # at this very shape
+
+    for field, value, asked in [
+        ("op", "linear", "fused_mlp"),
+        ("dtype", "bfloat16", "float16"),
+        ("arch", "sm_80", "sm_90"),
+    ]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+            entry = registry(_fused_kernel(exact=True, **{field: value}), field).get(*problem)
+        assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+        why = f"{field} is {value!r}, asked for {asked!r}"
+        assert entry.note.startswith(f"service answered an unusable kernel ({why})")
+        assert f"the service's answer is unusable: {why}" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["{}", "[1]", '{"family": "small_batch", "params": {}, "source": 3}', "{"])
@@ -311,6 +372,9 @@ class _Recompile:
             raise self.error
         return SimpleNamespace(cubin=b"rebuilt-cubin", key="rebuilt-key")
 
+    def compile_many(self, sources, arch):
+        return [self.compile(source, arch) for source in sources]
+
 
 def _this_versions_source(kernel: dict) -> str:
     spec = get_op(kernel["op"])
@@ -365,7 +429,7 @@ def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
     kernel = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, family="wgmma", params=old)
     reg = KernelRegistry(client=_mock_service(kernel, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
     entry = reg.get("linear", (256, 4096, 4096), "float16", {"act": "none"})
-    assert entry.source == NEAREST and entry.cubin == b"served-cubin"
+    assert entry.source == TUNED and entry.cubin == b"served-cubin"
     assert entry.launches[-1].grid == (2 * 32 * 2, 1, 1)  # 2 x 32 tiles of 128 x 128, clusters of 2: not swapped
     # A value this version would change (an unknown knob, a value out of its range) is not served.
     for params in ({**old, "unroll": 3}, {**old, "BN": 100}):
@@ -427,6 +491,18 @@ def test_find_returns_only_tuned_kernels_and_never_compiles(tmp_path):
     assert reg.find("fused_mlp", (40, 64, 128, 64), "float16", {"act": "gelu_erf"}) is None
     assert len(calls) == asked
     assert [r["op"] for r in reg.report()] == ["fused_mlp"]
+
+
+def test_prepare_asks_the_service_once_per_problem(tmp_path):
+    """prepare() asked for each problem in find() (is there a tuned kernel?) and, finding none, again in get()."""
+    calls: list = []
+    reg = KernelRegistry(client=_mock_service(None, calls), arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    problems = [("add", (100,), "float16", {}), ("softmax", (64, 512), "float16", {})]
+    reg.prepare(problems)
+    assert len(calls) == 4  # each problem for sm_90 and sm_90a
+    assert [reg.get(*problem).source for problem in problems] == [DEFAULT, DEFAULT]
+    assert len(calls) == 4
+    assert [row["note"] for row in reg.report()] == ["no tuned kernel on the service"] * 2
 
 
 def test_served_arch_specific_kernels_and_tf32_policy(tmp_path):
@@ -499,6 +575,38 @@ def test_a_kernel_tuned_for_the_exact_shape_is_taken_before_a_faster_one_tuned_a
     assert reg.get("matmul", (64, 64, 64), "float32").kernel_id == 8
 
 
+def test_the_kernel_tuned_on_this_gpu_model_is_taken_before_a_faster_time_on_another(tmp_path):
+    """The sm_90 and sm_90a answers may come from different GPU models: an H100's 0.045 ms was taken over this
+    H200's own 0.050 ms, though the two times were never measured on one GPU."""
+    linear = get_op("linear")
+    mine = _fused_kernel(op="linear", shape=[256, 4096, 4096], attrs={"act": "none"}, exact=True, id=1)
+    mine.update(family="tensorcore", params=linear.family("tensorcore").resolve({}, "float16"), median_ms=0.050)
+    mine["device_name"] = "NVIDIA H200"
+    other = {**mine, "id": 2, "arch": "sm_90a", "family": "wgmma", "median_ms": 0.045, "device_name": "NVIDIA H100"}
+    other["params"] = linear.family("wgmma").resolve({}, "float16")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best":
+            return httpx.Response(200, json=mine if request.url.params["arch"] == "sm_90" else other)
+        return httpx.Response(200, content=request.url.path.encode())
+
+    info = SimpleNamespace(name="NVIDIA H200", sm_count=132)
+    backend = SimpleNamespace(
+        arch="sm_90", device=SimpleNamespace(info=info, load=lambda cubin, key: None), capturing_graph=False
+    )
+
+    def chosen(cache: str) -> int:
+        client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+        reg = KernelRegistry(
+            client=client, backend=backend, cache_dir=tmp_path / cache, compiler=_NoCompile(), check=False
+        )
+        return reg.get("linear", (256, 4096, 4096), "float16", {"act": "none"}).kernel_id
+
+    assert chosen("a") == 1
+    other["device_name"] = "NVIDIA H200"  # both timed on this GPU model: the faster
+    assert chosen("b") == 2
+
+
 def test_an_exact_kernel_whose_launches_are_not_this_versions_is_passed_over(tmp_path):
     problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
     # The entries this version launches for the served parameters (served with no source: nothing to rebuild).
@@ -542,9 +650,11 @@ def test_a_malformed_server_url_is_one_clear_error_naming_where_it_came_from(tmp
 
 
 def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path, caplog):
-    """A service answering 500 (or garbage) stays reachable, so it is asked for every problem, for sm_90 and
-    sm_90a: the first answer of a kind is a WARNING with its body cut to 200 characters, the rest DEBUG."""
-    answer = {"status": 500, "body": b"boom " * 100}
+    """A service refusing a question (400) or answering a kernel that is not for the problem is kernelmill, so it
+    is asked for every problem, for sm_90 and sm_90a: the first answer of a kind is a WARNING with its body cut to
+    200 characters, the rest DEBUG."""
+    detail = json.dumps({"detail": "boom " * 100})
+    answer = {"status": 400, "body": detail.encode()}
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(answer["status"], content=answer["body"])
@@ -554,23 +664,113 @@ def test_unusable_answers_are_logged_once_per_kind_with_their_body_cut(tmp_path,
     with caplog.at_level(logging.DEBUG, logger="kernelmill.runtime.registry"):
         reg.get("add", (100,), "float16")
         reg.get("add", (200,), "float16")
-        answer.update(status=200, body=b"<html>" + b"x" * 1000)
+        answer.update(status=200, body=json.dumps(_fused_kernel(op="add", shape=[300], dtype="bfloat16")).encode())
         entry = reg.get("add", (300,), "float16")
-    assert entry.source == DEFAULT and entry.note.startswith("service answered an unusable kernel (not JSON: ")
+    assert entry.source == DEFAULT and entry.note.startswith("service answered an unusable kernel (dtype is 'bfloat16'")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    shown = f"{detail[:200]!r}... ({len(detail)} characters)"
     assert warnings == [
-        f"runtime: add 100: service answered 500: '{'boom ' * 40}'... (499 characters) "
-        "(more such answers from http://svc are logged at DEBUG)",
-        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'... (1006 characters) "
+        f"runtime: add 100: service answered 400: {shown} (more such answers from http://svc are logged at DEBUG)",
+        "runtime: add 300: the service's answer is unusable: dtype is 'bfloat16', asked for 'float16' "
         "(more such answers from http://svc are logged at DEBUG)",
     ]
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "answer" in r.getMessage()]
     assert debug == [
-        f"runtime: add 100: service answered 500: '{'boom ' * 40}'... (499 characters)",
-        f"runtime: add 200: service answered 500: '{'boom ' * 40}'... (499 characters)",
-        f"runtime: add 200: service answered 500: '{'boom ' * 40}'... (499 characters)",
-        f"runtime: add 300: the service's answer is unusable: not JSON: '<html>{'x' * 54}'... (1006 characters)",
+        f"runtime: add 100: service answered 400: {shown}",
+        f"runtime: add 200: service answered 400: {shown}",
+        f"runtime: add 200: service answered 400: {shown}",
+        "runtime: add 300: the service's answer is unusable: dtype is 'bfloat16', asked for 'float16'",
     ]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "why"),
+    [
+        (502, b"<html><body>502 Bad Gateway</body></html>", "answered 502"),  # a proxy before a dead service
+        (500, b'{"detail": "Internal Server Error"}', "answered 500"),
+        (200, b"<html>a login page</html>", "answered 200 not as kernelmill does"),
+        (403, b"Forbidden", "answered 403 not as kernelmill does"),
+    ],
+)
+def test_a_failing_service_or_one_that_is_not_kernelmill_is_not_asked_again(tmp_path, caplog, status, body, why):
+    """Such a service was asked for every problem and both arches, each answer a wait (5 problems against a proxy
+    answering 502 after 0.8 s: 16 s), as only a timeout stopped it."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(status, content=body)
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        reg.prepare([("add", (100 * i,), "float16", {}) for i in range(1, 6)])
+    assert len(calls) == 1
+    assert [row["note"] for row in reg.report()] == [f"service {why}"] * 5
+    shown = excerpt(body.decode())
+    assert caplog.messages == [
+        f"runtime: kernel service http://svc {why} ({shown}); using the local cache and default kernels"
+    ]
+
+
+def test_a_cubin_download_that_fails_stops_the_service_too(tmp_path, caplog):
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/api/kernels/best":
+            if request.url.params["arch"] != "sm_90":
+                return httpx.Response(404, json={"detail": "none"})
+            return httpx.Response(200, json=_fused_kernel(exact=True))
+        return httpx.Response(503, text="unavailable")
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        entry = reg.get("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+        reg.get("fused_mlp", (8, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    assert entry.source == DEFAULT and "cubin of kernel #7 not fetched" in entry.note
+    assert calls == ["/api/kernels/best", "/api/kernels/best", "/api/kernels/7/cubin"]
+    assert caplog.messages == [
+        "runtime: kernel service http://svc answered 503 ('unavailable'); using the local cache and default kernels"
+    ]
+
+
+def test_kernelmills_own_404_is_nothing_tuned_and_logs_nothing(service, tmp_path, caplog):
+    reg = KernelRegistry(client=service, arch="sm_90", cache_dir=tmp_path / "c", compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        entry = reg.get("add", (100,), "float16")
+    assert entry.source == DEFAULT and entry.note == "no tuned kernel on the service"
+    assert caplog.messages == []
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        (b"<html>not found</html>", "'<html>not found</html>'"),  # another server on that port, a proxy
+        (b'{"detail": "Not Found"}', '\'{"detail": "Not Found"}\''),  # kernelmill's, under a wrong path prefix
+        (b"", "''"),
+    ],
+)
+def test_a_404_that_is_not_kernelmills_nothing_tuned_is_not_a_service(tmp_path, caplog, body, shown):
+    """It was read as "nothing tuned", silently: a wrong port or path prefix looked like a service with no kernels."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(404, content=body)
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
+        entry = reg.get("add", (100,), "float16")
+        reg.get("add", (200,), "float16")
+    assert entry.source == DEFAULT and entry.note == "service answered 404 not as kernelmill does"
+    assert caplog.messages == [
+        f"runtime: kernel service http://svc answered 404 not as kernelmill does ({shown}); "
+        "using the local cache and default kernels"
+    ]
+    assert len(calls) == 1  # not asked again
 
 
 def _trickling_server(status: bytes) -> tuple[socket.socket, list, str]:
