@@ -242,6 +242,22 @@ def test_a_nan_in_a_rejected_body_is_echoed_as_text_in_a_422(client):
     assert "nan" in json.dumps(r.json()["errors"]).lower()
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"op": "softmax", "shapes": ["4x4"], "arch": "\\ud800"}',
+        '{"op": "softmax", "shapes": [["\\ud800"]]}',
+        '{"\\ud800": 1}',
+        '{"op": "softmax", "shapes": ["4x4"], "budget": {"trials": 8, "seconds": "\\ud800"}}',
+    ],
+)
+def test_a_lone_surrogate_in_a_rejected_body_is_echoed_escaped_in_a_422(client, body):
+    # "\ud800" is valid JSON but no UTF-8 holds the string it decodes to: echoing it was a 500.
+    r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert "\\ud800" in r.text and "\\ud800" in json.dumps(r.json()["errors"])
+
+
 def test_a_body_that_is_not_json_is_422_naming_where_and_why(client):
     body = '{"op": "softmax", "shapes": [[1024, 1024]],}'
     r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
