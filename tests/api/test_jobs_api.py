@@ -88,6 +88,7 @@ def test_cancel(client):
         ({"shapes": [[1024, 0]]}, "must be > 0"),
         ({"shapes": [[1024, -3]]}, "must be > 0"),
         ({"shapes": [[1, 99999999999]]}, "must be at most 2130706432"),
+        ({"shapes": [f"{'1' * 5000}x4"]}, "rows must be at most 2130706432 (kernels index in 32 bits), got a"),
         ({"shapes": []}, "shapes"),
         ({"shapes": ["12xq"]}, "malformed shape"),
         ({"shapes": ["１２x64"]}, "malformed shape"),

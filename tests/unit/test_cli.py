@@ -61,6 +61,14 @@ def test_render_prints_source_with_params():
         (["jobs", "--limit", "0"], "--limit 0 is out of range 1..500"),
         (["kernels", "--op", "conv"], "unknown op 'conv'"),
         (["kernels", "--dtype", "int9"], "unknown dtype 'int9'"),
+        # Past int()'s 4300 digits: its own "Exceeds the limit" message was printed.
+        (["bench", "softmax", "--shape", f"{'1' * 5000}x4"], "dim rows must be at most 2130706432"),
+        (["tune", "softmax", "--shape", f"4x{'1' * 5000}"], "dim cols must be at most 2130706432"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", f"sm_{'1' * 5000}"], "sm_1111111111111... (5003 char"),
+        (
+            ["tune", "softmax", "-s", "4x4", "--arch", f"sm_{'1' * 5000}", "--server", "http://127.0.0.1:9"],
+            "arch: sm_1111111111111... (5003 characters) is not a GPU nvcc targets",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message):
