@@ -721,7 +721,10 @@ def cancel(
 ) -> None:
     """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept)."""
     from kernelmill.client import cancel_job
+    from kernelmill.service.api.schemas import MAX_ID
 
+    if not 1 <= job_id <= MAX_ID:  # past a 64-bit integer SQLite's driver raised OverflowError
+        raise fail(f"job id {job_id} is out of range 1..{MAX_ID}")
     job = cancel_job(server, job_id)
     if job["state"] == "cancelled":
         console.print(f"job {job_id} cancelled")

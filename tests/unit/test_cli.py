@@ -143,6 +143,18 @@ def test_empty_listings_say_so_and_how_to_fill_them(tmp_path, monkeypatch):
     assert kernels.exit_code == 0 and "no served softmax kernels in the local database" in kernels.output
 
 
+@pytest.mark.parametrize("job_id", ["9223372036854775808", "2147483648", "0", "-1"])
+def test_cancelling_an_id_outside_1_to_max_id_is_one_line_and_exit_2(tmp_path, monkeypatch, job_id):
+    """Past a 64-bit integer SQLite's driver raised OverflowError: a traceback."""
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/jobs.db")
+    from kernelmill.service.db.store import Store
+
+    Store(f"sqlite:///{tmp_path}/jobs.db").close()
+    result = runner.invoke(app, ["cancel", "--", job_id])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: job id {job_id} is out of range 1..2147483647"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
