@@ -824,7 +824,7 @@ CACHE_PARTS = {
 def cache_prune(
     max_mb: Annotated[
         float | None,
-        typer.Option(help="cut the compile cache to this size (default: KERNELMILL_COMPILE_CACHE_MAX_MB)", min=0),
+        typer.Option(help="cut the compile cache to this size (default: KERNELMILL_COMPILE_CACHE_MAX_MB)"),
     ] = None,
     clear: Annotated[bool, typer.Option("--all", help="remove every compiled variant")] = False,
 ) -> None:
@@ -833,6 +833,8 @@ def cache_prune(
 
     if clear and max_mb is not None:
         raise fail("--all and --max-mb: give one")
+    if max_mb is not None and not (math.isfinite(max_mb) and max_mb >= 0):  # inf (1e400) overflowed int()
+        raise fail(f"--max-mb must be a finite number of MB, 0 or more, not {max_mb:g}")
     limit = 0.0 if clear else (get_settings().compile_cache_max_mb if max_mb is None else max_mb)
     if max_mb is None and not clear and not limit:
         raise fail("the compile cache has no limit (KERNELMILL_COMPILE_CACHE_MAX_MB=0): give --max-mb or --all")

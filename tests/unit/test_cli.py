@@ -69,6 +69,11 @@ def test_render_prints_source_with_params():
             ["tune", "softmax", "-s", "4x4", "--arch", f"sm_{'1' * 5000}", "--server", "http://127.0.0.1:9"],
             "arch: sm_1111111111111... (5003 characters) is not a GPU nvcc targets",
         ),
+        # int(inf * MB) raised OverflowError, a traceback; nan and -1 were refused in a box as "not >= 0"
+        (["cache", "prune", "--max-mb", "inf"], "error: --max-mb must be a finite number of MB, 0 or more, not inf"),
+        (["cache", "prune", "--max-mb", "1e400"], "error: --max-mb must be a finite number of MB, 0 or more, not inf"),
+        (["cache", "prune", "--max-mb", "nan"], "error: --max-mb must be a finite number of MB, 0 or more, not nan"),
+        (["cache", "prune", "--max-mb=-1"], "error: --max-mb must be a finite number of MB, 0 or more, not -1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message):
