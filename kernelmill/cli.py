@@ -885,8 +885,10 @@ def tune_model(
     spec = ForwardSpec(model, preset, batch, seq, dtype, act)
     spec.check()
     strategy_class(strategy)  # an unknown one is a ValueError: one line, exit 2
-    if budget < 1 or not seconds > 0:
-        raise fail("--budget must be at least 1 and --seconds above 0")
+    if budget < 1:
+        raise fail("--budget must be at least 1")
+    if not 0 < seconds < math.inf:  # inf was sent, and refused by the JSON encoder ("Out of range float values")
+        raise fail(f"--seconds must be a finite number above 0, not {seconds:g}")
     if not dry_run and not server:
         raise fail("tune-model submits jobs to a service: give --server URL (or set KERNELMILL_SERVER)")
     import httpx

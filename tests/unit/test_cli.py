@@ -265,6 +265,19 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
         # A header carries ASCII only: no request could ever match this token, so no write could be made.
         ({"KERNELMILL_API_TOKEN": "clé"}, "error: KERNELMILL_API_TOKEN='clé': Value error, must be printable ASCII"),
         ({"KERNELMILL_API_TOKEN": ""}, "error: KERNELMILL_API_TOKEN='': Value error, is empty; unset it to leave"),
+        # inf overflowed int() in the compiler; an infinite budget let a job in whose page then answered 500.
+        (
+            {"KERNELMILL_COMPILE_CACHE_MAX_MB": "inf"},
+            "error: KERNELMILL_COMPILE_CACHE_MAX_MB='inf': Input should be a finite number",
+        ),
+        (
+            {"KERNELMILL_MAX_BUDGET_SECONDS": "1e400"},
+            "error: KERNELMILL_MAX_BUDGET_SECONDS='1e400': Input should be a finite number",
+        ),
+        (
+            {"KERNELMILL_KERNEL_TIMEOUT_S": "nan"},
+            "error: KERNELMILL_KERNEL_TIMEOUT_S='nan': Input should be a finite number",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
