@@ -719,14 +719,17 @@ def cancel(
     job_id: Annotated[int, typer.Argument(help="the job's id (`kernelmill jobs` lists them)", show_default=False)],
     server: ServerOpt = None,
 ) -> None:
-    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept)."""
+    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept), one
+    whose process died (its lease lapsed) at once."""
     from kernelmill.client import cancel_job
     from kernelmill.service.api.schemas import MAX_ID
 
     if not 1 <= job_id <= MAX_ID:  # past a 64-bit integer SQLite's driver raised OverflowError
         raise fail(f"job id {job_id} is out of range 1..{MAX_ID}")
-    job = cancel_job(server, job_id)
-    if job["state"] == "cancelled":
+    job, dead_runner = cancel_job(server, job_id)
+    if dead_runner is not None:
+        console.print(f"job {job_id} cancelled at once: {dead_runner}, which ran it, had stopped (its lease lapsed)")
+    elif job["state"] == "cancelled":
         console.print(f"job {job_id} cancelled")
     else:
         console.print(f"job {job_id} {job['state']}: asked to stop; it ends after its current batch")
