@@ -901,7 +901,7 @@ def tune_model(
     base = (server or "").rstrip("/")
     collecting = f"one forward of {spec.model_name} on the CPU to collect its problems"
     if not console.is_terminal:  # rich's status shows only on a terminal: a log would see seconds of nothing
-        console.print(collecting + " ...")
+        console.print(collecting + " ...", soft_wrap=True)  # one line in a log, however long the model path
     with console.status(collecting):
         module = build_module(spec)
         inputs = example_inputs(module, batch, seq)
