@@ -720,11 +720,17 @@ def cancel(
     job_id: Annotated[int, typer.Argument(help="the job's id (`kernelmill jobs` lists them)", show_default=False)],
     server: ServerOpt = None,
 ) -> None:
-    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept)."""
+    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept), one
+    whose process died (its lease lapsed) at once."""
     from kernelmill.client import cancel_job
+    from kernelmill.service.api.schemas import MAX_ID
 
-    job = cancel_job(server, job_id)
-    if job["state"] == "cancelled":
+    if not 1 <= job_id <= MAX_ID:  # past a 64-bit integer SQLite's driver raised OverflowError
+        raise fail(f"job id {job_id} is out of range 1..{MAX_ID}")
+    job, dead_runner = cancel_job(server, job_id)
+    if dead_runner is not None:
+        console.print(f"job {job_id} cancelled at once: {dead_runner}, which ran it, had stopped (its lease lapsed)")
+    elif job["state"] == "cancelled":
         console.print(f"job {job_id} cancelled")
     else:
         console.print(f"job {job_id} {job['state']}: asked to stop; it ends after its current batch")
@@ -822,7 +828,7 @@ CACHE_PARTS = {
 def cache_prune(
     max_mb: Annotated[
         float | None,
-        typer.Option(help="cut the compile cache to this size (default: KERNELMILL_COMPILE_CACHE_MAX_MB)", min=0),
+        typer.Option(help="cut the compile cache to this size (default: KERNELMILL_COMPILE_CACHE_MAX_MB)"),
     ] = None,
     clear: Annotated[bool, typer.Option("--all", help="remove every compiled variant")] = False,
 ) -> None:
@@ -831,6 +837,8 @@ def cache_prune(
 
     if clear and max_mb is not None:
         raise fail("--all and --max-mb: give one")
+    if max_mb is not None and not (math.isfinite(max_mb) and max_mb >= 0):  # inf (1e400) overflowed int()
+        raise fail(f"--max-mb must be a finite number of MB, 0 or more, not {max_mb:g}")
     limit = 0.0 if clear else (get_settings().compile_cache_max_mb if max_mb is None else max_mb)
     if max_mb is None and not clear and not limit:
         raise fail("the compile cache has no limit (KERNELMILL_COMPILE_CACHE_MAX_MB=0): give --max-mb or --all")
@@ -881,8 +889,10 @@ def tune_model(
     spec = ForwardSpec(model, preset, batch, seq, dtype, act)
     spec.check()
     strategy_class(strategy)  # an unknown one is a ValueError: one line, exit 2
-    if budget < 1 or not seconds > 0:
-        raise fail("--budget must be at least 1 and --seconds above 0")
+    if budget < 1:
+        raise fail("--budget must be at least 1")
+    if not 0 < seconds < math.inf:  # inf was sent, and refused by the JSON encoder ("Out of range float values")
+        raise fail(f"--seconds must be a finite number above 0, not {seconds:g}")
     if not dry_run and not server:
         raise fail("tune-model submits jobs to a service: give --server URL (or set KERNELMILL_SERVER)")
     import httpx

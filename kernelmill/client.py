@@ -349,12 +349,14 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
     return [j.model_dump() for j in jobs_out(store, rows)]
 
 
-def cancel_job(server: str | None, job_id: int) -> dict[str, Any]:
+def cancel_job(server: str | None, job_id: int) -> tuple[dict[str, Any], str | None]:
     """Asks a job to stop (a queued one is cancelled at once, a running one after its current batch) on the server,
-    or in the local database, where a `serve` or `tune` running it sees the request; returns the job. A job that
-    does not exist or has ended is a ServerError (not found, or already ended)."""
+    or in the local database, where a `serve` or `tune` running it sees the request; returns the job, and the
+    runner that had held it where the job ended at once because that runner had died (its lease lapsed: no process
+    would ever see the request). A job that does not exist or has ended is a ServerError (not found, or already
+    ended)."""
     if server:
-        return _request("POST", f"{server.rstrip('/')}/api/jobs/{job_id}/cancel", expect=JobOut)
+        return _request("POST", f"{server.rstrip('/')}/api/jobs/{job_id}/cancel", expect=JobOut), None
     from kernelmill.service.api.jobs import job_out
     from kernelmill.service.db.models import ENDED_STATES
     from kernelmill.service.db.store import Store
@@ -368,7 +370,12 @@ def cancel_job(server: str | None, job_id: int) -> dict[str, Any]:
         raise ServerError(f"no job with id {job_id} in the local database")
     if job.state in ENDED_STATES:
         raise ServerError(f"job {job_id} is already {job.state}")
-    return job_out(store, store.request_cancel(job_id)).model_dump()
+    asked = store.request_cancel(job_id)
+    # A service recovers the lapsed jobs of its database, but with none running a dead `tune`'s job stayed
+    # "running" for ever: it is ended here, as a service would (only while its lease is still lapsed).
+    if asked.state == "running" and store.recover_lapsed(job_id) == "cancelled":
+        return job_out(store, store.get_job(job_id)).model_dump(), asked.runner or "its runner"
+    return job_out(store, asked).model_dump(), None
 
 
 def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list[dict[str, Any]]:

@@ -19,7 +19,9 @@ def _default_cache_dir() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KERNELMILL_", env_file=".env", extra="ignore")
+    # No float setting means anything at inf or nan: KERNELMILL_COMPILE_CACHE_MAX_MB=inf overflowed int() in the
+    # compiler, KERNELMILL_MAX_BUDGET_SECONDS=inf let a job of infinite seconds in (its page then 500ed).
+    model_config = SettingsConfigDict(env_prefix="KERNELMILL_", env_file=".env", extra="ignore", allow_inf_nan=False)
 
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="compiled cubins and ptxas reports")
     nvcc: str = Field("nvcc", description="nvcc executable")

@@ -39,10 +39,21 @@ def base_arch(arch: str) -> str:
     return arch.rstrip("af")
 
 
+def _sm_number(base: str) -> int | None:
+    """90 for "sm_90"; None for a number of more digits than any GPU's (int() raises past 4300 of them)."""
+    digits = base.removeprefix("sm_").lstrip("0") or "0"
+    return int(digits) if len(digits) <= 4 else None
+
+
+def _shown(arch: str) -> str:
+    return arch if len(arch) <= 24 else f"{arch[:16]}... ({len(arch)} characters)"
+
+
 def too_old(arch: str) -> str | None:
     """Why GPU ``arch`` (e.g. "sm_75") cannot run kernelmill's kernels, or None."""
     base = base_arch(arch)
-    if int(base.removeprefix("sm_")) < MIN_SM:
+    number = _sm_number(base)
+    if number is not None and number < MIN_SM:
         return f"kernelmill's kernels need sm_{MIN_SM} or newer, not {base}"
     return None
 
@@ -56,9 +67,9 @@ def unknown_gpu(arch: str) -> str | None:
     for it would wait for ever and a compile would fail in nvcc. Not asked of a GPU that is there: one newer
     than this list runs wherever its nvcc targets it."""
     base = base_arch(arch)
-    number = int(base.removeprefix("sm_"))
+    number = _sm_number(base)
     if number not in KNOWN_SMS:
-        return f"{base} is not a GPU nvcc targets; known: {', '.join(f'sm_{n}' for n in KNOWN_SMS)}"
+        return f"{_shown(base)} is not a GPU nvcc targets; known: {', '.join(f'sm_{n}' for n in KNOWN_SMS)}"
     suffix = arch.removeprefix(base)
     if (suffix == "a" and number < 90) or (suffix == "f" and number < 100):  # compute_80a, compute_90f: none
         return f"{arch} is no nvcc target: the 'a' suffix starts at sm_90, the 'f' suffix at sm_100"

@@ -60,7 +60,8 @@ def create_app(
                 continue
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return JSONResponse({"detail": "; ".join(problems), "errors": jsonable(exc.errors())}, status_code=422)
+        body = {"detail": "; ".join(problems), "errors": exc.errors()}
+        return JSONResponse(jsonable(body), status_code=422)
 
     app.include_router(jobs.router)
     app.include_router(kernels.router)
@@ -140,16 +141,20 @@ class BodyLimit:
         await JSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
 
 
-def jsonable(errors):
+def jsonable(body):
+    """``body`` as JSON can hold it: what a rejected body held is echoed, and JSON has no NaN or infinity
+    and UTF-8 no lone UTF-16 surrogate (``"\\ud800"`` decodes to one), so those are echoed as text."""
     from fastapi.encoders import jsonable_encoder
 
-    def finite(value):  # a NaN or an infinity sent in a rejected body is echoed as text (JSON has neither)
+    def encodable(value):
         if isinstance(value, float) and not math.isfinite(value):
             return str(value)
+        if isinstance(value, str):
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
         if isinstance(value, dict):
-            return {k: finite(v) for k, v in value.items()}
+            return {encodable(k): encodable(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            return [finite(v) for v in value]
+            return [encodable(v) for v in value]
         return value
 
-    return finite(jsonable_encoder(errors, custom_encoder={Exception: str}))
+    return encodable(jsonable_encoder(body, custom_encoder={Exception: str}))

@@ -95,6 +95,8 @@ def validate_submission(
         raise JobError(f"budget.trials must be {_within(1, max_trials)}, got {budget_trials}")
     if budget_trials < len(parsed):  # the budget is split over the shapes, each needs a trial at least
         raise JobError(f"budget.trials: {budget_trials} cannot try {len(parsed)} shapes (one trial each at least)")
+    if not math.isfinite(budget_seconds):  # unbounded (a client's check), inf passed the range below
+        raise JobError(f"budget.seconds must be a finite number, got {budget_seconds:g}")
     if not MIN_BUDGET_SECONDS <= budget_seconds <= (max_seconds or budget_seconds):
         limits = _within(MIN_BUDGET_SECONDS, max_seconds)
         raise JobError(f"budget.seconds must be {limits} (a batch of trials takes seconds), got {budget_seconds:g}")

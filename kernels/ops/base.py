@@ -426,15 +426,19 @@ class OpSpec(ABC):
                     f"malformed shape {text!r} for {self.name}: expected {'x'.join(self.dims)}, e.g. "
                     f"{'x'.join('1024' for _ in self.dims)}"
                 )
-            shape = tuple(int(p) for p in parts)
+            self._check_dim_count(len(parts))
+            # Digits counted before int(), which raises past 4300 of them (leading zeros included).
+            magnitudes = [part.lstrip("-").lstrip("0") or "0" for part in parts]
+            for dim, part, digits in zip(self.dims, parts, magnitudes, strict=True):
+                if len(digits) > len(str(MAX_DIM)):
+                    bound = "be > 0" if part.startswith("-") else f"be at most {MAX_DIM} (kernels index in 32 bits)"
+                    raise SpecError(f"{self.name} shape dim {dim} must {bound}, got a number of {len(digits)} digits")
+            shape = tuple(-int(d) if p.startswith("-") else int(d) for p, d in zip(parts, magnitudes, strict=True))
         else:
             if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in text):
                 raise SpecError(f"malformed shape {list(text)!r} for {self.name}: dims are whole numbers")
             shape = tuple(int(v) for v in text)
-        if len(shape) != len(self.dims):
-            raise SpecError(
-                f"{self.name} takes a shape of {len(self.dims)} dims ({'x'.join(self.dims)}), got {len(shape)}"
-            )
+            self._check_dim_count(len(shape))
         for dim, value in zip(self.dims, shape, strict=True):
             if value <= 0:
                 raise SpecError(f"{self.name} shape dim {dim} must be > 0, got {value}")
@@ -443,6 +447,10 @@ class OpSpec(ABC):
                     f"{self.name} shape dim {dim} must be at most {MAX_DIM} (kernels index in 32 bits), got {value}"
                 )
         return shape
+
+    def _check_dim_count(self, count: int) -> None:
+        if count != len(self.dims):
+            raise SpecError(f"{self.name} takes a shape of {len(self.dims)} dims ({'x'.join(self.dims)}), got {count}")
 
     def resolve_attrs(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         attrs = {a.name: a.values[0] for a in self.attributes}

@@ -56,7 +56,7 @@ class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Strict: JSON true is no number of trials (it was read as 1), nor "60" a number of seconds.
     trials: StrictInt = Field(64, ge=1, description="trials over all shapes (at least one a shape)")
-    seconds: StrictFloat = Field(3600.0, gt=0, description="wall-clock limit")
+    seconds: StrictFloat = Field(3600.0, gt=0, allow_inf_nan=False, description="wall-clock limit")
 
 
 class JobCreate(BaseModel):

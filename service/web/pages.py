@@ -15,6 +15,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kernelmill import __version__
@@ -35,6 +36,22 @@ filters.register(templates.env)
 templates.env.globals.update(version=__version__, statuses=views.STATUSES, job_states=JOB_STATES)
 
 router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
+
+
+class DigitsConvertor(Convertor[str]):
+    """A path segment of ASCII digits, kept as text: Starlette's ``int`` convertor calls int() while routing, which
+    raises (a 500) on a number of over 4300 digits; the route reads it with ``_id``."""
+
+    regex = "[0-9]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return str(value)
+
+
+register_url_convertor("digits", DigitsConvertor())
 
 
 def render(request: Request, name: str, context: dict[str, Any], status_code: int = 200, nav: str = "") -> Response:
@@ -61,8 +78,22 @@ def not_found(request: Request, what: str) -> Response:
 
 
 def _page_number(raw: str | None) -> int:
-    # ASCII digits only: str.isdigit() is true of "²", which int() refuses.
-    return int(raw) if raw and raw.isascii() and raw.isdigit() and 0 < int(raw) < 10**6 else 1
+    # ASCII digits only: str.isdigit() is true of "²", which int() refuses; counted before int(), which raises
+    # past 4300 of them (leading zeros included).
+    digits = raw.lstrip("0") if raw and raw.isascii() and raw.isdigit() else ""
+    return int(digits) if digits and len(digits) <= 6 else 1
+
+
+def _id(digits: str) -> int | None:
+    """A job's or kernel's id from the URL, None outside 1..MAX_ID (the digits counted before int())."""
+    digits = digits.lstrip("0")
+    if not digits or len(digits) > len(str(MAX_ID)) or int(digits) > MAX_ID:
+        return None
+    return int(digits)
+
+
+def _shown(digits: str) -> str:
+    return digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
 
 
 @router.get("/")
@@ -101,15 +132,15 @@ async def submit_job(
     return render(request, "job_new.html", context, status_code=done.status_code, nav="new")
 
 
-def _job_context(request: Request, store: Store, job_id: int) -> dict[str, Any] | None:
+def _job_context(request: Request, store: Store, job_id: int | None) -> dict[str, Any] | None:
+    if job_id is None:
+        return None
     q = request.query_params
     sort = q.get("sort", "seq")
     if sort not in views.TRIAL_SORTS and not sort.startswith("p:"):
         sort = "seq"
     order = "desc" if q.get("order") == "desc" else "asc"
     status = q.get("status") or None
-    if job_id > MAX_ID:
-        return None
     context = views.job_page(store, job_id, sort, order, status, _page_number(q.get("page")))
     if context is not None and context["job"].state == "queued":  # waiting for a GPU none of the workers has?
         archs = [w.arch for w in request.app.state.executor.workers()]
@@ -117,30 +148,31 @@ def _job_context(request: Request, store: Store, job_id: int) -> dict[str, Any] 
     return context
 
 
-@router.get("/jobs/{job_id:int}")
-def job(request: Request, job_id: int, store: Store = Depends(get_store)) -> Response:
-    context = _job_context(request, store, job_id)
+@router.get("/jobs/{job_id:digits}")
+def job(request: Request, job_id: str, store: Store = Depends(get_store)) -> Response:
+    context = _job_context(request, store, _id(job_id))
     if context is None:
-        return not_found(request, f"job {job_id}")
+        return not_found(request, f"job {_shown(job_id)}")
     return render(request, "job.html", context, nav="jobs")
 
 
-@router.get("/jobs/{job_id:int}/live")
-def job_live(request: Request, job_id: int, store: Store = Depends(get_store)) -> Response:
+@router.get("/jobs/{job_id:digits}/live")
+def job_live(request: Request, job_id: str, store: Store = Depends(get_store)) -> Response:
     """The live part of the job page, fetched by the page's script when the job moves."""
-    context = _job_context(request, store, job_id)
+    context = _job_context(request, store, _id(job_id))
     if context is None:
-        return not_found(request, f"job {job_id}")
+        return not_found(request, f"job {_shown(job_id)}")
     return render(request, "job_live.html", context)
 
 
-@router.post("/jobs/{job_id:int}/cancel")
+@router.post("/jobs/{raw_id:digits}/cancel")
 async def cancel_job(
-    request: Request, job_id: int, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
+    request: Request, raw_id: str, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
 ) -> Response:
-    job = store.get_job(job_id) if job_id <= MAX_ID else None
+    job_id = _id(raw_id)
+    job = store.get_job(job_id) if job_id is not None else None
     if job is None:
-        return not_found(request, f"job {job_id}")
+        return not_found(request, f"job {_shown(raw_id)}")
     refused = forms.check_write(
         settings, forms.parse_body(await request.body()), request.cookies.get(forms.CSRF_COOKIE)
     )
@@ -154,11 +186,12 @@ async def cancel_job(
     return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{job_id}", status_code=303)
 
 
-@router.get("/kernels/{kernel_id:int}")
-def kernel(request: Request, kernel_id: int, store: Store = Depends(get_store)) -> Response:
-    context = views.kernel_page(store, kernel_id) if kernel_id <= MAX_ID else None
+@router.get("/kernels/{kernel_id:digits}")
+def kernel(request: Request, kernel_id: str, store: Store = Depends(get_store)) -> Response:
+    found = _id(kernel_id)
+    context = views.kernel_page(store, found) if found is not None else None
     if context is None:
-        return not_found(request, f"kernel {kernel_id}")
+        return not_found(request, f"kernel {_shown(kernel_id)}")
     return render(request, "kernel.html", context, nav="compare")
 
 

@@ -212,6 +212,15 @@ def test_a_miss_on_precision_names_the_precisions_served(client):
     assert tf32.startswith("no tuned kernel for matmul 64x64x64 float32 computed in tf32 for sm_80, at this or any")
 
 
+def test_a_dim_of_thousands_of_digits_is_422_naming_the_dim(client):
+    """int() raises past 4300 digits: the shape's parsing answered 500."""
+    resp = best(client, f"op=softmax&shape={'1' * 5000}x4")
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"] == (
+        "softmax shape dim rows must be at most 2130706432 (kernels index in 32 bits), got a number of 5000 digits"
+    )
+
+
 def test_the_kernel_list_refuses_a_dtype_or_precision_that_matches_nothing(client):
     """They answered 200 with an empty page, where /best answers 422 for the same values."""
     for query, word in (("dtype=float64", "dtype"), ("precision=bogus", "precision")):

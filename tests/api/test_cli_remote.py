@@ -71,6 +71,11 @@ def test_tune_names_its_families_and_a_bad_one_is_one_line(serve, monkeypatch):
         (["--shape", "64x64", "--budget", "1"], "error: --budget: 1 cannot try 2 shapes (one trial each at least)"),
         (["--seconds", "-1"], "error: --seconds must be at least 10 (a batch of trials takes seconds), got -1"),
         (["--shape", "1024x1024"], "error: --shape: 1024x1024 is given twice"),
+        # Not checked against this machine's limits (the server's hold): inf reached the JSON encoder, which
+        # refused it without naming --seconds ("Out of range float values are not JSON compliant").
+        (["--seconds", "inf"], "error: --seconds must be a finite number, got inf"),
+        (["--seconds", "1e400"], "error: --seconds must be a finite number, got inf"),
+        (["--seconds", "nan"], "error: --seconds must be a finite number, got nan"),
     ],
 )
 def test_tune_names_its_options_in_a_refusal_not_the_apis_fields(args, message):
@@ -301,6 +306,8 @@ def test_a_batch_too_large_for_this_host_is_one_line_not_a_memory_error_tracebac
         ([], "tune-model submits jobs to a service: give --server URL"),
         (["--strategy", "hill"], "unknown strategy 'hill'; choose one of exhaustive"),
         (["--budget", "0", "--server", SERVER], "--budget must be at least 1"),
+        (["--seconds", "inf", "--server", SERVER], "error: --seconds must be a finite number above 0, not inf"),
+        (["--seconds", "nan", "--dry-run"], "error: --seconds must be a finite number above 0, not nan"),
     ],
 )
 def test_tune_model_bad_input_is_one_line_and_exit_2(args, message, monkeypatch):
@@ -474,10 +481,32 @@ def test_cancel_a_job_on_a_server_and_in_the_local_database(serve, monkeypatch, 
                               budget_trials=4, budget_seconds=60.0)  # fmt: skip
     running = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
                                budget_trials=4, budget_seconds=60.0)  # fmt: skip
-    store.start_job(running.id, "tune@host:1", "NVIDIA H200")
+    store.start_job(running.id, "tune@host:1", "NVIDIA H200", "tune@host:1", lease_s=30.0)  # a live `tune`'s
     assert CliRunner().invoke(app, ["cancel", str(queued.id)]).output.strip() == f"job {queued.id} cancelled"
     asked = CliRunner().invoke(app, ["cancel", str(running.id)])
     assert asked.exit_code == 0 and "asked to stop; it ends after its current batch" in asked.output
-    assert store.cancel_requested(running.id) and store.get_job(queued.id).state == "cancelled"
+    assert store.cancel_requested(running.id) and store.get_job(running.id).state == "running"
+    assert store.get_job(queued.id).state == "cancelled"
     ended = CliRunner().invoke(app, ["cancel", str(queued.id)])
     assert ended.exit_code == 2 and f"job {queued.id} is already cancelled" in ended.output
+
+
+def test_cancelling_a_local_job_whose_process_died_ends_it_at_once(monkeypatch, tmp_path):
+    """A `tune` killed mid-job left it "running", its lease lapsed: without a service to recover it, cancel only
+    asked it to stop, and nothing ever would."""
+    from kernelmill.service.db.store import Store
+    from kernelmill.settings import reset_settings
+
+    url = f"sqlite:///{tmp_path}/local.db"
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
+    reset_settings()
+    store = Store(url)
+    job = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
+                           budget_trials=4, budget_seconds=60.0)  # fmt: skip
+    store.start_job(job.id, "embedded", "NVIDIA H200", "tune@host:4242", lease_s=-1.0)  # its lease has lapsed
+    result = CliRunner().invoke(app, ["cancel", str(job.id)])
+    assert result.exit_code == 0, result.output
+    said = f"job {job.id} cancelled at once: tune@host:4242, which ran it, had stopped (its lease lapsed)"
+    assert " ".join(result.output.split()) == said
+    ended = store.get_job(job.id)
+    assert ended.state == "cancelled" and ended.finished_at is not None

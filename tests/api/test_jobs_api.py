@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tests.api.conftest import SOFTMAX_JOB, wait_state
+from kernelmill.settings import Settings
+from tests.api.conftest import SOFTMAX_JOB, make_client, wait_state
 
 
 def test_job_lifecycle_serves_best_kernel(client):
@@ -88,6 +89,7 @@ def test_cancel(client):
         ({"shapes": [[1024, 0]]}, "must be > 0"),
         ({"shapes": [[1024, -3]]}, "must be > 0"),
         ({"shapes": [[1, 99999999999]]}, "must be at most 2130706432"),
+        ({"shapes": [f"{'1' * 5000}x4"]}, "rows must be at most 2130706432 (kernels index in 32 bits), got a"),
         ({"shapes": []}, "shapes"),
         ({"shapes": ["12xq"]}, "malformed shape"),
         ({"shapes": ["１２x64"]}, "malformed shape"),
@@ -240,6 +242,34 @@ def test_a_nan_in_a_rejected_body_is_echoed_as_text_in_a_422(client):
     r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and "budget.seconds" in r.json()["detail"], r.text
     assert "nan" in json.dumps(r.json()["errors"]).lower()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"op": "softmax", "shapes": ["4x4"], "arch": "\\ud800"}',
+        '{"op": "softmax", "shapes": [["\\ud800"]]}',
+        '{"\\ud800": 1}',
+        '{"op": "softmax", "shapes": ["4x4"], "budget": {"trials": 8, "seconds": "\\ud800"}}',
+    ],
+)
+def test_a_lone_surrogate_in_a_rejected_body_is_echoed_escaped_in_a_422(client, body):
+    # "\ud800" is valid JSON but no UTF-8 holds the string it decodes to: echoing it was a 500.
+    r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert "\\ud800" in r.text and "\\ud800" in json.dumps(r.json()["errors"])
+
+
+@pytest.mark.parametrize("seconds", ["Infinity", "-Infinity", "NaN"])
+def test_a_budget_of_infinite_seconds_is_422_under_any_limit(tmp_path, seconds):
+    """With KERNELMILL_MAX_BUDGET_SECONDS=inf such a job was accepted, and its page then answered 500."""
+    with pytest.raises(ValueError, match="max_budget_seconds\n  Input should be a finite number"):
+        Settings(max_budget_seconds=float("inf"))
+    body = f'{{"op": "softmax", "shapes": [[8, 8]], "budget": {{"trials": 8, "seconds": {seconds}}}}}'
+    with make_client(tmp_path, max_budget_seconds=1e308) as client:
+        r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["detail"] == "budget.seconds: Input should be a finite number", r.text
+        assert client.get("/api/jobs").json()["total"] == 0
 
 
 def test_a_body_that_is_not_json_is_422_naming_where_and_why(client):

@@ -61,6 +61,19 @@ def test_render_prints_source_with_params():
         (["jobs", "--limit", "0"], "--limit 0 is out of range 1..500"),
         (["kernels", "--op", "conv"], "unknown op 'conv'"),
         (["kernels", "--dtype", "int9"], "unknown dtype 'int9'"),
+        # Past int()'s 4300 digits: its own "Exceeds the limit" message was printed.
+        (["bench", "softmax", "--shape", f"{'1' * 5000}x4"], "dim rows must be at most 2130706432"),
+        (["tune", "softmax", "--shape", f"4x{'1' * 5000}"], "dim cols must be at most 2130706432"),
+        (["compile", "softmax", "-f", "warp_row", "--arch", f"sm_{'1' * 5000}"], "sm_1111111111111... (5003 char"),
+        (
+            ["tune", "softmax", "-s", "4x4", "--arch", f"sm_{'1' * 5000}", "--server", "http://127.0.0.1:9"],
+            "arch: sm_1111111111111... (5003 characters) is not a GPU nvcc targets",
+        ),
+        # int(inf * MB) raised OverflowError, a traceback; nan and -1 were refused in a box as "not >= 0"
+        (["cache", "prune", "--max-mb", "inf"], "error: --max-mb must be a finite number of MB, 0 or more, not inf"),
+        (["cache", "prune", "--max-mb", "1e400"], "error: --max-mb must be a finite number of MB, 0 or more, not inf"),
+        (["cache", "prune", "--max-mb", "nan"], "error: --max-mb must be a finite number of MB, 0 or more, not nan"),
+        (["cache", "prune", "--max-mb=-1"], "error: --max-mb must be a finite number of MB, 0 or more, not -1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message):
@@ -133,6 +146,18 @@ def test_empty_listings_say_so_and_how_to_fill_them(tmp_path, monkeypatch):
     )
     kernels = runner.invoke(app, ["kernels", "--op", "softmax"])
     assert kernels.exit_code == 0 and "no served softmax kernels in the local database" in kernels.output
+
+
+@pytest.mark.parametrize("job_id", ["9223372036854775808", "2147483648", "0", "-1"])
+def test_cancelling_an_id_outside_1_to_max_id_is_one_line_and_exit_2(tmp_path, monkeypatch, job_id):
+    """Past a 64-bit integer SQLite's driver raised OverflowError: a traceback."""
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{tmp_path}/jobs.db")
+    from kernelmill.service.db.store import Store
+
+    Store(f"sqlite:///{tmp_path}/jobs.db").close()
+    result = runner.invoke(app, ["cancel", "--", job_id])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: job id {job_id} is out of range 1..2147483647"
 
 
 def _free_port() -> int:
@@ -240,6 +265,19 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
         # A header carries ASCII only: no request could ever match this token, so no write could be made.
         ({"KERNELMILL_API_TOKEN": "clé"}, "error: KERNELMILL_API_TOKEN='clé': Value error, must be printable ASCII"),
         ({"KERNELMILL_API_TOKEN": ""}, "error: KERNELMILL_API_TOKEN='': Value error, is empty; unset it to leave"),
+        # inf overflowed int() in the compiler; an infinite budget let a job in whose page then answered 500.
+        (
+            {"KERNELMILL_COMPILE_CACHE_MAX_MB": "inf"},
+            "error: KERNELMILL_COMPILE_CACHE_MAX_MB='inf': Input should be a finite number",
+        ),
+        (
+            {"KERNELMILL_MAX_BUDGET_SECONDS": "1e400"},
+            "error: KERNELMILL_MAX_BUDGET_SECONDS='1e400': Input should be a finite number",
+        ),
+        (
+            {"KERNELMILL_KERNEL_TIMEOUT_S": "nan"},
+            "error: KERNELMILL_KERNEL_TIMEOUT_S='nan': Input should be a finite number",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):

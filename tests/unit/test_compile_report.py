@@ -52,6 +52,14 @@ def test_too_old_judges_the_base_arch():
     assert "sm_999 is not a GPU nvcc targets" in unknown_gpu("sm_999") and too_old("sm_999") is None
 
 
+def test_an_arch_of_thousands_of_digits_is_no_gpu_and_named_short():
+    """int() raised on over 4300 digits: the API answered 500, the CLI printed Python's limit message."""
+    arch = "sm_" + "1" * 5000
+    assert too_old(arch) is None
+    assert unknown_gpu(arch).startswith("sm_1111111111111... (5003 characters) is not a GPU nvcc targets; known:")
+    assert unknown_gpu("sm_" + "0" * 5000 + "90") is None  # leading zeros are no size
+
+
 def test_normalize_arch_rejects_garbage():
     with pytest.raises(ValueError, match="malformed arch"):
         normalize_arch("hopper")

@@ -29,6 +29,11 @@ PAGES = [
     "/jobs/{softmax}?page=%C2%B2",  # "²": a digit to str.isdigit, not to int()
     "/jobs/{softmax}/live?page=%C2%B9",
     "/jobs?page=%C2%B2",
+    f"/jobs?page={'9' * 5000}",  # past int()'s 4300 digits: the first page, as past the last
+    f"/jobs/{{softmax}}?page={'9' * 5000}",
+    f"/jobs/{{softmax}}/live?page={'9' * 5000}",
+    f"/jobs?page={'0' * 5000}1",
+    f"/jobs/{'0' * 5000}{{softmax}}",  # leading zeros are no size
     "/jobs/{fused_mlp}",
     "/jobs/{failed}",
     "/jobs/{cancelled}",
@@ -73,12 +78,21 @@ def test_static_files_are_served(seeded):
         "/jobs/2147483648",
         "/jobs/2147483648/live",
         "/kernels/2147483648",  # past PostgreSQL's INTEGER ids
+        f"/jobs/{'9' * 5000}",  # past int()'s 4300 digits: Starlette's int convertor raised, a 500
+        f"/jobs/{'9' * 5000}/live",
+        f"/kernels/{'9' * 5000}",
     ],  # fmt: skip
 )
 def test_unknown_ids_get_the_404_page(seeded, path):
     resp = seeded.get(path)
     assert resp.status_code == 404
     assert "There is no" in resp.text and "Submit a job" in resp.text
+    assert "9" * 30 not in resp.text  # a long id is named cut short
+
+
+def test_cancelling_an_id_of_thousands_of_digits_is_the_404_page(seeded):
+    resp = seeded.post(f"/jobs/{'9' * 5000}/cancel", data={}, follow_redirects=False)
+    assert resp.status_code == 404 and "(5000 digits)" in resp.text
 
 
 def test_unknown_paths_get_html_for_browsers_and_json_for_the_api(seeded):
