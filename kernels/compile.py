@@ -197,7 +197,7 @@ def normalize_arch(arch: str | None) -> str:
     m = re.fullmatch(r"(?:sm_?)?([0-9]+)\.?([0-9])?([af]?)", text, re.ASCII)
     if not m:
         raise ValueError(f"malformed arch {arch!r}; expected e.g. sm_90")
-    major_minor = m.group(1) + (m.group(2) or "")
+    major_minor = (m.group(1).lstrip("0") or "0") + (m.group(2) or "")  # sm_090 is sm_90 (a job for it waited)
     return f"sm_{major_minor}{m.group(3)}"
 
 

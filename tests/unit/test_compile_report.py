@@ -34,7 +34,10 @@ def test_parse_ptxas_per_entry():
 
 @pytest.mark.parametrize(
     ("given", "want"),
-    [(None, "sm_90"), ("90", "sm_90"), ("sm_90a", "sm_90a"), ("9.0", "sm_90"), ("compute_80", "sm_80")],
+    [
+        *[(None, "sm_90"), ("90", "sm_90"), ("sm_90a", "sm_90a"), ("9.0", "sm_90"), ("compute_80", "sm_80")],
+        *[("sm_090", "sm_90"), ("0090a", "sm_90a"), ("09.0", "sm_90"), ("sm_0", "sm_0")],  # no worker had sm_090
+    ],
 )
 def test_normalize_arch(given, want):
     assert normalize_arch(given) == want
