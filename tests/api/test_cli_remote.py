@@ -470,17 +470,8 @@ def test_cancel_a_job_on_a_server_and_in_the_local_database(serve, monkeypatch, 
     unknown = CliRunner().invoke(app, ["cancel", "99", "--server", SERVER])
     assert unknown.exit_code == 2 and "server answered 404: no job with id 99" in unknown.output
 
-    from kernelmill.service.db.store import Store
-    from kernelmill.settings import reset_settings
-
-    url = f"sqlite:///{tmp_path}/local.db"
-    monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
-    reset_settings()
-    store = Store(url)
-    queued = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
-                              budget_trials=4, budget_seconds=60.0)  # fmt: skip
-    running = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
-                               budget_trials=4, budget_seconds=60.0)  # fmt: skip
+    store = _local_store(monkeypatch, tmp_path)
+    queued, running = _local_job(store), _local_job(store)
     store.start_job(running.id, "tune@host:1", "NVIDIA H200", "tune@host:1", lease_s=30.0)  # a live `tune`'s
     assert CliRunner().invoke(app, ["cancel", str(queued.id)]).output.strip() == f"job {queued.id} cancelled"
     asked = CliRunner().invoke(app, ["cancel", str(running.id)])
@@ -491,18 +482,27 @@ def test_cancel_a_job_on_a_server_and_in_the_local_database(serve, monkeypatch, 
     assert ended.exit_code == 2 and f"job {queued.id} is already cancelled" in ended.output
 
 
-def test_cancelling_a_local_job_whose_process_died_ends_it_at_once(monkeypatch, tmp_path):
-    """A `tune` killed mid-job left it "running", its lease lapsed: without a service to recover it, cancel only
-    asked it to stop, and nothing ever would."""
+def _local_store(monkeypatch, tmp_path):
+    """The local database the CLI uses without --server, in tmp_path."""
     from kernelmill.service.db.store import Store
     from kernelmill.settings import reset_settings
 
     url = f"sqlite:///{tmp_path}/local.db"
     monkeypatch.setenv("KERNELMILL_DATABASE_URL", url)
     reset_settings()
-    store = Store(url)
-    job = store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
-                           budget_trials=4, budget_seconds=60.0)  # fmt: skip
+    return Store(url)
+
+
+def _local_job(store):
+    return store.create_job(op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random",
+                            budget_trials=4, budget_seconds=60.0)  # fmt: skip
+
+
+def test_cancelling_a_local_job_whose_process_died_ends_it_at_once(monkeypatch, tmp_path):
+    """A `tune` killed mid-job left it "running", its lease lapsed: without a service to recover it, cancel only
+    asked it to stop, and nothing ever would."""
+    store = _local_store(monkeypatch, tmp_path)
+    job = _local_job(store)
     store.start_job(job.id, "embedded", "NVIDIA H200", "tune@host:4242", lease_s=-1.0)  # its lease has lapsed
     result = CliRunner().invoke(app, ["cancel", str(job.id)])
     assert result.exit_code == 0, result.output
