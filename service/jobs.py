@@ -310,8 +310,11 @@ class JobRunner:
 
     def _recover(self) -> None:
         """Jobs whose runner died: cancelled where a cancel was asked (the job never reached it), else queued
-        again to resume. Jobs a live runner holds are not touched."""
+        again to resume. Jobs a live runner holds are not touched, nor this runner's own: their threads run, and
+        a lease of theirs found lapsed (this poll stalled past it) was just renewed, or lost to another runner."""
         for job in self.store.lapsed_jobs():
+            if job.id in self._running:
+                continue
             state = self.store.recover_lapsed(job.id)
             if state == "cancelled":
                 log.info("job %s was being cancelled when its service stopped: cancelled", job.id)

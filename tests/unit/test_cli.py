@@ -241,17 +241,24 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
 
     monkeypatch.setattr(cli, "SCHEDULER_WAIT_S", 5.0)
     monkeypatch.setattr(cli, "_not_a_scheduler", lambda address: None)  # the late listener stands in for one
-    port = _free_port()
+    # Bound now, so that no other process takes the port meanwhile; it listens only 0.7 s later.
+    late = socket.socket()
+    late.bind(("127.0.0.1", 0))
+    port = late.getsockname()[1]
     listening = []
-    timer = threading.Timer(0.7, lambda: listening.append(socket.create_server(("127.0.0.1", port))))
+
+    def listen() -> None:
+        listening.append(late)
+        late.listen()
+
+    timer = threading.Timer(0.7, listen)
     timer.start()
     try:
         cli._check_scheduler(f"tcp://127.0.0.1:{port}")  # returns once the late listener accepts
         assert listening
     finally:
         timer.join()
-        for s in listening:
-            s.close()
+        late.close()
 
 
 @pytest.mark.parametrize(

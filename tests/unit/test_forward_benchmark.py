@@ -143,11 +143,17 @@ def test_gpu_sampler_reads_nvidia_smi_or_gives_none(forward, monkeypatch, tmp_pa
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi at all
     assert forward.GpuSampler(_FakeTorch).stop() is None
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\nprintf "1980, 300.0\\n1500, 690.0\\n1490, 692.0\\n1480, 691.0\\n"\nexec sleep 30\n')
+    ready = tmp_path / "ready"
+    smi.write_text(
+        f'#!/bin/sh\nprintf "1980, 300.0\\n1500, 690.0\\n1490, 692.0\\n1480, 691.0\\n"\ntouch {ready}\nexec sleep 30\n'
+    )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     sampler = forward.GpuSampler(_FakeTorch)
-    time.sleep(0.3)  # the fake prints its samples at once, then waits to be stopped
+    deadline = time.monotonic() + 20
+    while not ready.exists():  # the fake has printed its samples and waits to be stopped (a fixed sleep raced it)
+        assert time.monotonic() < deadline, "the fake nvidia-smi never ran"
+        time.sleep(0.01)
     assert sampler.stop() == (1490.0, 691.0)
 
 
