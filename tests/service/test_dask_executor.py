@@ -147,7 +147,16 @@ def test_a_task_cancelled_under_it_is_a_lost_worker_not_a_failed_trial(executor,
         return submitted[-1]
 
     monkeypatch.setattr(executor, "submit", keep)
-    threading.Timer(1.0, lambda: submitted[0][1].cancel()).start()
+
+    def cancel_once_it_runs() -> None:  # a fixed 1 s timer found nothing submitted yet on a loaded machine
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if submitted and any(submitted[0][1].key in keys for keys in executor.client.processing().values()):
+                submitted[0][1].cancel()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=cancel_once_it_runs, daemon=True).start()
     with pytest.raises(executor_module.WorkerGone, match="lost the scheduler while GPU worker gpu0 ran a task"):
         executor.run_on("gpu0", time.sleep, 30, timeout=20)
 
