@@ -48,17 +48,22 @@ def _stub() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def stub_url():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_stub(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    # The socket is handed to uvicorn bound (a port freed and bound again could be taken meanwhile), and the wait
+    # for it has a deadline (it waited for ever where uvicorn could not start).
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_stub(), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 20
     while not server.started:
-        time.sleep(0.05)
+        assert time.monotonic() < deadline and thread.is_alive(), "the stub LLM server did not start"
+        time.sleep(0.02)
     yield f"http://127.0.0.1:{port}/v1"
     server.should_exit = True
     thread.join(5)
+    sock.close()
 
 
 @pytest.fixture
