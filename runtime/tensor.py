@@ -251,7 +251,9 @@ class Tensor:
             raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}: one dim at most may be -1, none below")
         if -1 in shape:
             known = math.prod(d for d in shape if d != -1)
-            shape[shape.index(-1)] = self.numel // known if known else 0
+            if not known:  # 0 elements: any size fits the -1 (torch refuses it too)
+                raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}: the -1 is ambiguous beside a 0")
+            shape[shape.index(-1)] = self.numel // known
         if math.prod(shape) != self.numel:
             raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}")
         if self.device == "cpu":

@@ -71,6 +71,10 @@ def test_reshape_rows_clone_copy():
     assert c.numpy().sum() == 24
     with pytest.raises(ValueError):
         t.reshape(5, 5)
+    empty = from_numpy(np.zeros((0, 3), np.float32))
+    assert empty.reshape(3, 0).shape == (3, 0) and empty.reshape(-1).shape == (0,)
+    with pytest.raises(ValueError, match=r"cannot reshape \(0, 3\) to \(0, -1\): the -1 is ambiguous"):
+        empty.reshape(0, -1)  # it gave (0, 0); torch refuses it
 
 
 def test_cpu_tensor_has_no_cuda_array_interface():
