@@ -6,6 +6,7 @@ from kernelmill.agents.evaluator import FakeEvaluator, TrialResult
 from kernelmill.agents.loop import JobPlan, run_job
 from kernelmill.agents.space import Observation, Space
 from kernelmill.agents.strategies import STRATEGIES, get_strategy
+from kernelmill.agents.strategies.guided import diagnose
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
 
@@ -481,6 +482,26 @@ def test_guided_memory_bound_profile_asks_for_more_in_flight():
     assert first.note.startswith("memory-bound at 55%")
     knob = next(k for k in base.params if base.params[k] != first.params[k])
     assert knob in {"vec", "unroll"} and first.params[knob] > base.params[knob]
+
+
+@pytest.mark.parametrize(
+    "facts, goal",
+    [
+        ({"profile": {"dram_pct": 30.0, "sm_pct": 90.0}}, "refine"),  # compute-bound: not memory-bound
+        ({"profile": {"dram_pct": 85.0, "sm_pct": 20.0}}, "refine"),  # DRAM near its peak: nothing more in flight
+        ({"profile": {"dram_pct": 55.0, "sm_pct": 20.0}}, "in_flight"),
+        (
+            {"profile": {"dram_pct": 20.0, "sm_pct": 90.0, "achieved_occupancy_pct": 20.0, "registers": 200}},
+            "occupancy",
+        ),
+        ({"roofline_pct": 30.0}, "in_flight"),  # no profile: a low share of the roofline
+        ({"roofline_pct": 90.0}, "refine"),
+        ({}, "refine"),
+    ],
+)
+def test_guided_diagnosis_follows_the_profile_and_the_roofline(facts, goal):
+    space = Space(get_op("softmax"), "float16", ["block_row"])
+    assert diagnose(Observation(space.defaults()[0], "ok", 1.0, facts))[0] == goal
 
 
 class PrecisionRecorder(FakeEvaluator):
