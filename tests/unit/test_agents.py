@@ -6,6 +6,7 @@ from kernelmill.agents.evaluator import FakeEvaluator, TrialResult
 from kernelmill.agents.loop import JobPlan, run_job
 from kernelmill.agents.space import Observation, Space
 from kernelmill.agents.strategies import STRATEGIES, get_strategy
+from kernelmill.agents.strategies.evolutionary import Evolutionary
 from kernelmill.agents.strategies.guided import diagnose
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
@@ -57,6 +58,40 @@ def test_evolutionary_draws_its_explore_share_at_random_and_breeds_the_rest(spac
     batch = strategy.propose(space, history, 10)
     children = [c for c in space.candidates if c not in space.defaults()][:8]
     assert batch[:8] == children and len(batch) == 10 and not set(batch[8:]) & set(children)
+
+
+def _bred(parents: list[Observation], seed: int, **kw) -> list:
+    """An evolutionary batch of children alone: the defaults already tried (failed), nothing drawn at random."""
+    space = Space(get_op("softmax"), "float16", ["block_row", "warp_row"])
+    history = [Observation(c, "error") for c in space.defaults()] + parents
+    return Evolutionary(seed=seed, explore=0.0, **kw).propose(space, history, 4)
+
+
+def test_evolutionary_children_can_mix_the_knobs_of_two_parents_of_one_family():
+    space = Space(get_op("softmax"), "float16", ["block_row", "warp_row"])
+    a = space.valid("block_row", {"vec": 1, "unroll": 1, "threads": 64, "fast_exp": False})
+    b = space.valid("block_row", {"vec": 4, "unroll": 4, "threads": 256, "fast_exp": False})
+    assert a and b  # every knob two steps apart: no neighbour of either is a mix of the two
+
+    def mixed(c) -> bool:
+        return (
+            c.family == "block_row"
+            and c not in (a, b)
+            and all(v in (a.params[k], b.params[k]) for k, v in c.params.items())
+        )
+
+    batches = [_bred([Observation(a, "ok", 1.0), Observation(b, "ok", 2.0)], seed) for seed in range(20)]
+    assert any(mixed(c) for batch in batches for c in batch)
+
+
+def test_evolutionary_breeds_from_the_fastest_whatever_the_historys_order():
+    space = Space(get_op("softmax"), "float16", ["block_row", "warp_row"])
+    slow = space.valid("warp_row", {"vec": 2, "unroll": 2, "rows_per_block": 2, "fast_exp": False})
+    fast = space.valid("block_row", {"vec": 2, "unroll": 2, "threads": 128, "fast_exp": False})
+    near = set(space.neighbours(fast))
+    for seed in range(5):
+        batch = _bred([Observation(slow, "ok", 2.0), Observation(fast, "ok", 1.0)], seed, population=1)
+        assert batch and set(batch) <= near
 
 
 def test_neighbours_differ_by_one_knob(space):
