@@ -1,9 +1,11 @@
 """The whole job lifecycle over REST with the fake device (logic only), and every 422/404 path."""
 
 import json
+import re
 
 import pytest
 
+from kernelmill.service.jobs import MIN_BUDGET_SECONDS, JobError, validate_submission
 from kernelmill.settings import Settings
 from tests.api.conftest import SOFTMAX_JOB, make_client, wait_state
 
@@ -270,6 +272,36 @@ def test_a_budget_of_infinite_seconds_is_422_under_any_limit(tmp_path, seconds):
         r = client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 422 and r.json()["detail"] == "budget.seconds: Input should be a finite number", r.text
         assert client.get("/api/jobs").json()["total"] == 0
+
+
+LIMITS = Settings(max_shapes=32, max_budget_trials=4096, max_budget_seconds=6 * 3600.0)
+
+
+def submit(shapes: int = 1, trials: int = 8, seconds: float = 60.0) -> dict:
+    distinct = [[8, 8 * (i + 1)] for i in range(shapes)]
+    return validate_submission(LIMITS, "softmax", distinct, "float16", "random", trials, seconds)
+
+
+@pytest.mark.parametrize(
+    "at_limit, past_limit, said",
+    [
+        ({"shapes": 3, "trials": 3}, {"shapes": 3, "trials": 2}, "budget.trials: 2 cannot try 3 shapes"),
+        ({"trials": 4096}, {"trials": 4097}, "budget.trials must be in 1..4096, got 4097"),
+        ({"trials": 1}, {"trials": 0}, "budget.trials must be in 1..4096, got 0"),
+        ({"seconds": MIN_BUDGET_SECONDS}, {"seconds": 9.999}, "budget.seconds must be in 10..21600"),
+        ({"seconds": 21600.0}, {"seconds": 21600.5}, "budget.seconds must be in 10..21600"),
+        ({"shapes": 32, "trials": 32}, {"shapes": 33, "trials": 33}, "shapes: at most 32 per job, got 33"),
+    ],
+)
+def test_a_submission_at_each_limit_is_accepted_and_one_past_it_refused(at_limit, past_limit, said):
+    assert MIN_BUDGET_SECONDS == 10.0
+    accepted = submit(**at_limit)
+    assert (len(accepted["shapes"]), accepted["budget_trials"]) == (
+        at_limit.get("shapes", 1),
+        at_limit.get("trials", 8),
+    )
+    with pytest.raises(JobError, match=re.escape(said)):
+        submit(**past_limit)
 
 
 def test_a_body_that_is_not_json_is_422_naming_where_and_why(client):

@@ -505,6 +505,23 @@ def test_a_kernel_replaced_by_one_without_a_baseline_has_no_speedup(store):
     assert (replaced.median_ms, replaced.baseline_ms, replaced.speedup) == (0.5, None, None)
 
 
+def test_a_trial_only_as_fast_as_the_served_one_does_not_replace_it(store):
+    first, tied = new_job(store), new_job(store)
+    served_first = publish(store, first, (1024, 1024), 1.0)
+    kept = publish(store, tied, (1024, 1024), 1.0, family="warp")
+    assert (kept.trial_id, kept.job_id, kept.family) == (served_first.trial_id, first.id, "rowwise")
+    assert store.best_kernel("softmax", (1024, 1024), "float16", None)[0].trial_id == served_first.trial_id
+
+
+def test_republishing_the_served_trial_with_a_baseline_updates_its_speedup(store):
+    job = new_job(store)
+    trial = store.record_trials(job.id, "1024x1024", [row("warp", ms=0.5, BLOCK=9)])[0]
+    assert store.publish(job, trial, {**served(), "baseline_ms": None}).speedup is None
+    again = store.publish(store.get_job(job.id), store.trial(trial.id), {**served(), "baseline_ms": 2.0})
+    assert again.trial_id == trial.id and again.speedup == pytest.approx(4.0)
+    assert store.best_kernel("softmax", (1024, 1024), "float16", None)[0].speedup == pytest.approx(4.0)
+
+
 def test_concurrent_publishes_serve_the_fastest(store):
     """Jobs for one problem finishing together: one served row, the fastest trial.
 

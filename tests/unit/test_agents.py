@@ -6,6 +6,8 @@ from kernelmill.agents.evaluator import FakeEvaluator, TrialResult
 from kernelmill.agents.loop import JobPlan, run_job
 from kernelmill.agents.space import Observation, Space
 from kernelmill.agents.strategies import STRATEGIES, get_strategy
+from kernelmill.agents.strategies.evolutionary import Evolutionary
+from kernelmill.agents.strategies.guided import diagnose
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
 
@@ -56,6 +58,40 @@ def test_evolutionary_draws_its_explore_share_at_random_and_breeds_the_rest(spac
     batch = strategy.propose(space, history, 10)
     children = [c for c in space.candidates if c not in space.defaults()][:8]
     assert batch[:8] == children and len(batch) == 10 and not set(batch[8:]) & set(children)
+
+
+def _bred(parents: list[Observation], seed: int, **kw) -> list:
+    """An evolutionary batch of children alone: the defaults already tried (failed), nothing drawn at random."""
+    space = Space(get_op("softmax"), "float16", ["block_row", "warp_row"])
+    history = [Observation(c, "error") for c in space.defaults()] + parents
+    return Evolutionary(seed=seed, explore=0.0, **kw).propose(space, history, 4)
+
+
+def test_evolutionary_children_can_mix_the_knobs_of_two_parents_of_one_family():
+    space = Space(get_op("softmax"), "float16", ["block_row", "warp_row"])
+    a = space.valid("block_row", {"vec": 1, "unroll": 1, "threads": 64, "fast_exp": False})
+    b = space.valid("block_row", {"vec": 4, "unroll": 4, "threads": 256, "fast_exp": False})
+    assert a and b  # every knob two steps apart: no neighbour of either is a mix of the two
+
+    def mixed(c) -> bool:
+        return (
+            c.family == "block_row"
+            and c not in (a, b)
+            and all(v in (a.params[k], b.params[k]) for k, v in c.params.items())
+        )
+
+    batches = [_bred([Observation(a, "ok", 1.0), Observation(b, "ok", 2.0)], seed) for seed in range(20)]
+    assert any(mixed(c) for batch in batches for c in batch)
+
+
+def test_evolutionary_breeds_from_the_fastest_whatever_the_historys_order():
+    space = Space(get_op("softmax"), "float16", ["block_row", "warp_row"])
+    slow = space.valid("warp_row", {"vec": 2, "unroll": 2, "rows_per_block": 2, "fast_exp": False})
+    fast = space.valid("block_row", {"vec": 2, "unroll": 2, "threads": 128, "fast_exp": False})
+    near = set(space.neighbours(fast))
+    for seed in range(5):
+        batch = _bred([Observation(slow, "ok", 2.0), Observation(fast, "ok", 1.0)], seed, population=1)
+        assert batch and set(batch) <= near
 
 
 def test_neighbours_differ_by_one_knob(space):
@@ -481,6 +517,26 @@ def test_guided_memory_bound_profile_asks_for_more_in_flight():
     assert first.note.startswith("memory-bound at 55%")
     knob = next(k for k in base.params if base.params[k] != first.params[k])
     assert knob in {"vec", "unroll"} and first.params[knob] > base.params[knob]
+
+
+@pytest.mark.parametrize(
+    "facts, goal",
+    [
+        ({"profile": {"dram_pct": 30.0, "sm_pct": 90.0}}, "refine"),  # compute-bound: not memory-bound
+        ({"profile": {"dram_pct": 85.0, "sm_pct": 20.0}}, "refine"),  # DRAM near its peak: nothing more in flight
+        ({"profile": {"dram_pct": 55.0, "sm_pct": 20.0}}, "in_flight"),
+        (
+            {"profile": {"dram_pct": 20.0, "sm_pct": 90.0, "achieved_occupancy_pct": 20.0, "registers": 200}},
+            "occupancy",
+        ),
+        ({"roofline_pct": 30.0}, "in_flight"),  # no profile: a low share of the roofline
+        ({"roofline_pct": 90.0}, "refine"),
+        ({}, "refine"),
+    ],
+)
+def test_guided_diagnosis_follows_the_profile_and_the_roofline(facts, goal):
+    space = Space(get_op("softmax"), "float16", ["block_row"])
+    assert diagnose(Observation(space.defaults()[0], "ok", 1.0, facts))[0] == goal
 
 
 class PrecisionRecorder(FakeEvaluator):
