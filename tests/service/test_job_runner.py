@@ -153,6 +153,16 @@ class _LosesItsGpu(FakeEvaluator):
         return super().evaluate(op, shape, dtype, attrs, candidates)
 
 
+def _run_until_done(runner: JobRunner, store: Store, job_id: int, caplog) -> None:
+    """Starts ``runner``, its warnings captured, until the job is done; then stops it."""
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: store.get_job(job_id).state == "done")
+        finally:
+            runner.stop()
+
+
 @pytest.mark.parametrize("where", ["facts", "evaluate", "nvcc"])
 def test_a_worker_whose_gpu_is_unavailable_is_benched_and_its_job_queued_again(store, caplog, where):
     executor = FakeExecutor(2)
@@ -161,12 +171,7 @@ def test_a_worker_whose_gpu_is_unavailable_is_benched_and_its_job_queued_again(s
     runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
     runner.bench_s = 60.0
     job = softmax_job(store, trials=12)
-    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
-        runner.start()
-        try:
-            wait_for(lambda: store.get_job(job.id).state == "done")
-        finally:
-            runner.stop()
+    _run_until_done(runner, store, job.id, caplog)
     done = store.get_job(job.id)
     assert done.worker == "fake-gpu1" and done.error is None  # the other worker finished it
     assert len(store.trials(job.id)) == 12  # batches recorded before the GPU went stay: nothing twice
@@ -189,11 +194,18 @@ class _SlowFacts(FakeEvaluator):
         return super().facts()
 
 
-def test_a_cancel_while_the_runner_reads_the_gpus_facts_wins(store):
+def _runner_on(store, evaluator, trials: int = 8):
+    """A runner whose one fake GPU worker is ``evaluator``, batches of 2, and a softmax job of ``trials``."""
     executor = FakeExecutor(1)
-    slow = executor._evaluators["fake-gpu0"] = _SlowFacts()
-    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
-    job = softmax_job(store, trials=8)
+    executor._evaluators["fake-gpu0"] = evaluator
+    return JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02), softmax_job(
+        store, trials=trials
+    )
+
+
+def test_a_cancel_while_the_runner_reads_the_gpus_facts_wins(store):
+    slow = _SlowFacts()
+    runner, job = _runner_on(store, slow)
     runner.start()
     try:
         assert slow.asked.wait(10)
@@ -278,10 +290,8 @@ class _HeldUpEvaluator(FakeEvaluator):
 def test_a_job_taken_over_while_a_batch_ran_stops_here_and_records_nothing_more(store, caplog):
     """A service held up past its lease went on running the job another service had taken over: both ran it,
     60 trials recorded against a budget of 40 and its time counted twice."""
-    executor = FakeExecutor(1)
-    held_up = executor._evaluators["fake-gpu0"] = _HeldUpEvaluator()
-    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
-    job = softmax_job(store, trials=40)
+    held_up = _HeldUpEvaluator()
+    runner, job = _runner_on(store, held_up, trials=40)
     runner.start()
     try:
         assert held_up.entered.wait(20)
@@ -305,10 +315,8 @@ def test_a_job_taken_over_while_a_batch_ran_stops_here_and_records_nothing_more(
 def test_a_runner_never_takes_its_own_running_job_for_lapsed(store):
     """A poll that stalled past the lease between renewing and recovering found the runner's own running job
     lapsed and queued it again: it then started a second time beside itself."""
-    executor = FakeExecutor(1)
-    held_up = executor._evaluators["fake-gpu0"] = _HeldUpEvaluator()
-    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
-    job = softmax_job(store, trials=8)
+    held_up = _HeldUpEvaluator()
+    runner, job = _runner_on(store, held_up)
     runner.start()
     try:
         assert held_up.entered.wait(20)
@@ -444,11 +452,6 @@ def test_a_database_error_in_a_batch_queues_the_job_again_to_resume(store, caplo
     store.record_trials = busy_once
     runner = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url, batch_size=2), poll_s=0.02)
     job = softmax_job(store, trials=8)
-    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
-        runner.start()
-        try:
-            wait_for(lambda: store.get_job(job.id).state == "done")
-        finally:
-            runner.stop()
+    _run_until_done(runner, store, job.id, caplog)
     assert f"job {job.id}: the database failed it (database is locked): queued again to resume" in caplog.text
     assert len(store.trials(job.id)) == 8 and store.get_job(job.id).error is None  # resumed to its full budget
