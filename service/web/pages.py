@@ -77,19 +77,22 @@ def not_found(request: Request, what: str) -> Response:
     return render(request, "404.html", {"what": what}, status_code=404)
 
 
-def _page_number(raw: str | None) -> int:
-    # ASCII digits only: str.isdigit() is true of "²", which int() refuses; counted before int(), which raises
-    # past 4300 of them (leading zeros included).
+def _number(raw: str | None, high: int) -> int | None:
+    """``raw`` as a number in 1..high, None where it is not one: ASCII digits only (str.isdigit() is true of
+    "²", which int() refuses), counted before int(), which raises past 4300 of them (leading zeros included)."""
     digits = raw.lstrip("0") if raw and raw.isascii() and raw.isdigit() else ""
-    return int(digits) if digits and len(digits) <= 6 else 1
+    if not digits or len(digits) > len(str(high)) or int(digits) > high:
+        return None
+    return int(digits)
+
+
+def _page_number(raw: str | None) -> int:
+    return _number(raw, 10**6 - 1) or 1
 
 
 def _id(digits: str) -> int | None:
-    """A job's or kernel's id from the URL, None outside 1..MAX_ID (the digits counted before int())."""
-    digits = digits.lstrip("0")
-    if not digits or len(digits) > len(str(MAX_ID)) or int(digits) > MAX_ID:
-        return None
-    return int(digits)
+    """A job's or kernel's id from the URL, None outside 1..MAX_ID."""
+    return _number(digits, MAX_ID)
 
 
 def _shown(digits: str) -> str:
