@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from alembic.util import CommandError
-from sqlalchemy import Engine, create_engine, event, func, or_, select, text, update
+from sqlalchemy import DateTime, Engine, create_engine, event, func, or_, select, text, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
@@ -300,9 +300,12 @@ class Store:
     ) -> Job:
         """A job that starts running at once for ``runner`` (a local ``kernelmill tune``): created already
         leased, so no service on the database can take it as queued before its runner starts it."""
-        now = utcnow()
-        held = dict(state="running", worker=worker, device_name=device_name, runner=runner, started_at=now)
-        return self.create_job(**fields, **held, lease_until=now + timedelta(seconds=lease_s))
+        with self.session() as s, s.begin():
+            now = self._now(s)
+            job = Job(**fields, state="running", worker=worker, device_name=device_name, runner=runner)
+            job.started_at, job.lease_until = now, now + timedelta(seconds=lease_s)
+            s.add(job)
+        return job
 
     def get_job(self, job_id: int) -> Job | None:
         with self.session() as s:
@@ -341,9 +344,10 @@ class Store:
         """The job, now running on ``worker`` for ``runner`` (its lease held ``lease_s`` seconds); None where
         it is no longer queued (cancelled, or started by another runner, meanwhile). One conditional UPDATE,
         so a cancel and a start, or two runners' starts, never both win."""
-        started = func.coalesce(Job.started_at, utcnow())  # a resumed job keeps its first start
-        lease = utcnow() + timedelta(seconds=lease_s) if lease_s is not None else None
         with self.session() as s, s.begin():
+            now = self._now(s)
+            started = func.coalesce(Job.started_at, now)  # a resumed job keeps its first start
+            lease = now + timedelta(seconds=lease_s) if lease_s is not None else None
             moved = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.state == "queued")
@@ -378,11 +382,16 @@ class Store:
         if not ids:
             return
         with self.session() as s, s.begin():
-            s.execute(
-                _held(update(Job).where(Job.id.in_(ids)), runner).values(
-                    lease_until=utcnow() + timedelta(seconds=lease_s)
-                )
-            )
+            lease = self._now(s) + timedelta(seconds=lease_s)
+            s.execute(_held(update(Job).where(Job.id.in_(ids)), runner).values(lease_until=lease))
+
+    def _now(self, s: Session) -> datetime:
+        """Now (UTC), by the clock leases are set and read by: the database server's where there is one
+        (PostgreSQL), so runners on hosts whose clocks differ agree on when a lease lapses; for SQLite this
+        host's, which every process opening its file shares."""
+        if self.engine.dialect.name == "postgresql":
+            return s.scalar(select(func.timezone("UTC", func.clock_timestamp(), type_=DateTime)))
+        return utcnow()
 
     def _lapsed(self, now: datetime):
         """Running jobs whose runner died: the lease lapsed, or there was none (rows older than leases)."""
@@ -390,14 +399,14 @@ class Store:
 
     def lapsed_jobs(self) -> list[Job]:
         with self.session() as s:
-            return list(s.scalars(select(Job).where(self._lapsed(utcnow())).order_by(Job.id)).all())
+            return list(s.scalars(select(Job).where(self._lapsed(self._now(s))).order_by(Job.id)).all())
 
     def recover_lapsed(self, job_id: int) -> str | None:
         """A running job whose lease lapsed: ended ``cancelled`` where a cancel was asked, else queued again.
         The new state, or None where the job is not (or no longer) lapsed: one conditional UPDATE, so a job
         whose owner renewed meanwhile, or that two runners recover at once, moves once."""
-        now = utcnow()
         with self.session() as s, s.begin():
+            now = self._now(s)
             lapsed = (Job.id == job_id) & self._lapsed(now)
             if s.execute(
                 update(Job).where(lapsed, Job.cancel_requested.is_(True)).values(state="cancelled", finished_at=now)
@@ -409,11 +418,8 @@ class Store:
     def workers_held(self, runner: str) -> set[str]:
         """The GPU workers running a job for another runner whose lease holds (not to be given a job here)."""
         with self.session() as s:
-            rows = s.scalars(
-                select(Job.worker).where(
-                    Job.state == "running", Job.runner != runner, Job.lease_until >= utcnow(), Job.worker.is_not(None)
-                )
-            )
+            held = (Job.state == "running") & (Job.runner != runner) & (Job.lease_until >= self._now(s))
+            rows = s.scalars(select(Job.worker).where(held, Job.worker.is_not(None)))
             return set(rows.all())
 
     def add_job_seconds(self, job_id: int, seconds: float, runner: str | None = None) -> bool:

@@ -293,6 +293,31 @@ def test_a_local_tune_s_job_is_created_running_and_leased(store):
     assert store.start_job(job.id, "w0", "GPU", runner="a", lease_s=60) is None
 
 
+def test_leases_are_set_and_read_by_the_database_server_s_clock(store, monkeypatch):
+    """Two services on one PostgreSQL server whose hosts' clocks differ by minutes: each set and read leases by
+    its own clock, so the one ahead took the other's live job for lapsed and ran it a second time. SQLite's
+    file is local, so every process opening it shares this host's clock."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("one host's clock: SQLite's file is opened by processes of this host only")
+    from datetime import timedelta
+
+    from kernelmill.service.db import store as store_module
+
+    real = store_module.utcnow
+    job, worker_job = new_job(store), new_job(store)
+    monkeypatch.setattr(store_module, "utcnow", lambda: real() - timedelta(minutes=5))  # a's host runs late
+    store.start_job(job.id, "w0", "GPU", runner="a", lease_s=60)
+    store.start_job(worker_job.id, "w1", "GPU", runner="a", lease_s=60)
+    monkeypatch.setattr(store_module, "utcnow", lambda: real() + timedelta(minutes=5))  # b's host runs early
+    assert store.lapsed_jobs() == [] and store.recover_lapsed(job.id) is None
+    assert store.workers_held("b") == {"w0", "w1"}
+    store.renew_leases("a", [job.id], lease_s=-1)  # lapsed by the server's clock, whatever the hosts' say
+    assert [j.id for j in store.lapsed_jobs()] == [job.id]
+    created = store.create_running_job("embedded", "GPU", "tune@a", 30.0, **new_job_fields())
+    assert created.lease_until > created.started_at and store.holds(created.id, "tune@a")
+    assert created.id not in [j.id for j in store.lapsed_jobs()]
+
+
 def test_a_device_row_inserted_by_another_service_meanwhile_is_updated(store, monkeypatch):
     """Two services meeting the same new worker both inserted its row: the loser's IntegrityError failed a
     job it had not even started."""
