@@ -296,17 +296,22 @@ class JobRunner:
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this runner, in jobs.runner
         self._benched: dict[str, float] = {}  # worker -> when it may take a job again
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the poll and the lease threads
         self._running: dict[int, threading.Thread] = {}
         self._said_waiting: set[int] = set()
-        self._leases_at = 0.0  # when leases were last renewed and lapsed ones recovered
         self.progress: dict[int, Progress] = {}
 
     def start(self) -> None:
         self._stop.clear()  # started again after stop(): its poll thread ended at once, and no job ran
         self._recover()
-        self._thread = threading.Thread(target=self._poll, name="kernelmill-jobs", daemon=True)
-        self._thread.start()
+        # Leases are renewed on a thread of their own: a poll held up (a Dask scheduler slow to answer
+        # executor.workers()) must not let the leases of the jobs running here lapse.
+        self._threads = [
+            threading.Thread(target=self._poll, name="kernelmill-jobs", daemon=True),
+            threading.Thread(target=self._keep_leases, name="kernelmill-leases", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _recover(self) -> None:
         """Jobs whose runner died: cancelled where a cancel was asked (the job never reached it), else queued
@@ -322,31 +327,32 @@ class JobRunner:
                 log.info("job %s was running when its service stopped: queued again to resume", job.id)
 
     def _keep_leases(self) -> None:
-        now = time.monotonic()
-        if now - self._leases_at < self.lease_s / 3:
-            return
-        self._leases_at = now
-        self.store.renew_leases(self.name, list(self._running), self.lease_s)
-        self._recover()
+        """Every third of a lease: the leases of the jobs running here renewed, lapsed ones recovered."""
+        while not self._stop.is_set():
+            try:
+                self.store.renew_leases(self.name, list(self._running), self.lease_s)
+                self._recover()
+            except Exception:  # noqa: BLE001 - tried again at the next turn; a job that lost its lease stops
+                log.exception("job runner: renewing leases failed")
+            self._stop.wait(self.lease_s / 3)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop polling and ask running jobs to stop at their next batch (they are queued again, to resume on
         the next start); wait for the poll thread and every job thread, ``timeout_s`` in all."""
         self._stop.set()
         deadline = time.monotonic() + timeout_s
-        if self._thread:
-            self._thread.join(timeout_s)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         jobs = list(self._running.values())  # read after the poll thread ended: it starts no job after this
         for thread in jobs:
             thread.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in [self._thread, *jobs] if t is not None and t.is_alive()]
+        alive = [t.name for t in [*self._threads, *jobs] if t.is_alive()]
         if alive:  # a batch still evaluating: its thread is a daemon and goes with the process
             log.warning("job runner: %s still running %.1f s after stop", ", ".join(alive), timeout_s)
 
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
-                self._keep_leases()
                 self._assign()
             except Exception:  # noqa: BLE001 - the runner must outlive any one bad poll
                 log.exception("job runner poll failed")

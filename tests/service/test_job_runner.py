@@ -55,7 +55,7 @@ def test_stop_joins_job_threads_and_queues_their_jobs_again(store, tmp_path):
     started = time.monotonic()
     runner.stop(timeout_s=10)
     assert time.monotonic() - started < 5  # a batch is two 20 ms trials: it stops at the next one
-    assert not threads[0].is_alive() and not runner._thread.is_alive()
+    assert not threads[0].is_alive() and not any(t.is_alive() for t in runner._threads)
     stopped = store.get_job(job.id)
     assert stopped.state == "queued" and not stopped.cancel_requested  # not cancelled, not failed: resumes
     recorded = len(store.trials(job.id))
@@ -355,6 +355,38 @@ def test_a_running_job_keeps_its_lease_and_gets_no_second_start(store):
     assert starts == [job.id] and recovered == []  # started once, never taken for lapsed
     assert len(leases) > 1 and max(leases) > min(leases)  # renewed while it ran
     assert store.lapsed_jobs() == [] and len(store.trials(job.id)) == 40
+
+
+class _StallingExecutor(FakeExecutor):
+    """Its workers() blocks while ``stalled`` is set (a Dask scheduler slow to answer), until ``resume``."""
+
+    def __init__(self) -> None:
+        super().__init__(1, delay_s=0.05)
+        self.stalled, self.resume = threading.Event(), threading.Event()
+
+    def workers(self):
+        if self.stalled.is_set():
+            self.resume.wait(30)
+        return super().workers()
+
+
+def test_a_poll_held_up_past_the_lease_does_not_let_running_jobs_leases_lapse(store):
+    """Leases were renewed by the poll thread, between asking the executor for its workers: a Dask call that
+    hung past the lease let the job running here lapse, and another service would take it over."""
+    executor = _StallingExecutor()
+    runner = JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02)
+    runner.lease_s = 1.0  # renewed every third of it: a stall of a whole lease would flake the test
+    running = softmax_job(store, trials=400)
+    runner.start()
+    try:
+        wait_for(lambda: store.get_job(running.id).state == "running")
+        executor.stalled.set()
+        softmax_job(store)  # queued: the next poll asks for workers, and hangs there
+        time.sleep(3 * runner.lease_s)
+        assert store.lapsed_jobs() == [] and store.holds(running.id, runner.name)
+    finally:
+        executor.resume.set()
+        runner.stop()
 
 
 def test_a_runner_started_again_after_a_stop_runs_jobs(store):
