@@ -96,6 +96,8 @@ class KernelEntry:
     kernel_id: int | None = None
     speedup: float | None = None
     median_ms: float | None = None
+    #: The GPU model its ``median_ms`` was timed on, where the service said (times of two models do not compare).
+    device_name: str | None = None
     note: str = ""
     #: Digest of the code its cubin was built from (``code_digest``), where known.
     code: str | None = None
@@ -569,7 +571,13 @@ class KernelRegistry:
         """The local cache's kernel for the problem, of each precision this registry takes the fastest."""
         found = [self._from_local_in(spec, shape, dtype, attrs, notes, p) for p in self._precisions(spec, dtype)]
         found = [entry for entry in found if entry is not None]
-        return min(found, key=lambda e: e.median_ms or math.inf) if found else None
+        # As the service's answers are ranked: the kernel timed on this GPU model first, then the faster.
+        mine = self._gpu_model()
+        return min(found, key=lambda e: (bool(mine) and e.device_name != mine, e.median_ms or math.inf), default=None)
+
+    def _gpu_model(self) -> str | None:
+        """This GPU's model name (the one kernels were timed on), or None without a GPU backend."""
+        return self.backend.device.info.name if self.backend is not None else None
 
     def _from_local_in(self, spec, shape, dtype, attrs, notes, precision: str) -> KernelEntry | None:
         meta_path, cubin_path = self._local_paths(spec.name, shape, dtype, attrs, precision)
@@ -604,6 +612,7 @@ class KernelRegistry:
             kernel_id=meta.get("kernel_id"),
             speedup=meta.get("speedup"),
             median_ms=meta.get("median_ms"),
+            device_name=meta.get("device_name"),
             note="from the local cache",
             code=meta.get("code"),
             rebuilt=bool(meta.get("rebuilt")),
@@ -656,6 +665,7 @@ class KernelRegistry:
             "kernel_id": entry.kernel_id,
             "speedup": entry.speedup,
             "median_ms": entry.median_ms,
+            "device_name": entry.device_name,
             "server": self.server,
             "code": entry.code,
             "rebuilt": entry.rebuilt,
@@ -779,7 +789,7 @@ class KernelRegistry:
             return None
         # Exact shapes first, then the kernel tuned on this GPU model (the service prefers it within an arch; the
         # arches' answers, sm_90 and sm_90a, may come from other models, whose times do not compare), then the faster.
-        mine = self.backend.device.info.name if self.backend is not None else None
+        mine = self._gpu_model()
         answers.sort(
             key=lambda k: (
                 not k.get("exact"),
@@ -839,6 +849,7 @@ class KernelRegistry:
             kernel_id=served["id"],
             speedup=served.get("speedup"),
             median_ms=served.get("median_ms"),
+            device_name=served.get("device_name"),
             code=code_digest(served["source"]) if served.get("source") else None,
             served=digest,
         )

@@ -607,6 +607,35 @@ def test_the_kernel_tuned_on_this_gpu_model_is_taken_before_a_faster_time_on_ano
     assert chosen("b") == 2
 
 
+def test_of_the_cached_precisions_the_kernel_timed_on_this_gpu_model_is_taken_first(tmp_path):
+    """The local cache's IEEE and TF32 kernels were ranked by their times alone, though one was timed on an
+    H100 and the other on this H200: as with the service's answers, this GPU model's comes first."""
+    ieee = _fused_kernel(op="matmul", shape=[64, 64, 64], attrs={}, family="simt", dtype="float32", exact=True)
+    ieee.update(params=get_op("matmul").family("simt").defaults("float32"), median_ms=0.05, device_name="NVIDIA H200")
+    tf32 = {**ieee, "id": 8, "family": "tensorcore", "params": TensorCoreCore().defaults("float32"), "median_ms": 0.01}
+    tf32["device_name"] = "NVIDIA H100"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
+            return httpx.Response(200, json=tf32 if request.url.params.get("precision") == "tf32" else ieee)
+        if request.url.path.endswith("/cubin"):
+            return httpx.Response(200, content=request.url.path.encode())
+        return httpx.Response(404, json={"detail": "none"})
+
+    def on(gpu: str, **kw) -> int:
+        device = SimpleNamespace(info=SimpleNamespace(name=gpu, sm_count=132), load=lambda cubin, key: None)
+        backend = SimpleNamespace(arch="sm_90", device=device, capturing_graph=False)
+        client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+        reg = KernelRegistry(
+            client=client, backend=backend, cache_dir=tmp_path, compiler=_NoCompile(), check=False, **kw
+        )
+        return reg.get("matmul", (64, 64, 64), "float32").kernel_id
+
+    assert on("NVIDIA H200") == 7 and on("NVIDIA H100", allow_tf32=True) == 8  # both cached now
+    assert on("NVIDIA H200", allow_tf32=True, use_service=False) == 7
+    assert on("NVIDIA H100", allow_tf32=True, use_service=False) == 8
+
+
 def test_an_exact_kernel_whose_launches_are_not_this_versions_is_passed_over(tmp_path):
     problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
     # The entries this version launches for the served parameters (served with no source: nothing to rebuild).
