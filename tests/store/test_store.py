@@ -668,6 +668,30 @@ def test_nearest_shape_ties_prefer_this_gpu_model_then_the_highest_speedup_then_
     assert nearest_shape([Served(5, [1024]), Served(6, [4096])], [2048]) == (5, False)  # no speedups: the first
     assert nearest_shape(served, [4096], "NVIDIA H200") == (2, True)  # the exact shape before any other
     assert nearest_shape(served, [4096, 1]) is None  # no shape of that rank
+    # No GPU model asked for: a kernel whose model is unrecorded is not taken for "this model's".
+    assert nearest_shape([Served(7, [2048], None, 1.0), Served(8, [2048], "NVIDIA H100", 3.0)], [2048]) == (8, True)
+
+
+def test_best_trial_of_a_gpu_model_takes_unrecorded_models_and_warm_starts_come_from_other_jobs(store):
+    """A job resumed on another GPU model serves what was timed on that model, or on one not recorded (trials
+    from before the column); warm starts are other jobs' best trials, never the job's own."""
+    job, other = new_job(store), new_job(store)
+    timed = [
+        {**row("rowwise", ms=0.5, BLOCK=1), "device_name": "NVIDIA H100"},
+        {**row("rowwise", ms=0.8, BLOCK=2), "device_name": None},
+        {**row("rowwise", ms=0.9, BLOCK=3), "device_name": "NVIDIA H200"},
+    ]
+    store.record_trials(job.id, "1024x1024", timed)
+    assert store.best_trial(job.id, "1024x1024").params == {"BLOCK": 1}
+    assert store.best_trial(job.id, "1024x1024", "NVIDIA H200").params == {"BLOCK": 2}
+    assert store.best_trial(job.id, "1024x1024", "NVIDIA H100").params == {"BLOCK": 1}
+    store.record_trials(other.id, "1024x1024", [row("rowwise", ms=2.0, BLOCK=4)])
+    assert [(t.params, j.id) for t, j in store.best_trials_elsewhere(store.get_job(job.id))] == [
+        ({"BLOCK": 4}, other.id)
+    ]
+    assert [(t.params, j.id) for t, j in store.best_trials_elsewhere(store.get_job(other.id))] == [
+        ({"BLOCK": 1}, job.id)
+    ]
 
 
 def test_served_problems_lists_each_problem_of_an_op_once(store):
