@@ -455,6 +455,14 @@ def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):
     assert [c.params["BLOCK"] for c in warm] == [1, 2, 3]  # distances 0, 2 (dtype), 2 x ln 4 = 2.77
     assert warm[0].note == f"warm start: best of softmax 1024x1024 float16 on ? (job {same.id})"
     assert len(StoreRecorder(store, job.id).warm_start("1024x1024", limit=2)) == 2
+    # Another GPU model of the arch counts 0.5 further: this model's job at a shape ln(1300 / 1024) = 0.24 away
+    # comes before the other model's at this very shape.
+    store.update_job(job.id, device_name="NVIDIA H200")
+    store.update_job(same.id, device_name="NVIDIA H100")
+    near = finished([1300, 1024], "float16", "sm_90", block=7)
+    store.update_job(near.id, device_name="NVIDIA H200")
+    warm = StoreRecorder(store, job.id).warm_start("1024x1024")
+    assert [c.params["BLOCK"] for c in warm][:2] == [7, 1]  # 0.24 against 0 + 0.5
 
 
 def test_a_job_for_an_arch_waits_for_a_worker_of_that_arch():
