@@ -429,6 +429,9 @@ def test_a_job_resumed_on_another_gpu_model_is_timed_and_served_on_that_model_al
     (kernel,), _ = store.list_kernels()
     assert (kernel.device_name, kernel.median_ms, kernel.params) == ("NVIDIA H100", 0.030, {"BLOCK": 2})
     assert kernel.baseline_ms == 0.080
+    # A baseline of no recorded GPU model (rows from before the column) is the job's own: kept, not timed again.
+    store.record_baseline(job.id, "4096x512", 0.2, None)
+    assert resumed.baseline("4096x512") == (True, 0.2)
 
 
 def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):
