@@ -3,7 +3,8 @@
 ``load_model(path, device=, dtype=)`` reads
 
 * a HuggingFace BERT checkpoint directory (config.json + model.safetensors, or pytorch_model.bin, or the shards
-  either's index names): ``BertModel``, whose forward gives the last hidden state. Encoders with absolute
+  either's index names; ``model_type`` bert, or none and ``architectures`` naming BERT classes only):
+  ``BertModel``, whose forward gives the last hidden state. Encoders with absolute
   position embeddings only (``is_decoder``, cross-attention and relative positions are refused); every tensor is
   checked against the config's sizes at load, and tensors left unused (more layers than ``num_hidden_layers``)
   are an error, but for what HF's BertModel leaves unused too (id buffers, the pooler, task heads of a
@@ -1436,6 +1437,24 @@ def _unloadable(exc: Exception) -> str:
     return f"is not a PyTorch file that torch.load reads with weights_only=True ({cause})"
 
 
+#: HF's BERT classes, as a config's ``architectures`` names them (BertGeneration* is another model type).
+_BERT_ARCHITECTURE = re.compile(r"Bert(Model|LMHeadModel|For[A-Za-z]+)")
+
+
+def _model_type_of_architectures(config: dict[str, Any], path: Path) -> str:
+    """The model type "bert" for a config without ``model_type`` whose ``architectures`` names BERT classes
+    only, or a ValueError: such a config was read as BERT whatever it was (a RoBERTa's has BERT's tensor names
+    and ran silently, its positions offset by two)."""
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and all(isinstance(a, str) and _BERT_ARCHITECTURE.fullmatch(a) for a in archs):
+        return "bert"
+    named = f"architectures {json.dumps(archs)}, not BERT classes alone" if archs else "no architectures"
+    raise ValueError(
+        f"{path} has no model_type and {named}: the model is not known to be a BERT (BERT only; "
+        'add "model_type": "bert" if it is one)'
+    )
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     """A HuggingFace config.json, or ValueError naming the file and what is wrong with it."""
     try:
@@ -1444,7 +1463,7 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object")
-    model_type = config.get("model_type", "bert")
+    model_type = config["model_type"] if "model_type" in config else _model_type_of_architectures(config, path)
     if model_type != "bert":  # before the other checks, which name BERT's fields
         raise ValueError(f"{path}: model_type {model_type!r} is not supported (BERT only)")
     if "num_attention_heads" not in config:

@@ -8,6 +8,7 @@ bfloat16 goes through both (NumPy holds it as ml_dtypes.bfloat16).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,23 @@ def _check_device(device: str) -> str:
     return device
 
 
+def _dims(shape: Any, what: str, least: int | None = 0) -> tuple[int, ...]:
+    """``shape`` as a tuple of whole numbers >= ``least`` (None: any; an int alone is a 1-d shape, as NumPy and
+    torch take it), or an error naming ``what``: int() cut a 2.5 to 2 and read "3" as 3, and an int failed as
+    "not iterable"."""
+    dims = (shape,) if isinstance(shape, int | np.integer) else shape
+    try:
+        dims = tuple(dims)
+        if any(isinstance(d, bool | np.bool_) for d in dims):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(f"{what}: a shape is whole numbers, got {shape!r}") from None
+    if least is not None and any(d < least for d in dims):
+        raise ValueError(f"{what}: a shape's dims must be at least {least}, got {shape!r}")
+    return dims
+
+
 def _backend():
     from kernelmill.runtime.backend import get_backend
 
@@ -96,7 +114,7 @@ class Tensor:
     @classmethod
     @on_device(cuda_args_only=True)
     def empty(cls, shape, dtype: str = "float32", device: str = "cpu") -> Tensor:
-        shape = tuple(int(d) for d in shape)
+        shape = _dims(shape, "Tensor.empty")
         device = _check_device(device)
         if device == "cpu":
             return cls(shape, dtype, device, array=np.empty(shape, dtype=numpy_dtype(dtype)))
@@ -106,7 +124,7 @@ class Tensor:
     @classmethod
     @on_device(cuda_args_only=True)
     def zeros(cls, shape, dtype: str = "float32", device: str = "cpu") -> Tensor:
-        t = cls.empty(shape, dtype, device)
+        t = cls.empty(_dims(shape, "Tensor.zeros"), dtype, device)
         if t.device == "cpu":
             t.array[...] = 0
         else:
@@ -246,7 +264,7 @@ class Tensor:
         """A view with another shape (same memory); one dim may be -1."""
         if len(shape) == 1 and isinstance(shape[0], tuple | list):
             shape = tuple(shape[0])
-        shape = list(int(d) for d in shape)
+        shape = list(_dims(shape, f"cannot reshape {self.shape}", least=None))
         if shape.count(-1) > 1 or any(d < -1 for d in shape):
             raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}: one dim at most may be -1, none below")
         if -1 in shape:

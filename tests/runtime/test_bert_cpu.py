@@ -220,7 +220,13 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
     # A HF directory whose pytorch_model.bin is not a state_dict of tensors: AttributeErrors before.
     hf = tmp_path / "hf"
     hf.mkdir()
-    config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = {
+        "model_type": "bert",
+        "vocab_size": 50,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     (hf / "config.json").write_text(json.dumps(config))
     for content, message in (
         ([torch.zeros(2)], "pytorch_model.bin holds a list, not a state_dict of tensors"),
@@ -238,12 +244,15 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
         (b"\xff\xfe{}", "config.json is not valid JSON"),
         ("[1, 2]", "config.json holds a JSON list, not an object"),
         (
-            '{"num_hidden_layers": 2}',
+            '{"model_type": "bert", "num_hidden_layers": 2}',
             "config.json: num_attention_heads is missing \\(the tensors cannot say how many heads\\)",
         ),
-        ('{"num_hidden_layers": "2", "num_attention_heads": 2}', "num_hidden_layers must be a positive whole number"),
         (
-            '{"num_hidden_layers": 1, "num_attention_heads": 2, "layer_norm_eps": "abc"}',
+            '{"model_type": "bert", "num_hidden_layers": "2", "num_attention_heads": 2}',
+            "num_hidden_layers must be a positive whole number",
+        ),
+        (
+            '{"model_type": "bert", "num_hidden_layers": 1, "num_attention_heads": 2, "layer_norm_eps": "abc"}',
             "config.json: layer_norm_eps must be a small positive number, got 'abc'",
         ),
     ],
@@ -256,7 +265,13 @@ def test_a_broken_config_json_is_a_one_line_error_naming_the_file(tmp_path, conf
 
 
 def test_a_checkpoint_missing_a_weight_is_a_one_line_error_naming_it(tmp_path):
-    config = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = {
+        "model_type": "bert",
+        "vocab_size": 50,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     torch.save({"bert.embeddings.word_embeddings.weight": torch.zeros(50, 32)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="checkpoint has no bert.embeddings.position_embeddings.weight"):
@@ -894,6 +909,38 @@ def test_load_errors_say_what_is_wrong_first(bert_dir, tmp_path):
         message = str(err.value)
         assert message.startswith(f"{path / 'model.safetensors'} is not a readable safetensors file (")
         assert "\n" not in message
+
+
+def test_a_config_without_model_type_is_bert_only_where_its_architectures_say_so(bert_dir, tmp_path):
+    """A config.json without model_type was read as BERT's whatever it was: a RoBERTa's (BERT's tensor names,
+    positions from padding_idx + 1) loaded and ran silently, its output all wrong."""
+    src, ref_model = bert_dir
+    ids = np.random.default_rng(15).integers(0, 211, size=(2, 7))
+    with torch.no_grad():
+        want = ref_model(input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    for architectures in (["BertModel"], ["BertForMaskedLM", "BertForPreTraining"]):
+        path = _variant(bert_dir, tmp_path / architectures[0], model_type=None, architectures=architectures)
+        assert rel_err(runtime.load_model(path, device="cpu").forward(ids).numpy(), want) < 1e-4
+    roberta = tmp_path / "roberta"
+    config = transformers.RobertaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48
+    )
+    transformers.RobertaModel(config, add_pooling_layer=False).save_pretrained(roberta)
+    assert _refusal(roberta) == f"{roberta / 'config.json'}: model_type 'roberta' is not supported (BERT only)"
+    fields = json.loads((roberta / "config.json").read_text())
+    del fields["model_type"]
+    for architectures, named in (
+        (["RobertaModel"], 'architectures ["RobertaModel"], not BERT classes alone'),
+        (["BertModel", "RobertaModel"], 'architectures ["BertModel", "RobertaModel"], not BERT classes alone'),
+        (["BertGenerationEncoder"], 'architectures ["BertGenerationEncoder"], not BERT classes alone'),
+        (None, "no architectures"),
+        ([], "no architectures"),
+    ):
+        (roberta / "config.json").write_text(json.dumps({**fields, "architectures": architectures}))
+        assert _refusal(roberta) == (
+            f"{roberta / 'config.json'} has no model_type and {named}: the model is not known to be a BERT "
+            '(BERT only; add "model_type": "bert" if it is one)'
+        )
 
 
 def test_act_is_refused_for_a_bert_directory(bert_dir):

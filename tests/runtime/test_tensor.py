@@ -86,3 +86,20 @@ def test_bad_device_and_dtype():
         Tensor.empty((2,), "float32", "tpu")
     with pytest.raises(TypeError):
         from_numpy(np.zeros(2, dtype=np.complex64))
+
+
+def test_shapes_are_whole_numbers_and_an_int_is_a_1d_shape():
+    """int() cut a 2.5 to 2 and read "3" as 3 (torch and NumPy refuse both), and Tensor.zeros(5) failed with
+    "'int' object is not iterable" where torch.zeros(5) and np.zeros(5) give 5 zeros."""
+    assert Tensor.zeros(5).shape == (5,) and Tensor.empty(np.int64(2)).shape == (2,)
+    assert Tensor.zeros([2, np.int32(3)]).shape == (2, 3) and Tensor.zeros(()).shape == ()
+    for shape in ((2.5,), ("3",), (True,), None):
+        with pytest.raises(TypeError, match=r"^Tensor.zeros: a shape is whole numbers, got "):
+            Tensor.zeros(shape)
+    with pytest.raises(ValueError, match=r"^Tensor.empty: a shape's dims must be at least 0, got \(2, -1\)$"):
+        Tensor.empty((2, -1))  # before any allocation, on either device
+    t = from_numpy(np.arange(6, dtype=np.float32))
+    assert t.reshape(np.int64(2), 3).shape == (2, 3) and t.reshape([3, -1]).shape == (3, 2)
+    for dims in ((2.9, 3), ("2", 3), (True, 6)):
+        with pytest.raises(TypeError, match=r"^cannot reshape \(6,\): a shape is whole numbers, got "):
+            t.reshape(*dims)
