@@ -49,7 +49,8 @@ class LlmProposer:
             try:
                 out = self._ask(space, history, n)
                 why = f"the LLM gave {len(out)} valid of {n}"
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            # RecursionError: json's decoder gives up on nesting a thousand levels deep (a hostile or broken answer)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
                 why = f"LLM answer unusable ({type(exc).__name__}: {exc})"
                 log.warning("llm proposer: %s; using the guided strategy", why)
         if len(out) < n:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from kernelmill.agents.space import Space
 from kernelmill.agents.strategies.llm import LlmProposer
@@ -37,6 +37,8 @@ def _stub() -> FastAPI:
         body = await request.json()
         PROMPTS.append(json.loads(body["messages"][1]["content"]))
         answer = ANSWERS.pop(0)
+        if isinstance(answer, Response):  # sent as it is: a body that is not the usual JSON
+            return answer
         if answer == "500":
             from fastapi.responses import PlainTextResponse
 
@@ -103,3 +105,15 @@ def test_no_endpoint_means_guided(space, monkeypatch):
     monkeypatch.delenv("KERNELMILL_LLM_URL", raising=False)
     batch = LlmProposer().propose(space, [], 2)
     assert len(batch) == 2 and all("no LLM endpoint" in c.note for c in batch)
+
+
+@pytest.mark.parametrize("where", ["content", "body"])
+def test_json_nested_too_deep_falls_back_to_guided(stub_url, space, where):
+    """json.loads raises RecursionError past ~1000 levels, which the proposer let through: the job failed."""
+    nested = "[" * 100_000 + "]" * 100_000
+    if where == "content":
+        ANSWERS.append('{"candidates": ' + nested + "}")
+    else:
+        ANSWERS.append(Response(nested, media_type="application/json"))
+    batch = LlmProposer(url=stub_url).propose(space, [], 3)
+    assert len(batch) == 3 and all("unusable" in c.note and "guided" in c.note for c in batch)
