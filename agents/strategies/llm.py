@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,10 +77,14 @@ class LlmProposer:
 
 def parse_answer(content: str) -> list[dict[str, Any]]:
     """The candidates list from the model's text (tolerates a fenced code block)."""
-    match = re.search(r"\{.*\}", content, re.S)
-    if match is None:
+    if not isinstance(content, str):
+        raise TypeError(f"the answer's content is {type(content).__name__}, not text")
+    # From the first "{" to the last "}", found by two scans: the regex r"\{.*\}" that said the same backtracked
+    # from every "{" where no "}" followed, in time quadratic in the answer's length.
+    start, end = content.find("{"), content.rfind("}")
+    if start < 0 or end < start:
         raise ValueError("no JSON object in the answer")
-    data = json.loads(match.group(0))
+    data = json.loads(content[start : end + 1])
     items = data["candidates"]
     if not isinstance(items, list):
         raise ValueError("'candidates' is not a list")

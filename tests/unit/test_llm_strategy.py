@@ -93,7 +93,15 @@ def test_valid_answers_are_used_with_reasons_and_invalid_dropped(stub_url, space
     _asked_about_softmax()
 
 
-@pytest.mark.parametrize("bad", ["500", "no json here", json.dumps({"candidates": "nope"})])
+def _choice(content) -> Response:
+    return Response(json.dumps({"choices": [{"message": {"content": content}}]}), media_type="application/json")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["500", "no json here", json.dumps({"candidates": "nope"}), _choice(None), _choice({"candidates": []})],
+    ids=["500", "no-json", "not-a-list", "null-content", "object-content"],
+)
 def test_bad_answers_fall_back_to_guided(stub_url, space, bad):
     ANSWERS.append(bad)
     batch = LlmProposer(url=stub_url).propose(space, [], 4)
@@ -117,3 +125,14 @@ def test_json_nested_too_deep_falls_back_to_guided(stub_url, space, where):
         ANSWERS.append(Response(nested, media_type="application/json"))
     batch = LlmProposer(url=stub_url).propose(space, [], 3)
     assert len(batch) == 3 and all("unusable" in c.note and "guided" in c.note for c in batch)
+
+
+def test_a_long_answer_of_unclosed_braces_is_refused_in_linear_time():
+    """The search for a JSON object backtracked from every '{': 100000 of them took ~5 s, a megabyte ~10 min."""
+    from kernelmill.agents.strategies.llm import parse_answer
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="no JSON object"):
+        parse_answer("{" * 100_000)
+    assert time.monotonic() - started < 1.0
+    assert parse_answer('Sure!\n```json\n{"candidates": [{"family": "x"}]}\n```') == [{"family": "x"}]
