@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,9 @@ SYSTEM = (
     'parameter sets likely to be faster. Answer only JSON: {"candidates": [{"family": str, "params": {...}, '
     '"reason": str}]}, with values taken from the allowed lists.'
 )
+
+#: The most of an answer that is read: a few candidates take a few kB, and a larger answer is not held in memory.
+MAX_ANSWER_BYTES = 1 << 20
 
 
 class LlmProposer:
@@ -69,10 +73,27 @@ class LlmProposer:
                 {"role": "user", "content": _prompt(space, history, n)},
             ],
         }
-        resp = httpx.post(f"{self.url}/chat/completions", json=body, headers=headers, timeout=self.timeout_s)
-        resp.raise_for_status()
-        content = resp.json()["choices"][0]["message"]["content"]
+        # httpx's timeout bounds each read, not the answer: a server sending a byte a second held the job for as
+        # long as it liked. The answer is read as it comes, against a deadline and a size.
+        deadline = time.monotonic() + self.timeout_s
+        url = f"{self.url}/chat/completions"
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=self.timeout_s) as resp:
+            resp.raise_for_status()
+            raw = _read_answer(resp, deadline, self.timeout_s)
+        content = json.loads(raw)["choices"][0]["message"]["content"]
         return validate(space, history, parse_answer(content), n)
+
+
+def _read_answer(resp: httpx.Response, deadline: float, timeout_s: float) -> bytes:
+    """``resp``'s body; httpx.ReadTimeout once ``deadline`` passes, ValueError past MAX_ANSWER_BYTES."""
+    body = bytearray()
+    for chunk in resp.iter_bytes():
+        body += chunk
+        if len(body) > MAX_ANSWER_BYTES:
+            raise ValueError(f"the answer is over {MAX_ANSWER_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s", request=resp.request)
+    return bytes(body)
 
 
 def parse_answer(content: str) -> list[dict[str, Any]]:

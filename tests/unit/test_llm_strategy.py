@@ -8,6 +8,7 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from kernelmill.agents.space import Space
 from kernelmill.agents.strategies.llm import LlmProposer
@@ -136,3 +137,41 @@ def test_a_long_answer_of_unclosed_braces_is_refused_in_linear_time():
         parse_answer("{" * 100_000)
     assert time.monotonic() - started < 1.0
     assert parse_answer('Sure!\n```json\n{"candidates": [{"family": "x"}]}\n```') == [{"family": "x"}]
+
+
+def _streamed(pieces: int, piece: bytes, pause_s: float) -> StreamingResponse:
+    """``pieces`` of ``piece`` (JSON's whitespace), ``pause_s`` apart, then a valid answer of one candidate."""
+    good = {"vec": 8, "unroll": 4, "threads": 512, "fast_exp": True}
+    answer = json.dumps({"candidates": [{"family": "block_row", "params": good}]})
+
+    async def body():
+        import asyncio
+
+        for _ in range(pieces):
+            yield piece
+            await asyncio.sleep(pause_s)
+        yield json.dumps({"choices": [{"message": {"content": answer}}]}).encode()
+
+    return StreamingResponse(body(), media_type="application/json")
+
+
+@pytest.mark.parametrize(
+    ("pieces", "piece", "pause_s", "said"),
+    [
+        (60, b" ", 0.05, "ReadTimeout: no whole answer within 0.5 s"),  # a byte at a time: 3 s in all
+        (80, b" " * 65536, 0.0, "over 1048576 bytes"),  # 5 MiB: read whole into memory
+    ],
+    ids=["trickled", "huge"],
+)
+def test_an_answer_slower_than_the_timeout_or_too_large_falls_back_unread(
+    stub_url, space, pieces, piece, pause_s, said
+):
+    """httpx's timeout bounds each read, not the answer: a server that sent a byte within each kept the job
+    waiting as long as it liked, and any size was read into memory."""
+    ANSWERS.append(_streamed(pieces, piece, pause_s))
+    proposer = LlmProposer(url=stub_url)
+    proposer.timeout_s = 0.5
+    started = time.monotonic()
+    batch = proposer.propose(space, [], 2)
+    assert time.monotonic() - started < 2.0
+    assert len(batch) == 2 and all(said in c.note and "guided" in c.note for c in batch), batch[0].note
