@@ -116,7 +116,9 @@ def validate(space: Space, history: Sequence[Observation], items: list[dict[str,
     seen = seen_keys(history)
     out = []
     for item in items:
-        if not isinstance(item, dict) or item.get("family") not in space.families:
+        if not isinstance(item, dict) or not isinstance(item.get("family"), str):  # a list is not hashable
+            continue
+        if item["family"] not in space.families:
             continue
         fam = space.families[item["family"]]
         params = item.get("params")

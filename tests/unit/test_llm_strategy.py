@@ -175,3 +175,13 @@ def test_an_answer_slower_than_the_timeout_or_too_large_falls_back_unread(
     batch = proposer.propose(space, [], 2)
     assert time.monotonic() - started < 2.0
     assert len(batch) == 2 and all(said in c.note and "guided" in c.note for c in batch), batch[0].note
+
+
+def test_an_item_whose_family_is_not_a_name_is_dropped_alone(stub_url, space):
+    """A family given as a list or an object raised TypeError in the lookup, and the valid items beside it were
+    dropped with it."""
+    good = {"vec": 8, "unroll": 4, "threads": 512, "fast_exp": True}
+    items = [{"family": ["block_row"], "params": good}, {"family": {}}, {"family": "block_row", "params": good}]
+    ANSWERS.append(json.dumps({"candidates": items}))
+    batch = LlmProposer(url=stub_url).propose(space, [], 1)
+    assert [(c.family, c.params, c.note) for c in batch] == [("block_row", good, "llm: ")]
