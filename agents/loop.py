@@ -177,10 +177,19 @@ def run_job(
         total += len(history)
         failed += sum(1 for o in history if not o.ok)
 
+    # The shapes are walked in order, each published before the next starts: one followed by a shape with recorded
+    # trials was finished by an earlier start (its trials, its plateau or its share of the time), and a resumed
+    # job leaves it so. It was searched again, with the time of the shapes after it.
+    keys = [format_shape(s) for s in plan.shapes]
+    finished = {key for i, key in enumerate(keys) if any(histories[later] for later in keys[i + 1 :])}
+
     profiler_works = True  # until ncu says it cannot run here
     for index, (shape, per_shape) in enumerate(zip(plan.shapes, shares, strict=False)):
         key = format_shape(shape)
         history = histories[key]
+        if key in finished:
+            log.info("job %s %s: finished before this start, with %d trials", plan.job_id, key, len(history))
+            continue
         # The time left shared by the shapes left (what one leaves unused passes on): the first shape of a job
         # took the whole time budget, and the others not even a baseline.
         shape_start = clock()

@@ -194,11 +194,14 @@ def test_a_warm_start_that_is_also_a_shape_default_is_tried_once():
 
 def test_loop_resumes_from_history_without_rerunning():
     rec = MemoryRecorder()
-    run_job(plan(budget_trials=10), FakeEvaluator(), rec)
+    rec.cancel_after = 8  # stopped (a service stopping) within the first shape
+    run_job(plan(budget_trials=20), FakeEvaluator(), rec)
     first = [r.candidate.key for r in rec.trials["256x256"]]
+    rec.cancel_after = None
     run_job(plan(budget_trials=20), FakeEvaluator(), rec)
     keys = [r.candidate.key for r in rec.trials["256x256"]]
-    assert keys[: len(first)] == first and len(keys) == 10 and len(set(keys)) == 10
+    assert len(first) == 8 and keys[:8] == first and len(keys) == 10 and len(set(keys)) == 10
+    assert len(rec.trials["64x1000"]) == 10
 
 
 def test_loop_stops_on_cancel_and_on_time():
@@ -313,6 +316,26 @@ def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
     assert ran < 400
     run_job(job, FakeEvaluator(fail_every=0), rec)  # resumed: the plateau is already reached
     assert len(rec.trials["256x256"]) == ran
+
+
+def test_a_resumed_job_leaves_the_shapes_an_earlier_start_finished():
+    """A shape the first start had left at its share of the time was searched again when the job resumed, taking
+    the time of the shapes after it (12 trials grew to 16, and the second shape got 4 trials, not 8)."""
+    now = [0.0]
+
+    class Slow(FakeEvaluator):
+        def evaluate(self, *args, **kwargs):
+            now[0] += 10.0  # a batch
+            return super().evaluate(*args, **kwargs)
+
+    rec = MemoryRecorder()
+    rec.cancel_after = 14  # the service stops during the second shape's first batch
+    job = plan(shapes=[(256, 256), (64, 1000)], budget_trials=400, budget_seconds=100, batch_size=2, plateau=1000)
+    assert run_job(job, Slow(fail_every=0), rec, clock=lambda: now[0]) == "cancelled"
+    assert {k: len(v) for k, v in rec.trials.items()} == {"256x256": 12, "64x1000": 2}  # the first at 60 s of 50
+    rec.cancel_after, job.budget_seconds = None, 100 - now[0]  # resumed with the 30 s left
+    assert run_job(job, Slow(fail_every=0), rec, clock=lambda: now[0]) == "done"
+    assert {k: len(v) for k, v in rec.trials.items()} == {"256x256": 12, "64x1000": 2 + 8}
 
 
 def test_warm_start_candidates_go_right_after_the_shape_defaults_with_their_reason(space):
