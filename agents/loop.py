@@ -19,7 +19,7 @@ from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
 from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import format_shape
+from kernelmill.kernels.ops.base import SpecError, format_shape
 from kernelmill.kernels.render import render
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,18 @@ def run_job(
     n_shapes = max(1, len(plan.shapes))
     shares = [max(1, plan.budget_trials // n_shapes + (i < plan.budget_trials % n_shapes)) for i in range(n_shapes)]
     space = Space(spec, plan.dtype, plan.families).for_arch(facts.arch)
+    # Every shape's candidates on this GPU, before any is searched: the submission's check (Space.refuses) cannot
+    # know the GPU of a job for any arch, and one whose families run on none of it (wgmma off sm_90) timed PyTorch
+    # and ended "done" without a trial or a word.
+    shape_spaces = {format_shape(s): space.for_shape(tuple(s)) for s in plan.shapes}
+    for shape in plan.shapes:
+        key = format_shape(shape)
+        if not len(shape_spaces[key]):
+            refused = Space.refuses(spec, plan.dtype, tuple(shape), list(space.families))
+            raise SpecError(
+                f"{key}: no variant of {plan.op} {plan.dtype} ({', '.join(space.families)}) runs at this shape on "
+                f"{facts.arch}" + (f": {refused}" if refused else "")
+            )
     total = failed = 0
     histories = {format_shape(s): recorder.observations(format_shape(s)) for s in plan.shapes}
     for history in histories.values():
@@ -200,9 +212,7 @@ def run_job(
             baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs, space.precision)
             recorder.record_baseline(key, baseline, facts.name)
         strategy = get_strategy(plan.strategy, seed=plan.job_id)
-        shape_space = space.for_shape(tuple(shape))
-        if not len(shape_space):
-            log.warning("job %s %s: no variant of %s accepts this shape", plan.job_id, key, plan.op)
+        shape_space = shape_spaces[key]
         # Trials since the last gain of 1%, counted over the recorded ones too: a resumed job whose shape had
         # reached its plateau moved on at once, not after another plateau's worth of trials.
         best, since_gain = None, 0

@@ -367,6 +367,20 @@ def test_a_search_on_a_gpu_without_wgmma_never_tries_it():
     assert len(rec.trials["256x1024x1024"]) == 12 and "wgmma" not in families and "tensorcore" in families
 
 
+def test_a_job_with_a_shape_no_variant_runs_at_on_its_gpu_fails_saying_so():
+    """A job for any arch naming wgmma, run on an sm_80 GPU: it timed PyTorch and ended "done" without a trial or
+    a word beyond a log line that blamed the shape."""
+    rec = MemoryRecorder()
+    job = plan(op="matmul", shapes=[(256, 512, 512), (64, 64, 64)], families=["wgmma"], budget_trials=20)
+    said = r"^256x512x512: no variant of matmul float16 \(wgmma\) runs at this shape on sm_80$"
+    with pytest.raises(SpecError, match=said):
+        run_job(job, FakeEvaluator(arch="sm_80", fail_every=0), rec)
+    assert rec.baselines == {} and rec.trials == {}
+    refused = r"^64x64x64: no variant of matmul float16 \(gemv\) runs at this shape on sm_90: M=64 > max_m=32"
+    with pytest.raises(SpecError, match=refused):  # the shape's own reason, where the families refuse it anywhere
+        run_job(plan(op="matmul", shapes=[(64, 64, 64)], families=["gemv"]), FakeEvaluator(), rec)
+
+
 class SkippingEvaluator(FakeEvaluator):
     """Its first batch: the first candidate faults and poisons the context, the others are skipped."""
 
