@@ -3,7 +3,8 @@
 It receives the template, the parameter space and the history; its answers are
 validated against the space (unknown families, values outside a knob's list,
 broken constraints and repeats are dropped), and whatever it does not supply —
-a bad answer, a timeout, no endpoint configured — comes from the guided strategy.
+a bad answer, a timeout, no endpoint configured — comes from the guided strategy (after a timeout, for the
+rest of the shape's search: the endpoint is not asked again there).
 """
 
 from __future__ import annotations
@@ -44,14 +45,23 @@ class LlmProposer:
         self.model = model or settings.llm_model
         self.timeout_s = settings.llm_timeout_s
         self.fallback = Guided(seed)
+        #: Why the endpoint is not asked again (the loop makes a proposer per shape: in this search): it timed
+        #: out, and each batch waited the timeout out again, spending the job's time budget on waiting.
+        self.given_up: str | None = None
 
     def propose(self, space: Space, history: Sequence[Observation], n: int) -> list[Candidate]:
         out: list[Candidate] = []
         why = "no LLM endpoint configured (KERNELMILL_LLM_URL)"
-        if self.url:
+        if self.url and self.given_up:
+            why = self.given_up
+        elif self.url:
             try:
                 out = self._ask(space, history, n)
                 why = f"the LLM gave {len(out)} valid of {n}"
+            except httpx.TimeoutException as exc:
+                why = f"LLM answer unusable ({type(exc).__name__}: {exc})"
+                self.given_up = f"the LLM timed out earlier in this search ({exc}): not asked again"
+                log.warning("llm proposer: %s; using the guided strategy for the rest of this search", why)
             # RecursionError: json's decoder gives up on nesting a thousand levels deep (a hostile or broken answer)
             except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
                 why = f"LLM answer unusable ({type(exc).__name__}: {exc})"

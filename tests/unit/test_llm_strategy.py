@@ -185,3 +185,17 @@ def test_an_item_whose_family_is_not_a_name_is_dropped_alone(stub_url, space):
     ANSWERS.append(json.dumps({"candidates": items}))
     batch = LlmProposer(url=stub_url).propose(space, [], 1)
     assert [(c.family, c.params, c.note) for c in batch] == [("block_row", good, "llm: ")]
+
+
+def test_an_endpoint_that_timed_out_is_not_asked_again_in_that_search(stub_url, space):
+    """Each batch waited out the timeout again (30 s by default): a search of 64 batches spent half an hour of
+    its time budget on a server that did not answer."""
+    ANSWERS.append(_streamed(40, b" ", 0.05))  # 2 s, against a timeout of 0.3 s
+    proposer = LlmProposer(url=stub_url)
+    proposer.timeout_s = 0.3
+    first = proposer.propose(space, [], 2)
+    started = time.monotonic()
+    second = proposer.propose(space, [], 2)
+    assert time.monotonic() - started < 0.25 and len(PROMPTS) == 1
+    assert all("ReadTimeout" in c.note for c in first)
+    assert len(second) == 2 and all(c.note.startswith("the LLM timed out earlier in this search") for c in second)
