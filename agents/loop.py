@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -233,7 +234,8 @@ def run_job(
                 log.info("job %s %s: its share of the time budget spent", plan.job_id, key)
                 break
             if since_gain >= plan.plateau:
-                log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
+                if best is not None:  # none verified: said below, with what they failed with
+                    log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
                 break
             n = min(plan.batch_size, per_shape - len(history))
             seen = {o.candidate.key for o in history}
@@ -280,6 +282,12 @@ def run_job(
         # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).
         if recorder.cancelled():
             return "cancelled"
+        if best is None and history:
+            statuses = Counter(o.status for o in history).most_common()
+            log.warning(
+                "job %s %s: none of its %d trials verified (%s): nothing served", plan.job_id, key, len(history),
+                ", ".join(f"{count} {status}" for status, count in statuses),
+            )  # fmt: skip
         if profiler_works and clock() <= shape_deadline:  # profiling takes seconds a shape: not past its time
             profiler_works = _profile_best(plan, evaluator, recorder, shape, history, shape_deadline, clock)
         if recorder.cancelled():

@@ -306,6 +306,24 @@ def test_the_plateau_counts_trials_since_the_last_gain_of_one_percent():
     assert [t.median_ms for t in rec.trials["256x256"]] == [10.0, 9.0, 8.95, 8.92, 7.0, 6.95, 6.94, 6.93, 6.92]
 
 
+def test_a_shape_whose_every_trial_failed_says_so_with_the_statuses_not_plateau(caplog):
+    """48 failures in a row were logged as "plateau after 48 trials", at info, as if the search had converged."""
+
+    class Failing(FakeEvaluator):
+        def evaluate(self, op, shape, dtype, attrs, candidates):
+            statuses = ("compile_error", "compile_error", "wrong_result")
+            return [TrialResult(c.family, c.params, statuses[i % 3], "boom") for i, c in enumerate(candidates)]
+
+    rec = MemoryRecorder()
+    with caplog.at_level("INFO", logger="kernelmill.agents.loop"):
+        assert run_job(plan(shapes=[(256, 256)], budget_trials=100, plateau=12, batch_size=6), Failing(), rec) == "done"
+    assert len(rec.trials["256x256"]) == 12 and rec.published == {}
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "256x256" in r.getMessage()]
+    assert said == [
+        ("WARNING", "job 1 256x256: none of its 12 trials verified (8 compile_error, 4 wrong_result): nothing served")
+    ]
+
+
 def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
     """Restarted, it began counting from 0 and spent another plateau's worth of trials on a shape that had
     stopped improving, before the shapes it had not reached."""
