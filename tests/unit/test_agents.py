@@ -356,6 +356,28 @@ def test_a_resumed_job_leaves_the_shapes_an_earlier_start_finished():
     assert {k: len(v) for k, v in rec.trials.items()} == {"256x256": 12, "64x1000": 2 + 8}
 
 
+@pytest.mark.parametrize("strategy", ["guided", "evolutionary"])
+@pytest.mark.parametrize("change", ["value", "knob added", "family renamed"])
+def test_a_job_resumed_past_a_change_of_a_templates_knobs_goes_on(space, strategy, change):
+    """Its trials recorded before an upgrade changed a knob (a value dropped, a knob added) or renamed a family
+    were parents whose knob values were not in the list: ValueError ("3 is not in list") or KeyError, and the
+    resumed job failed."""
+    block_row = next(c for c in space.defaults() if c.family == "block_row").params
+    stale = {**block_row, "vec": 3} if change == "value" else {k: v for k, v in block_row.items() if k != "vec"}
+    family = "old_row" if change == "family renamed" else "block_row"
+    stale = block_row if change == "family renamed" else stale
+    rec = MemoryRecorder()
+    old = [
+        TrialResult("block_row", block_row, "ok", median_ms=0.1),
+        TrialResult(family, stale, "ok", median_ms=0.2),  # a parent of each strategy (the second fastest)
+    ]
+    rec.trials["256x256"] = old
+    job = plan(shapes=[(256, 256)], strategy=strategy, budget_trials=18, batch_size=8)
+    assert run_job(job, FakeEvaluator(fail_every=0), rec) == "done"
+    keys = [r.candidate.key for r in rec.trials["256x256"]]
+    assert len(keys) == 18 and len(set(keys)) == 18
+
+
 def test_warm_start_candidates_go_right_after_the_shape_defaults_with_their_reason(space):
     """The defaults first: a small share spent on warm starts left the runtime's own default untried."""
     from kernelmill.agents.loop import shape_defaults
