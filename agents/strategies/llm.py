@@ -46,7 +46,8 @@ class LlmProposer:
         self.timeout_s = settings.llm_timeout_s
         self.fallback = Guided(seed)
         #: Why the endpoint is not asked again (the loop makes a proposer per shape: in this search): it timed
-        #: out, and each batch waited the timeout out again, spending the job's time budget on waiting.
+        #: out, and each batch waited the timeout out again, spending the job's time budget on waiting; or its URL
+        #: cannot be parsed.
         self.given_up: str | None = None
 
     def propose(self, space: Space, history: Sequence[Observation], n: int) -> list[Candidate]:
@@ -58,6 +59,9 @@ class LlmProposer:
             try:
                 out = self._ask(space, history, n)
                 why = f"the LLM gave {len(out)} valid of {n}"
+            except httpx.InvalidURL as exc:  # not an httpx.HTTPError; and asking again would say the same
+                why = self.given_up = f"KERNELMILL_LLM_URL {self.url!r} is not a URL httpx can ask ({exc})"
+                log.warning("llm proposer: %s; using the guided strategy", why)
             except httpx.TimeoutException as exc:
                 why = f"LLM answer unusable ({type(exc).__name__}: {exc})"
                 self.given_up = f"the LLM timed out earlier in this search ({exc}): not asked again"

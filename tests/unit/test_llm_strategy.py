@@ -199,3 +199,11 @@ def test_an_endpoint_that_timed_out_is_not_asked_again_in_that_search(stub_url, 
     assert time.monotonic() - started < 0.25 and len(PROMPTS) == 1
     assert all("ReadTimeout" in c.note for c in first)
     assert len(second) == 2 and all(c.note.startswith("the LLM timed out earlier in this search") for c in second)
+
+
+def test_an_endpoint_url_httpx_cannot_parse_falls_back_naming_the_setting(space):
+    """httpx.InvalidURL is not an httpx.HTTPError: a typo in KERNELMILL_LLM_URL failed every llm job."""
+    proposer = LlmProposer(url="http://[::1/v1")  # the "]" missing
+    for _ in range(2):  # the second batch says the same, asking nothing
+        batch = proposer.propose(space, [], 2)
+        assert len(batch) == 2 and all(c.note.startswith("KERNELMILL_LLM_URL 'http://[::1/v1' ") for c in batch)
