@@ -158,6 +158,7 @@ class LocalEvaluator:
         from kernelmill.kernels.evaluate import evaluate
         from kernelmill.kernels.ops import get_op
         from kernelmill.kernels.ops.base import SpecError
+        from kernelmill.kernels.render import RenderError
         from kernelmill.kernels.variant import Variant
         from kernelmill.kernels.verify import fresh_seeds
 
@@ -177,8 +178,9 @@ class LocalEvaluator:
         targets: dict[str, list[str]] = {}
         for v in variants:
             if isinstance(v, Variant):
-                with contextlib.suppress(SpecError):
-                    targets.setdefault(v.family.target(arch, v.params), []).append(v.source)
+                with contextlib.suppress(SpecError, RenderError):  # evaluate() records a RenderError as the trial's
+                    target, source = v.family.target(arch, v.params), v.source
+                    targets.setdefault(target, []).append(source)
         for target, sources in targets.items():
             self.compiler.compile_many(sources, target)
         results: list[TrialResult] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
 from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, default_params
 from kernelmill.kernels.ops import get_op
-from kernelmill.kernels.ops.base import format_shape
+from kernelmill.kernels.ops.base import SpecError, format_shape
 from kernelmill.kernels.render import render
 
 log = logging.getLogger(__name__)
@@ -171,16 +172,37 @@ def run_job(
     n_shapes = max(1, len(plan.shapes))
     shares = [max(1, plan.budget_trials // n_shapes + (i < plan.budget_trials % n_shapes)) for i in range(n_shapes)]
     space = Space(spec, plan.dtype, plan.families).for_arch(facts.arch)
+    # Every shape's candidates on this GPU, before any is searched: the submission's check (Space.refuses) cannot
+    # know the GPU of a job for any arch, and one whose families run on none of it (wgmma off sm_90) timed PyTorch
+    # and ended "done" without a trial or a word.
+    shape_spaces = {format_shape(s): space.for_shape(tuple(s)) for s in plan.shapes}
+    for shape in plan.shapes:
+        key = format_shape(shape)
+        if not len(shape_spaces[key]):
+            refused = Space.refuses(spec, plan.dtype, tuple(shape), list(space.families))
+            raise SpecError(
+                f"{key}: no variant of {plan.op} {plan.dtype} ({', '.join(space.families)}) runs at this shape on "
+                f"{facts.arch}" + (f": {refused}" if refused else "")
+            )
     total = failed = 0
     histories = {format_shape(s): recorder.observations(format_shape(s)) for s in plan.shapes}
     for history in histories.values():
         total += len(history)
         failed += sum(1 for o in history if not o.ok)
 
+    # The shapes are walked in order, each published before the next starts: one followed by a shape with recorded
+    # trials was finished by an earlier start (its trials, its plateau or its share of the time), and a resumed
+    # job leaves it so. It was searched again, with the time of the shapes after it.
+    keys = [format_shape(s) for s in plan.shapes]
+    finished = {key for i, key in enumerate(keys) if any(histories[later] for later in keys[i + 1 :])}
+
     profiler_works = True  # until ncu says it cannot run here
     for index, (shape, per_shape) in enumerate(zip(plan.shapes, shares, strict=False)):
         key = format_shape(shape)
         history = histories[key]
+        if key in finished:
+            log.info("job %s %s: finished before this start, with %d trials", plan.job_id, key, len(history))
+            continue
         # The time left shared by the shapes left (what one leaves unused passes on): the first shape of a job
         # took the whole time budget, and the others not even a baseline.
         shape_start = clock()
@@ -191,9 +213,7 @@ def run_job(
             baseline = evaluator.baseline_ms(plan.op, shape, plan.dtype, plan.attrs, space.precision)
             recorder.record_baseline(key, baseline, facts.name)
         strategy = get_strategy(plan.strategy, seed=plan.job_id)
-        shape_space = space.for_shape(tuple(shape))
-        if not len(shape_space):
-            log.warning("job %s %s: no variant of %s accepts this shape", plan.job_id, key, plan.op)
+        shape_space = shape_spaces[key]
         # Trials since the last gain of 1%, counted over the recorded ones too: a resumed job whose shape had
         # reached its plateau moved on at once, not after another plateau's worth of trials.
         best, since_gain = None, 0
@@ -214,7 +234,8 @@ def run_job(
                 log.info("job %s %s: its share of the time budget spent", plan.job_id, key)
                 break
             if since_gain >= plan.plateau:
-                log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
+                if best is not None:  # none verified: said below, with what they failed with
+                    log.info("job %s %s: plateau after %d trials", plan.job_id, key, len(history))
                 break
             n = min(plan.batch_size, per_shape - len(history))
             seen = {o.candidate.key for o in history}
@@ -261,6 +282,12 @@ def run_job(
         # A cancel asked during the last batch: cancelled, as at any other batch (it ended "done" and published).
         if recorder.cancelled():
             return "cancelled"
+        if best is None and history:
+            statuses = Counter(o.status for o in history).most_common()
+            log.warning(
+                "job %s %s: none of its %d trials verified (%s): nothing served", plan.job_id, key, len(history),
+                ", ".join(f"{count} {status}" for status, count in statuses),
+            )  # fmt: skip
         if profiler_works and clock() <= shape_deadline:  # profiling takes seconds a shape: not past its time
             profiler_works = _profile_best(plan, evaluator, recorder, shape, history, shape_deadline, clock)
         if recorder.cancelled():

@@ -147,12 +147,17 @@ class Space:
         return cand if cand in self else None
 
     def neighbours(self, candidate: Candidate) -> list[Candidate]:
-        """Valid points that differ from ``candidate`` by one knob moved one step."""
-        fam = self.families[candidate.family]
+        """Valid points that differ from ``candidate`` by one knob moved one step (none from a point of a knob set
+        the family no longer has: a trial recorded before an upgrade)."""
+        fam = self.families.get(candidate.family)
+        if fam is None:  # a family since renamed or removed
+            return []
         params = candidate.params
         out = []
         for knob in fam.params:
             values = list(knob.values)
+            if params.get(knob.name) not in values:  # recorded before the knob changed (an upgrade): no step from it
+                continue
             i = values.index(params[knob.name])
             for j in (i - 1, i + 1):
                 if 0 <= j < len(values):

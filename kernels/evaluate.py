@@ -9,6 +9,7 @@ from kernelmill.kernels.bench import L2Flusher, Timing, time_it
 from kernelmill.kernels.compile import CompiledKernel, CompileError, Compiler, NvccMissing
 from kernelmill.kernels.device import Device, DeviceFault
 from kernelmill.kernels.ops.base import SpecError
+from kernelmill.kernels.render import RenderError
 from kernelmill.kernels.variant import BoundVariant, Variant
 from kernelmill.kernels.verify import ReferenceCache, VerifyResult, verify
 
@@ -64,7 +65,7 @@ def evaluate(
         compiled = variant.compile(compiler, arch)
     except NvccMissing:  # the machine, not the variant: every trial here would be "compile_error"
         raise
-    except CompileError as exc:
+    except (CompileError, RenderError) as exc:  # a template that cannot render this point fails it alone
         return Evaluation(variant, shape, COMPILE_ERROR, str(exc))
     except SpecError as exc:  # no target on this GPU (wgmma off sm_90)
         return Evaluation(variant, shape, UNSUPPORTED, str(exc))

@@ -39,7 +39,8 @@ class Evolutionary:
 
     def _child(self, space, parents: list[Candidate]) -> Candidate | None:
         a = self.rng.choice(parents)
-        mates = [p for p in parents if p.family == a.family and p != a]
+        # Of the same knobs: a trial recorded before an upgrade changed its family's knobs has others
+        mates = [p for p in parents if p.family == a.family and p != a and p.params.keys() == a.params.keys()]
         if mates and self.rng.random() < 0.5:
             b = self.rng.choice(mates)
             pa, pb = a.params, b.params

@@ -194,11 +194,14 @@ def test_a_warm_start_that_is_also_a_shape_default_is_tried_once():
 
 def test_loop_resumes_from_history_without_rerunning():
     rec = MemoryRecorder()
-    run_job(plan(budget_trials=10), FakeEvaluator(), rec)
+    rec.cancel_after = 8  # stopped (a service stopping) within the first shape
+    run_job(plan(budget_trials=20), FakeEvaluator(), rec)
     first = [r.candidate.key for r in rec.trials["256x256"]]
+    rec.cancel_after = None
     run_job(plan(budget_trials=20), FakeEvaluator(), rec)
     keys = [r.candidate.key for r in rec.trials["256x256"]]
-    assert keys[: len(first)] == first and len(keys) == 10 and len(set(keys)) == 10
+    assert len(first) == 8 and keys[:8] == first and len(keys) == 10 and len(set(keys)) == 10
+    assert len(rec.trials["64x1000"]) == 10
 
 
 def test_loop_stops_on_cancel_and_on_time():
@@ -303,6 +306,24 @@ def test_the_plateau_counts_trials_since_the_last_gain_of_one_percent():
     assert [t.median_ms for t in rec.trials["256x256"]] == [10.0, 9.0, 8.95, 8.92, 7.0, 6.95, 6.94, 6.93, 6.92]
 
 
+def test_a_shape_whose_every_trial_failed_says_so_with_the_statuses_not_plateau(caplog):
+    """48 failures in a row were logged as "plateau after 48 trials", at info, as if the search had converged."""
+
+    class Failing(FakeEvaluator):
+        def evaluate(self, op, shape, dtype, attrs, candidates):
+            statuses = ("compile_error", "compile_error", "wrong_result")
+            return [TrialResult(c.family, c.params, statuses[i % 3], "boom") for i, c in enumerate(candidates)]
+
+    rec = MemoryRecorder()
+    with caplog.at_level("INFO", logger="kernelmill.agents.loop"):
+        assert run_job(plan(shapes=[(256, 256)], budget_trials=100, plateau=12, batch_size=6), Failing(), rec) == "done"
+    assert len(rec.trials["256x256"]) == 12 and rec.published == {}
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "256x256" in r.getMessage()]
+    assert said == [
+        ("WARNING", "job 1 256x256: none of its 12 trials verified (8 compile_error, 4 wrong_result): nothing served")
+    ]
+
+
 def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
     """Restarted, it began counting from 0 and spent another plateau's worth of trials on a shape that had
     stopped improving, before the shapes it had not reached."""
@@ -313,6 +334,48 @@ def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
     assert ran < 400
     run_job(job, FakeEvaluator(fail_every=0), rec)  # resumed: the plateau is already reached
     assert len(rec.trials["256x256"]) == ran
+
+
+def test_a_resumed_job_leaves_the_shapes_an_earlier_start_finished():
+    """A shape the first start had left at its share of the time was searched again when the job resumed, taking
+    the time of the shapes after it (12 trials grew to 16, and the second shape got 4 trials, not 8)."""
+    now = [0.0]
+
+    class Slow(FakeEvaluator):
+        def evaluate(self, *args, **kwargs):
+            now[0] += 10.0  # a batch
+            return super().evaluate(*args, **kwargs)
+
+    rec = MemoryRecorder()
+    rec.cancel_after = 14  # the service stops during the second shape's first batch
+    job = plan(shapes=[(256, 256), (64, 1000)], budget_trials=400, budget_seconds=100, batch_size=2, plateau=1000)
+    assert run_job(job, Slow(fail_every=0), rec, clock=lambda: now[0]) == "cancelled"
+    assert {k: len(v) for k, v in rec.trials.items()} == {"256x256": 12, "64x1000": 2}  # the first at 60 s of 50
+    rec.cancel_after, job.budget_seconds = None, 100 - now[0]  # resumed with the 30 s left
+    assert run_job(job, Slow(fail_every=0), rec, clock=lambda: now[0]) == "done"
+    assert {k: len(v) for k, v in rec.trials.items()} == {"256x256": 12, "64x1000": 2 + 8}
+
+
+@pytest.mark.parametrize("strategy", ["guided", "evolutionary"])
+@pytest.mark.parametrize("change", ["value", "knob added", "family renamed"])
+def test_a_job_resumed_past_a_change_of_a_templates_knobs_goes_on(space, strategy, change):
+    """Its trials recorded before an upgrade changed a knob (a value dropped, a knob added) or renamed a family
+    were parents whose knob values were not in the list: ValueError ("3 is not in list") or KeyError, and the
+    resumed job failed."""
+    block_row = next(c for c in space.defaults() if c.family == "block_row").params
+    stale = {**block_row, "vec": 3} if change == "value" else {k: v for k, v in block_row.items() if k != "vec"}
+    family = "old_row" if change == "family renamed" else "block_row"
+    stale = block_row if change == "family renamed" else stale
+    rec = MemoryRecorder()
+    old = [
+        TrialResult("block_row", block_row, "ok", median_ms=0.1),
+        TrialResult(family, stale, "ok", median_ms=0.2),  # a parent of each strategy (the second fastest)
+    ]
+    rec.trials["256x256"] = old
+    job = plan(shapes=[(256, 256)], strategy=strategy, budget_trials=18, batch_size=8)
+    assert run_job(job, FakeEvaluator(fail_every=0), rec) == "done"
+    keys = [r.candidate.key for r in rec.trials["256x256"]]
+    assert len(keys) == 18 and len(set(keys)) == 18
 
 
 def test_warm_start_candidates_go_right_after_the_shape_defaults_with_their_reason(space):
@@ -342,6 +405,20 @@ def test_a_search_on_a_gpu_without_wgmma_never_tries_it():
     assert run_job(job, FakeEvaluator(arch="sm_80", fail_every=0), rec) == "done"
     families = {r.candidate.family for r in rec.trials["256x1024x1024"]}
     assert len(rec.trials["256x1024x1024"]) == 12 and "wgmma" not in families and "tensorcore" in families
+
+
+def test_a_job_with_a_shape_no_variant_runs_at_on_its_gpu_fails_saying_so():
+    """A job for any arch naming wgmma, run on an sm_80 GPU: it timed PyTorch and ended "done" without a trial or
+    a word beyond a log line that blamed the shape."""
+    rec = MemoryRecorder()
+    job = plan(op="matmul", shapes=[(256, 512, 512), (64, 64, 64)], families=["wgmma"], budget_trials=20)
+    said = r"^256x512x512: no variant of matmul float16 \(wgmma\) runs at this shape on sm_80$"
+    with pytest.raises(SpecError, match=said):
+        run_job(job, FakeEvaluator(arch="sm_80", fail_every=0), rec)
+    assert rec.baselines == {} and rec.trials == {}
+    refused = r"^64x64x64: no variant of matmul float16 \(gemv\) runs at this shape on sm_90: M=64 > max_m=32"
+    with pytest.raises(SpecError, match=refused):  # the shape's own reason, where the families refuse it anywhere
+        run_job(plan(op="matmul", shapes=[(64, 64, 64)], families=["gemv"]), FakeEvaluator(), rec)
 
 
 class SkippingEvaluator(FakeEvaluator):

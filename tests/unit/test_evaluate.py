@@ -1,0 +1,53 @@
+"""A variant's evaluation where it ends before a GPU is needed (kernels/evaluate.py, LocalEvaluator's batch)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from kernelmill.agents.evaluator import LocalEvaluator
+from kernelmill.agents.space import Candidate
+from kernelmill.kernels.evaluate import COMPILE_ERROR, evaluate
+from kernelmill.kernels.ops import get_op
+from kernelmill.kernels.variant import Variant
+
+#: Renders for vec 4, not for vec 8: a plugin template's bug in one branch (StrictUndefined).
+BROKEN = "{% if vec == 8 %}{{ not_a_knob }}{% endif %}__global__ void softmax_block_row() {}\n"
+
+
+@pytest.fixture
+def broken(tmp_path, monkeypatch):
+    """softmax's block_row family with a template that cannot render at vec=8, added to softmax as "broken"."""
+    (tmp_path / "broken.cu.j2").write_text(BROKEN)
+    spec = get_op("softmax")
+    block_row = spec.family("block_row")
+    family = type("Broken", (type(block_row),), {"name": "broken", "template": "broken.cu.j2"})()
+    family.template_root = tmp_path
+    monkeypatch.setitem(spec.families, "broken", family)
+    return family
+
+
+class NoCompiler:
+    def compile(self, source, arch):
+        raise AssertionError("nvcc was asked to compile what did not render")
+
+    def compile_many(self, sources, arch):
+        raise AssertionError("nvcc was asked to compile what did not render")
+
+
+def test_a_variant_whose_template_does_not_render_is_a_compile_error_not_a_raise(broken):
+    """The RenderError went through evaluate(): one point a template could not render failed the job."""
+    spec = get_op("softmax")
+    variant = Variant(spec, broken, broken.resolve({"vec": 8}, "float16"), "float16", spec.resolve_attrs({}))
+    result = evaluate(variant, (256, 256), None, NoCompiler(), arch="sm_90")
+    assert result.status == COMPILE_ERROR and "'not_a_knob' is undefined" in result.reason
+
+
+def test_a_batch_holding_a_variant_that_does_not_render_records_it_as_data(broken):
+    """LocalEvaluator renders the whole batch to compile it in parallel first: the RenderError ended the batch."""
+    evaluator = object.__new__(LocalEvaluator)  # its batch logic only: a device that is never launched on
+    evaluator.device = SimpleNamespace(poisoned=False, info=SimpleNamespace(arch="sm_90"))
+    evaluator.compiler, evaluator.flusher, evaluator.references = NoCompiler(), None, None
+    evaluator.seeds, evaluator.reps, evaluator.timeout_s, evaluator._problem_seeds = 1, 1, 1.0, {}
+    params = broken.resolve({"vec": 8}, "float16")
+    [result] = evaluator.evaluate("softmax", (256, 256), "float16", {}, [Candidate.of("broken", params)])
+    assert result.status == COMPILE_ERROR and "'not_a_knob' is undefined" in result.reason
