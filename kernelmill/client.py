@@ -247,7 +247,7 @@ def _summary(console: Console, job: dict[str, Any]) -> None:
 def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) -> dict[str, Any]:
     """Run the job in this process on this GPU, recorded in the local database."""
     from kernelmill.agents.evaluator import LocalEvaluator
-    from kernelmill.agents.loop import JobPlan, run_job
+    from kernelmill.agents.loop import JobPlan, NothingVerified, run_job
     from kernelmill.kernels.compile import NvccMissing
     from kernelmill.kernels.device import GpuUnavailable
     from kernelmill.service.api.jobs import job_out
@@ -294,6 +294,8 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
         except KeyboardInterrupt:
             store.finish_job(job.id, "cancelled", "interrupted", runner=runner)
             raise
+        except NothingVerified as exc:  # the search ran and none of its trials verified: nothing served
+            state, error = "failed", str(exc)
         except NvccMissing as exc:  # the machine has no nvcc: every trial would have been a "compile_error"
             state, error = "failed", f"stopped: {exc}; the trials so far are recorded"
         except GpuUnavailable as exc:  # a fault poisoned this process's context: nothing more runs here

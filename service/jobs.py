@@ -22,13 +22,14 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 
 from kernelmill.agents.evaluator import TrialResult
-from kernelmill.agents.loop import JobPlan, Progress, run_job
+from kernelmill.agents.loop import JobPlan, NothingVerified, Progress, run_job
 from kernelmill.agents.space import Candidate, Observation, Space, default_families, search_precision
 from kernelmill.agents.strategies import strategy_class
 from kernelmill.kernels.compile import NvccMissing, base_arch, normalize_arch, too_old, unknown_gpu
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
+from kernelmill.kernels.render import RenderError
 from kernelmill.service.db.models import Job
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import Executor
@@ -263,14 +264,23 @@ class StoreRecorder:
         self.store.set_trial_profile(self.job_id, shape, candidate.family, candidate.params_json, profile)
 
     def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
-        best = self.store.best_trial(self.job_id, shape, self.device)
+        """Serve the fastest verified trial whose parameters this version's family still builds: one recorded
+        before an upgrade that changed its knobs (a value dropped, a family renamed) is passed over, not the
+        job's end (building what to serve raised KeyError, and the job failed at its last step)."""
+        passed_over: list[int] = []
+        while (best := self.store.best_trial(self.job_id, shape, self.device, passed_over)) is not None:
+            try:
+                fields = served_fields(best.family, best.params)
+                break
+            except (KeyError, SpecError, RenderError) as exc:
+                log.warning("job %s %s: trial %s (%s %s) not served: this version cannot build it (%s: %s)",
+                            self.job_id, shape, best.id, best.family, best.params, type(exc).__name__, exc)  # fmt: skip
+                passed_over.append(best.id)
         if best is None:
             log.info("job %s %s: no verified trial to serve", self.job_id, shape)
             return
-        job = self.store.get_job(self.job_id)
-        fields = served_fields(best.family, best.params)
         fields.update(cubin=best.cubin, baseline_ms=self.store.baseline(self.job_id, shape))
-        self.store.publish(job, best, fields)
+        self.store.publish(self.store.get_job(self.job_id), best, fields)
 
 
 def _facts(trial) -> dict[str, Any]:
@@ -412,8 +422,12 @@ class JobRunner:
                 families=list(job.families) if job.families else None,
             )
             recorder = StoreRecorder(self.store, job.id, self._stop, self.name)
+            error = None
             try:
                 state = run_job(plan, evaluator, recorder, self._on_progress)
+            except NothingVerified as exc:  # the search ran and none of its trials verified: nothing served
+                log.warning("job %s failed: %s", job.id, exc)
+                state, error = "failed", str(exc)
             except (GpuUnavailable, NvccMissing) as exc:  # the machine failed (its GPU went, it has no nvcc), not the
                 # job: what was recorded stays, and the job resumes on a worker that can run it
                 self.store.requeue_job(job.id, self.name)
@@ -439,7 +453,7 @@ class JobRunner:
             elif state == "cancelled" and self._stop.is_set() and not self.store.cancel_requested(job.id):
                 if self.store.requeue_job(job.id, self.name):
                     log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
-            elif not self.store.finish_job(job.id, state, runner=self.name):
+            elif not self.store.finish_job(job.id, state, error, runner=self.name):
                 log.warning(
                     "job %s ended here (%s) after another service took it over: left to that one", job.id, state
                 )

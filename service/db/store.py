@@ -557,9 +557,11 @@ class Store:
         with self.session() as s:
             return s.scalar(select(Trial.profile).where(Trial.id == trial_id))
 
-    def best_trial(self, job_id: int, shape: str, device_name: str | None = None) -> Trial | None:
+    def best_trial(
+        self, job_id: int, shape: str, device_name: str | None = None, passed_over: Sequence[int] = ()
+    ) -> Trial | None:
         """The fastest verified trial of a job's shape, cubin loaded; with ``device_name``, of those timed on
-        that GPU model (or on an unrecorded one: rows from before trials had one)."""
+        that GPU model (or on an unrecorded one: rows from before trials had one); none of ``passed_over``."""
         query = (
             select(Trial)
             .options(undefer(Trial.cubin))
@@ -569,6 +571,8 @@ class Store:
         )
         if device_name:
             query = query.where(or_(Trial.device_name == device_name, Trial.device_name.is_(None)))
+        if passed_over:
+            query = query.where(Trial.id.not_in(list(passed_over)))
         with self.session() as s:
             return s.scalar(query)
 

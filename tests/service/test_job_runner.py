@@ -10,9 +10,10 @@ from datetime import datetime
 
 import pytest
 
-from kernelmill.agents.evaluator import FakeEvaluator
+from kernelmill.agents.evaluator import FakeEvaluator, TrialResult
 from kernelmill.kernels.compile import NvccMissing
 from kernelmill.kernels.device import GpuUnavailable
+from kernelmill.kernels.ops import get_op
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import FakeExecutor
 from kernelmill.service.jobs import JobRunner
@@ -201,6 +202,26 @@ def _runner_on(store, evaluator, trials: int = 8):
     return JobRunner(store, executor, Settings(database_url=store.url, batch_size=2), poll_s=0.02), softmax_job(
         store, trials=trials
     )
+
+
+class _WrongEvaluator(FakeEvaluator):
+    """Every kernel it runs gives a wrong result."""
+
+    def evaluate(self, op, shape, dtype, attrs, candidates):
+        return [TrialResult(c.family, c.params, "wrong_result", "planted", "sm_90") for c in candidates]
+
+
+def test_a_job_none_of_whose_trials_verified_fails_saying_so(store):
+    """It ended "done", with nothing served and no reason on the job."""
+    runner, job = _runner_on(store, _WrongEvaluator(), trials=4)
+    runner.start()
+    try:
+        wait_for(lambda: store.get_job(job.id).state not in ("queued", "running"))
+    finally:
+        runner.stop()
+    ended = store.get_job(job.id)
+    assert ended.state == "failed" and len(store.trials(job.id)) == 4
+    assert ended.error.startswith("no trial verified, so nothing is served: 1024x1024: 4 trials: 4 wrong_result")
 
 
 def test_a_cancel_while_the_runner_reads_the_gpus_facts_wins(store):
@@ -432,6 +453,27 @@ def test_a_job_resumed_on_another_gpu_model_is_timed_and_served_on_that_model_al
     # A baseline of no recorded GPU model (rows from before the column) is the job's own: kept, not timed again.
     store.record_baseline(job.id, "4096x512", 0.2, None)
     assert resumed.baseline("4096x512") == (True, 0.2)
+
+
+def test_a_best_trial_this_version_cannot_build_is_passed_over_for_the_next(store, caplog):
+    """A job resumed past an upgrade that changed a family's knobs: its fastest trial, recorded before, raised
+    KeyError as what to serve was built from it, and the job failed at its last step."""
+    from kernelmill.agents.evaluator import TrialResult
+    from kernelmill.agents.loop import served_fields
+    from kernelmill.service.jobs import StoreRecorder
+
+    current = get_op("softmax").family("warp_row").resolve({}, "float16")
+    stale = {k: v for k, v in current.items() if k != "rows_per_block"}  # a knob this version added
+    renamed = TrialResult("row_warp", current, "ok", None, "sm_90", "vk", median_ms=0.005, cubin=b"c0")
+    old = TrialResult("warp_row", stale, "ok", None, "sm_90", "vk", median_ms=0.010, cubin=b"c1")
+    kept = TrialResult("warp_row", current, "ok", None, "sm_90", "vk", median_ms=0.020, cubin=b"c2")
+    job = store.create_job(**_JOB)
+    store.record_trials(job.id, "1024x1024", [renamed.row(), old.row(), kept.row()])
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        StoreRecorder(store, job.id).publish_best("1024x1024", served_fields("softmax", (1024, 1024), "float16", {}))
+    (kernel,), _ = store.list_kernels()
+    assert (kernel.family, kernel.params, kernel.median_ms) == ("warp_row", current, 0.020)
+    assert caplog.text.count("not served: this version cannot build it") == 2
 
 
 def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):

@@ -306,22 +306,34 @@ def test_the_plateau_counts_trials_since_the_last_gain_of_one_percent():
     assert [t.median_ms for t in rec.trials["256x256"]] == [10.0, 9.0, 8.95, 8.92, 7.0, 6.95, 6.94, 6.93, 6.92]
 
 
-def test_a_shape_whose_every_trial_failed_says_so_with_the_statuses_not_plateau(caplog):
-    """48 failures in a row were logged as "plateau after 48 trials", at info, as if the search had converged."""
+def test_a_shape_whose_every_trial_failed_says_so_and_a_job_with_none_verified_fails(caplog):
+    """48 failures in a row were logged as "plateau after 48 trials", at info, as if the search had converged;
+    and a job none of whose trials verified ended "done", nothing served and no reason given."""
+    from kernelmill.agents.loop import NothingVerified
 
     class Failing(FakeEvaluator):
         def evaluate(self, op, shape, dtype, attrs, candidates):
+            if shape == (512, 512):
+                return super().evaluate(op, shape, dtype, attrs, candidates)
             statuses = ("compile_error", "compile_error", "wrong_result")
             return [TrialResult(c.family, c.params, statuses[i % 3], "boom") for i, c in enumerate(candidates)]
 
     rec = MemoryRecorder()
-    with caplog.at_level("INFO", logger="kernelmill.agents.loop"):
-        assert run_job(plan(shapes=[(256, 256)], budget_trials=100, plateau=12, batch_size=6), Failing(), rec) == "done"
+    with caplog.at_level("INFO", logger="kernelmill.agents.loop"), pytest.raises(NothingVerified) as failed:
+        run_job(plan(shapes=[(256, 256)], budget_trials=100, plateau=12, batch_size=6), Failing(), rec)
+    assert str(failed.value) == (
+        "no trial verified, so nothing is served: 256x256: 12 trials: 8 compile_error, 4 wrong_result (each one's "
+        "reason: the dashboard's /jobs/1, or GET /api/jobs/1/trials)"
+    )
     assert len(rec.trials["256x256"]) == 12 and rec.published == {}
     said = [(r.levelname, r.getMessage()) for r in caplog.records if "256x256" in r.getMessage()]
     assert said == [
-        ("WARNING", "job 1 256x256: none of its 12 trials verified (8 compile_error, 4 wrong_result): nothing served")
+        ("WARNING", "job 1 256x256: no trial verified (12 trials: 8 compile_error, 4 wrong_result): nothing served")
     ]
+    # One shape verified: the job is done, what verified served.
+    rec = MemoryRecorder()
+    both = plan(shapes=[(256, 256), (512, 512)], budget_trials=100, plateau=12, batch_size=6)
+    assert run_job(both, Failing(), rec) == "done" and list(rec.published) == ["512x512"]
 
 
 def test_a_resumed_job_counts_its_recorded_trials_towards_the_plateau():
