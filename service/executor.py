@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 #: How often a call waiting on a worker checks that the process its task is pinned to is still there (s).
 _POLL_S = 2.0
+#: The most seconds a finished task's result may take to reach the service (it takes milliseconds).
+_FETCH_S = 30.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
 
@@ -363,23 +365,40 @@ class DaskExecutor(_Busy):
 
         deadline = time.monotonic() + timeout
         address, future = self._submit_or_gone(worker, fn, *args, timeout=timeout, gpu=gpu)
+        done = _done_event(future)
         while True:
             try:
-                return future.result(timeout=max(0.01, min(_POLL_S, deadline - time.monotonic())))
-            except TimeoutError:
+                # Waited for here, fetched once done: future.result(timeout=...) also bounds the fetch of a finished
+                # task's result, and a timeout falling in it raised UnboundLocalError out of Dask's sync() (asyncio's
+                # CancelledError escapes its ``except Exception``): the job failed for good.
+                if done.wait(max(0.01, min(_POLL_S, deadline - time.monotonic()))):
+                    return self._fetch(worker, future)
                 if time.monotonic() >= deadline:
                     future.cancel()
-                    raise
+                    break  # raised out of this try: a TimeoutError is an OSError, not the scheduler's here
                 if future.status == "pending" and not self.alive(address):
                     log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
                     future.cancel()
                     left = max(0.0, deadline - time.monotonic())
                     address, future = self._submit_or_gone(worker, fn, *args, timeout=left, gpu=gpu)
+                    done = _done_event(future)
             except (CancelledError, OSError) as exc:  # the scheduler went away: FutureCancelledError, CommClosedError
                 if future.status == "error":  # the task's own OSError, raised again here: not the scheduler's
                     raise
                 why = str(exc) or type(exc).__name__
                 raise WorkerGone(f"lost the scheduler while GPU worker {worker} ran a task ({why})") from None
+        raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+
+    def _fetch(self, worker: str, future: Any) -> Any:
+        """The result of a done ``future`` (its error raised); WorkerGone where it cannot be fetched within _FETCH_S
+        (the process holding it left as it finished)."""
+        try:
+            return future.result(timeout=_FETCH_S)
+        except TimeoutError:
+            if future.status == "error":  # the task's own TimeoutError
+                raise
+            why = f"the answer of GPU worker {worker} could not be fetched within {_FETCH_S:.0f} s"
+            raise WorkerGone(why) from None
 
     def _submit_or_gone(self, worker: str, fn, *args, timeout: float, gpu: bool) -> tuple[str, Any]:
         try:
@@ -457,6 +476,13 @@ class DaskExecutor(_Busy):
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()
+
+
+def _done_event(future: Any) -> threading.Event:
+    """An event set once ``future`` is finished, erred or cancelled."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done
 
 
 def _worker_spec(index: int, prefix: str, fake_device: bool) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The Dask executor on CPU: fake-device worker processes (one per 'GPU'), a worker that dies mid-task."""
 
+import json
 import time
 
 import pytest
@@ -263,3 +264,33 @@ def test_workers_run_on_the_gpus_cuda_visible_devices_names(monkeypatch):
     assert executor.count_gpus() == (2, "nvidia-smi")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert executor.count_gpus() == (8, "nvidia-smi")
+
+
+def test_a_batch_whose_answer_arrives_as_a_poll_ends_is_taken(executor, monkeypatch):
+    """run_on polled with future.result(timeout=...), whose timeout also bounds the fetch of a finished task's
+    result: one falling during that fetch raised UnboundLocalError out of Dask's sync() (asyncio's CancelledError
+    escapes its ``except Exception``) and the job failed for good (seen on a live service), or, fetch after fetch cut
+    short, the answer never came. Here each fetch takes longer than a poll: the batch's results come back."""
+    import asyncio
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_POLL_S", 0.01)
+    real_gather = executor.client._gather
+
+    async def slow_gather(*args, **kwargs):  # a batch's results (cubins, ptxas reports) take a while to fetch
+        await asyncio.sleep(0.1)
+        return await real_gather(*args, **kwargs)
+
+    monkeypatch.setattr(executor.client, "_gather", slow_gather)
+    batch = [(c.family, c.params_json) for c in Space(get_op("softmax"), "float16").candidates[:4]]
+    results = executor.run_on("gpu0", executor_module.task_evaluate, "softmax", [64, 64], "float16", {}, batch,
+                              timeout=5)  # fmt: skip
+    assert [(r.family, r.params) for r in results] == [(f, json.loads(p)) for f, p in batch]
+
+
+def test_a_task_past_its_timeout_is_a_timeout_not_a_lost_worker(executor):
+    """A worker silent past its timeout is one to replace (DaskEvaluator restarts it and records the batch's
+    timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it."""
+    with pytest.raises(TimeoutError, match="GPU worker gpu0 did not answer within 1 s"):
+        executor.run_on("gpu0", time.sleep, 5, timeout=0.6)
