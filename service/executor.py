@@ -261,6 +261,7 @@ class DaskExecutor(_Busy):
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
+        self._closed = False  # close() was called: the service stops, and no call connects again
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -282,7 +283,7 @@ class DaskExecutor(_Busy):
         for good, and the service never reached a worker again."""
         if self.client.status != "closed":
             return True
-        if not self.settings.scheduler:  # the local cluster's own client: nothing to connect to again
+        if not self.settings.scheduler or self._closed:  # the local cluster's own client: nothing to connect to again
             return False
         if time.monotonic() < self._reconnect_at:
             return False
@@ -371,23 +372,33 @@ class DaskExecutor(_Busy):
                 # Waited for here, fetched once done: future.result(timeout=...) also bounds the fetch of a finished
                 # task's result, and a timeout falling in it raised UnboundLocalError out of Dask's sync() (asyncio's
                 # CancelledError escapes its ``except Exception``): the job failed for good.
-                if done.wait(max(0.01, min(_POLL_S, deadline - time.monotonic()))):
+                finished = done.wait(max(0.01, min(_POLL_S, deadline - time.monotonic())))
+                if self._closed:  # the service stops: its client is closed, nothing more can be asked through it
+                    raise self._closing(worker)
+                if finished:
                     return self._fetch(worker, future)
                 if time.monotonic() >= deadline:
                     future.cancel()
                     break  # raised out of this try: a TimeoutError is an OSError, not the scheduler's here
                 if future.status == "pending" and not self.alive(address):
+                    if self._closed:  # closed while the scheduler was asked: no worker is listed
+                        raise self._closing(worker)
                     log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
                     future.cancel()
                     left = max(0.0, deadline - time.monotonic())
                     address, future = self._submit_or_gone(worker, fn, *args, timeout=left, gpu=gpu)
                     done = _done_event(future)
             except (CancelledError, OSError) as exc:  # the scheduler went away: FutureCancelledError, CommClosedError
+                if self._closed:
+                    raise self._closing(worker) from None
                 if future.status == "error":  # the task's own OSError, raised again here: not the scheduler's
                     raise
                 why = str(exc) or type(exc).__name__
                 raise WorkerGone(f"lost the scheduler while GPU worker {worker} ran a task ({why})") from None
         raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+
+    def _closing(self, worker: str) -> WorkerGone:
+        return WorkerGone(f"the service closed its connection to the scheduler while GPU worker {worker} ran a task")
 
     def _fetch(self, worker: str, future: Any) -> Any:
         """The result of a done ``future`` (its error raised); WorkerGone where it cannot be fetched within _FETCH_S
@@ -473,6 +484,7 @@ class DaskExecutor(_Busy):
             log.warning("restart of %s: %s", worker, exc)
 
     def close(self) -> None:
+        self._closed = True  # before the client closes: a job thread polling a task then takes it for gone
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()

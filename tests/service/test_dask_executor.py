@@ -294,3 +294,27 @@ def test_a_task_past_its_timeout_is_a_timeout_not_a_lost_worker(executor):
     timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it."""
     with pytest.raises(TimeoutError, match="GPU worker gpu0 did not answer within 1 s"):
         executor.run_on("gpu0", time.sleep, 5, timeout=0.6)
+
+
+@pytest.mark.parametrize("own_scheduler", [False, True])
+def test_a_task_running_as_the_service_closes_the_executor_is_a_lost_worker(executor, monkeypatch, own_scheduler):
+    """Ctrl-C on `serve` waits 5 s for the job threads, then closes the executor under a batch still running: the
+    poll found no worker on the closed client, cancelling the task raised ClosedClientError, and the job ended
+    failed for good instead of queued again. A client of its own scheduler also connected again after the close."""
+    from kernelmill.service import executor as executor_module
+
+    if own_scheduler:
+        executor.settings = executor.settings.model_copy(update={"scheduler": executor.cluster.scheduler_address})
+    monkeypatch.setattr(executor_module, "_POLL_S", 0.05)
+    real_alive, closed = executor.alive, []
+
+    def close_then_look(address: str) -> bool:  # the service stops as the poll looks at the worker
+        if not closed:
+            closed.append(executor.client)
+            executor.close()
+        return real_alive(address)
+
+    monkeypatch.setattr(executor, "alive", close_then_look)
+    with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu0"):
+        executor.run_on("gpu0", time.sleep, 30, timeout=20)
+    assert executor.client is closed[0]  # no new connection after the close
