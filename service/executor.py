@@ -206,8 +206,16 @@ class DaskEvaluator:
         return DeviceFacts(data["name"], data["arch"], data.get("extra", {}))
 
     def baseline_ms(self, op, shape, dtype, attrs, precision=None):
+        from distributed import KilledWorker
+
         timeout = self.executor.settings.worker_answer_timeout_s
-        return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
+        try:
+            return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
+        except (KilledWorker, TimeoutError) as exc:  # PyTorch's own op: the worker, not the job, is at fault
+            self.executor.restart(self.worker)
+            how = "died" if isinstance(exc, KilledWorker) else f"did not answer within {timeout:.0f} s"
+            why = f"GPU worker {self.worker} {how} while timing PyTorch's baseline (it was replaced)"
+            raise WorkerGone(why) from None
 
     def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
         try:

@@ -8,7 +8,7 @@ import pytest
 from kernelmill.agents.space import Candidate, Space
 from kernelmill.kernels.ops import get_op
 from kernelmill.service.db.store import Store
-from kernelmill.service.executor import DaskExecutor
+from kernelmill.service.executor import DaskEvaluator, DaskExecutor, FakeExecutor, task_baseline, task_evaluate
 from kernelmill.service.jobs import JobRunner
 from kernelmill.settings import Settings
 
@@ -318,3 +318,64 @@ def test_a_task_running_as_the_service_closes_the_executor_is_a_lost_worker(exec
     with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu0"):
         executor.run_on("gpu0", time.sleep, 30, timeout=20)
     assert executor.client is closed[0]  # no new connection after the close
+
+
+class _DiesUnderTheBaseline(FakeExecutor):
+    """One fake GPU worker whose process dies (or goes silent) while it times PyTorch's baseline, once; its
+    evaluator is the Dask one, over a stand-in for the Dask calls."""
+
+    def __init__(self, how: str, settings: Settings) -> None:
+        super().__init__(1)
+        self.how, self.settings, self.restarted = how, settings, []
+
+    def evaluator(self, worker):
+        return DaskEvaluator(self, worker)
+
+    def facts(self, worker):
+        facts = self._evaluators[worker].facts()
+        return {"name": facts.name, "arch": facts.arch, "extra": facts.extra}
+
+    def run_on(self, worker, fn, *args, timeout, gpu=True):
+        from types import SimpleNamespace
+
+        from distributed import KilledWorker
+
+        if fn is task_baseline and not self.restarted:
+            if self.how == "died":
+                raise KilledWorker("task_baseline-1", SimpleNamespace(address="tcp://127.0.0.1:9"), 0)
+            raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+        method = {task_baseline: "baseline_ms", task_evaluate: "evaluate"}[fn]
+        if fn is task_evaluate:
+            args = (*args[:4], [Candidate(family, params) for family, params in args[4]])
+        return getattr(self._evaluators[worker], method)(*args)
+
+    def restart(self, worker):
+        self.restarted.append(worker)
+
+
+@pytest.mark.parametrize("how", ["died", "silent"])
+def test_a_worker_lost_while_timing_the_baseline_queues_the_job_again(tmp_path, how):
+    """A worker process that died (KilledWorker) or went silent (TimeoutError) while it timed PyTorch's baseline
+    ended the job failed for good: the worker, not the job, is at fault. The worker is replaced, the job queued
+    again, and it completes once the worker is back."""
+    store = Store(f"sqlite:///{tmp_path}/baseline.db")
+    settings = Settings(database_url=store.url, batch_size=4, worker_answer_timeout_s=60)
+    executor = _DiesUnderTheBaseline(how, settings)
+    runner = JobRunner(store, executor, settings, poll_s=0.02)
+    runner.bench_s = 0.0  # the worker back at once
+    job = store.create_job(
+        op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random", budget_trials=8,
+        budget_seconds=120,
+    )  # fmt: skip
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while store.get_job(job.id).state not in ("done", "failed"):
+            assert time.monotonic() < deadline, store.get_job(job.id).state
+            time.sleep(0.02)
+    finally:
+        runner.stop()
+        store.close()
+    final = store.get_job(job.id)
+    assert (final.state, final.error) == ("done", None)
+    assert executor.restarted == ["fake-gpu0"]
