@@ -9,6 +9,7 @@ trial is recorded as failed with the reason and the job goes on.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -33,8 +34,16 @@ log = logging.getLogger(__name__)
 _POLL_S = 2.0
 #: The most seconds a finished task's result may take to reach the service (it takes milliseconds).
 _FETCH_S = 30.0
+#: The scheduler's stimuli for a worker process it lost (distributed.scheduler): its connection broke, or it sent
+#: no heartbeat within the worker TTL.
+_PROCESS_LOST = ("handle-worker-cleanup-", "check-worker-ttl-")
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
+
+
+class WorkerDied(Exception):
+    """The worker's process died while it ran the task (a scheduler that retries such tasks kept it): as Dask's
+    KilledWorker, its candidates are to blame, one of them at least."""
 
 
 class WorkerGone(GpuUnavailable):
@@ -211,9 +220,9 @@ class DaskEvaluator:
         timeout = self.executor.settings.worker_answer_timeout_s
         try:
             return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
-        except (KilledWorker, TimeoutError) as exc:  # PyTorch's own op: the worker, not the job, is at fault
+        except (KilledWorker, WorkerDied, TimeoutError) as exc:  # PyTorch's own op: the worker is at fault, not the job
             self.executor.restart(self.worker)
-            how = "died" if isinstance(exc, KilledWorker) else f"did not answer within {timeout:.0f} s"
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
             why = f"GPU worker {self.worker} {how} while timing PyTorch's baseline (it was replaced)"
             raise WorkerGone(why) from None
 
@@ -239,7 +248,7 @@ class DaskEvaluator:
         timeout = self.executor.settings.worker_answer_timeout_s
         try:
             results = self._result(task_evaluate, op, list(shape), dtype, dict(attrs), payload, timeout=timeout)
-        except KilledWorker:
+        except (KilledWorker, WorkerDied):
             self.executor.restart(self.worker)
             if len(candidates) > 1:  # which one killed it is not known: each again on its own, on a fresh process
                 log.warning("worker %s died on a batch of %d: each again alone", self.worker, len(candidates))
@@ -368,34 +377,38 @@ class DaskExecutor(_Busy):
     def run_on(self, worker: str, fn, *args, timeout: float, gpu: bool = True) -> Any:
         """``fn(*args)`` on GPU worker ``worker``; TimeoutError after ``timeout`` s without an answer (the task
         cancelled), WorkerGone where no process of the worker joins meanwhile or the scheduler is lost. A task
-        still waiting on a process that has left is pinned to the worker's new process: it never started there
-        (a task whose worker dies while running it errs at once, KilledWorker)."""
+        still waiting on a process that has left is pinned to the worker's new process: it never started there.
+        A task whose worker process dies while running it errs at once (KilledWorker), or, where the scheduler
+        would retry it (its allowed-failures above 0), WorkerDied."""
         from concurrent.futures import CancelledError
 
         deadline = time.monotonic() + timeout
         address, future = self._submit_or_gone(worker, fn, *args, timeout=timeout, gpu=gpu)
         done = _done_event(future)
         while True:
+            # Waited for here, fetched once done: future.result(timeout=...) also bounds the fetch of a finished
+            # task's result, and a timeout falling in it raised UnboundLocalError out of Dask's sync() (asyncio's
+            # CancelledError escapes its ``except Exception``): the job failed for good.
+            finished = done.wait(max(0.01, min(_POLL_S, deadline - time.monotonic())))
+            if self._closed:  # the service stops: its client is closed, nothing more can be asked through it
+                raise self._closing(worker)
             try:
-                # Waited for here, fetched once done: future.result(timeout=...) also bounds the fetch of a finished
-                # task's result, and a timeout falling in it raised UnboundLocalError out of Dask's sync() (asyncio's
-                # CancelledError escapes its ``except Exception``): the job failed for good.
-                finished = done.wait(max(0.01, min(_POLL_S, deadline - time.monotonic())))
-                if self._closed:  # the service stops: its client is closed, nothing more can be asked through it
-                    raise self._closing(worker)
                 if finished:
                     return self._fetch(worker, future)
-                if time.monotonic() >= deadline:
+                left = (future.status == "pending" and not self.alive(address)) and not self._closed
+                if left and self._died_under(future):
+                    # A scheduler that retries a task whose worker died (allowed-failures above 0, Dask's default)
+                    # holds it for the dead process: sent to the new one, a kernel that kills its process would
+                    # kill it again, until the timeout.
                     future.cancel()
-                    break  # raised out of this try: a TimeoutError is an OSError, not the scheduler's here
-                if future.status == "pending" and not self.alive(address):
-                    if self._closed:  # closed while the scheduler was asked: no worker is listed
-                        raise self._closing(worker)
+                    raise WorkerDied(f"GPU worker {worker} died while running a task (its process {address} left)")
+                if left:
                     log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
                     future.cancel()
-                    left = max(0.0, deadline - time.monotonic())
-                    address, future = self._submit_or_gone(worker, fn, *args, timeout=left, gpu=gpu)
+                    remaining = max(0.0, deadline - time.monotonic())
+                    address, future = self._submit_or_gone(worker, fn, *args, timeout=remaining, gpu=gpu)
                     done = _done_event(future)
+                    continue
             except (CancelledError, OSError) as exc:  # the scheduler went away: FutureCancelledError, CommClosedError
                 if self._closed:
                     raise self._closing(worker) from None
@@ -403,7 +416,22 @@ class DaskExecutor(_Busy):
                     raise
                 why = str(exc) or type(exc).__name__
                 raise WorkerGone(f"lost the scheduler while GPU worker {worker} ran a task ({why})") from None
-        raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+            if self._closed:  # closed while the scheduler was asked: no worker was listed
+                raise self._closing(worker)
+            if time.monotonic() >= deadline:  # raised out of the try: a TimeoutError is an OSError
+                with contextlib.suppress(Exception):  # the scheduler may be gone too
+                    future.cancel()
+                raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+
+    def _died_under(self, future: Any) -> bool:
+        """Whether ``future``'s task was running on a worker process that died: in the scheduler's transition log
+        (key, start, finish, recommendations, stimulus, time) it left ``processing`` as the scheduler lost that
+        process (its connection broke, or it went silent past the scheduler's worker TTL). A process that left
+        gracefully, or that ``restart`` replaced, leaves its task to run elsewhere, as Dask itself does."""
+        story = self.client.sync(self.client.scheduler.get_story, keys_or_stimuli=[future.key])
+        return any(
+            len(step) > 4 and step[1] == "processing" and str(step[4]).startswith(_PROCESS_LOST) for step in story
+        )
 
     def _closing(self, worker: str) -> WorkerGone:
         return WorkerGone(f"the service closed its connection to the scheduler while GPU worker {worker} ran a task")

@@ -379,3 +379,18 @@ def test_a_worker_lost_while_timing_the_baseline_queues_the_job_again(tmp_path, 
     final = store.get_job(job.id)
     assert (final.state, final.error) == ("done", None)
     assert executor.restarted == ["fake-gpu0"]
+
+
+def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retries(executor, crash_family_key):
+    """A scheduler started without DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0 (a plain `dask scheduler`, which
+    `serve --scheduler` and `kernelmill worker` join) retries a task whose worker died: pinned to the dead process,
+    it waited, and the poll took it for one that never ran, sent it to the fresh process, which the kernel killed
+    again, until worker_answer_timeout_s; then every candidate of the batch was recorded as a timeout."""
+    executor.cluster.scheduler.allowed_failures = 3  # Dask's default
+    executor.settings = executor.settings.model_copy(update={"worker_answer_timeout_s": 20})
+    evaluator = executor.evaluator("gpu0")
+    space = Space(get_op("softmax"), "float16")
+    other = next(c for c in space.candidates[:8] if c != crash_family_key)
+    results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [crash_family_key, other])
+    assert [r.status for r in results][0] == "fault" and "died" in results[0].reason
+    assert results[1].status != "fault" and results[1].status != "timeout", results[1].reason
