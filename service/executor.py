@@ -37,6 +37,8 @@ _FETCH_S = 30.0
 #: The scheduler's stimuli for a worker process it lost (distributed.scheduler): its connection broke, or it sent
 #: no heartbeat within the worker TTL.
 _PROCESS_LOST = ("handle-worker-cleanup-", "check-worker-ttl-")
+#: Seconds a GPU worker of `kernelmill worker` that lost its scheduler waits before it joins again.
+_REJOIN_S = 2.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
 
@@ -583,10 +585,9 @@ def _local_cluster(n_gpus: int, fake_device: bool):
 
 
 async def run_workers(scheduler: str, gpus: int | None = None) -> None:
-    """``kernelmill worker``: one Nanny per local GPU joining ``scheduler``; returns when they close."""
+    """``kernelmill worker``: one Nanny per local GPU joining ``scheduler``, and joining it again after it restarts;
+    runs until cancelled."""
     import asyncio
-
-    from distributed import Nanny
 
     if gpus is not None and gpus < 1:
         raise ValueError(f"--gpus must be at least 1, not {gpus}")
@@ -602,12 +603,34 @@ async def run_workers(scheduler: str, gpus: int | None = None) -> None:
     if not fake_device and importlib.util.find_spec("pycuda") is None:
         raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")
     prefix = f"{socket.gethostname()}-"
-    nannies = []
-    for i in range(n):
-        spec = _worker_spec(i, prefix, fake_device=fake_device)
-        nannies.append(Nanny(scheduler, **spec["options"]))
-    await asyncio.gather(*nannies)
-    await asyncio.gather(*(nanny.finished() for nanny in nannies))
+    specs = [_worker_spec(i, prefix, fake_device=fake_device) for i in range(n)]
+    await asyncio.gather(*(_serve_gpu(scheduler, spec["options"]) for spec in specs))
+
+
+async def _serve_gpu(scheduler: str, options: dict[str, Any]) -> None:
+    """One GPU's Nanny, started again whenever it closes: Dask's workers close when their scheduler's connection
+    breaks (a scheduler restarted), and do not reconnect; a Nanny started while the scheduler is away waits for it.
+    Ends when cancelled (Ctrl-C), closing the Nanny."""
+    import asyncio
+
+    from distributed import Nanny
+
+    while True:
+        nanny = Nanny(scheduler, **options)
+        try:
+            try:
+                await nanny
+            except RuntimeError as exc:  # "Nanny failed to start."
+                if not isinstance(exc.__cause__, OSError):  # not the scheduler's connection breaking as it started
+                    raise
+            else:
+                await nanny.finished()
+        finally:
+            if nanny.status.name not in ("closed", "failed"):  # cancelled: the worker process goes with it
+                await asyncio.shield(nanny.close(reason="kernelmill-worker-stopping"))
+        name = options["name"]
+        log.warning("GPU worker %s lost the scheduler at %s; it joins again once that is back", name, scheduler)
+        await asyncio.sleep(_REJOIN_S)
 
 
 def make_executor(settings: Settings) -> Executor:

@@ -1,6 +1,8 @@
 """The Dask executor on CPU: fake-device worker processes (one per 'GPU'), a worker that dies mid-task."""
 
+import contextlib
 import json
+import socket
 import time
 
 import pytest
@@ -394,3 +396,44 @@ def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retr
     results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [crash_family_key, other])
     assert [r.status for r in results][0] == "fault" and "died" in results[0].reason
     assert results[1].status != "fault" and results[1].status != "timeout", results[1].reason
+
+
+def test_kernelmill_worker_joins_its_scheduler_again_after_it_restarts(monkeypatch):
+    """Dask's workers close when their scheduler's connection breaks: `kernelmill worker` then returned, and after a
+    scheduler restart its GPUs never joined again (jobs stayed queued, "no GPU worker has joined the scheduler")."""
+    import asyncio
+
+    from distributed import Scheduler
+
+    from kernelmill.service.executor import run_workers
+
+    monkeypatch.setenv("KERNELMILL_FAKE_DEVICE", "1")
+
+    async def joined(scheduler, workers) -> None:
+        deadline = time.monotonic() + 60
+        while not scheduler.workers or scheduler._starting_nannies:  # the nanny's start done too
+            assert not workers.done(), "kernelmill worker returned"
+            assert time.monotonic() < deadline, "no GPU worker joined"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        first = await Scheduler(host="127.0.0.1", port=0, dashboard=False, dashboard_address="127.0.0.1:0")
+        address = first.address
+        workers = asyncio.ensure_future(run_workers(address, gpus=1))
+        try:
+            await joined(first, workers)
+            await first.close()
+            port = int(address.rsplit(":", 1)[1])
+            again = await Scheduler(host="127.0.0.1", port=port, dashboard=False, dashboard_address="127.0.0.1:0")
+            try:
+                await joined(again, workers)
+                assert [w.name for w in again.workers.values()] == [f"{socket.gethostname()}-gpu0"]
+            finally:
+                workers.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await workers
+                await again.close()
+        finally:
+            workers.cancel()
+
+    asyncio.run(scenario())
