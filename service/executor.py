@@ -37,6 +37,8 @@ _FETCH_S = 30.0
 #: The scheduler's stimuli for a worker process it lost (distributed.scheduler): its connection broke, or it sent
 #: no heartbeat within the worker TTL.
 _PROCESS_LOST = ("handle-worker-cleanup-", "check-worker-ttl-")
+#: The most seconds the scheduler may take to answer a question (it takes milliseconds).
+_SCHEDULER_ANSWER_S = 10.0
 #: Seconds a GPU worker of `kernelmill worker` that lost its scheduler waits before it joins again.
 _REJOIN_S = 2.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
@@ -281,6 +283,7 @@ class DaskExecutor(_Busy):
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
         self._closed = False  # close() was called: the service stops, and no call connects again
+        self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -291,10 +294,29 @@ class DaskExecutor(_Busy):
         self.client = Client(self.cluster)
 
     def _registered(self) -> dict[str, dict[str, Any]]:
-        """The worker processes registered with the scheduler now, by address (none while it cannot be reached)."""
+        """The worker processes registered with the scheduler now, by address (none while it cannot be reached);
+        WorkerGone where it does not answer within _SCHEDULER_ANSWER_S."""
         if not self._connected():
             return {}
-        return self.client.scheduler_info(n_workers=-1).get("workers", {})
+        return self._ask_scheduler(self.client.scheduler.identity, n_workers=-1).get("workers", {})
+
+    def _ask_scheduler(self, call, **kwargs) -> Any:
+        """``call(**kwargs)``, a scheduler RPC, answered within _SCHEDULER_ANSWER_S, else WorkerGone: a scheduler
+        process that is frozen (stopped, swapping) keeps its connections open, and Dask waits for its answer for
+        as long as it stays so (the job runner's poll, /api/health and a batch's poll did)."""
+        import asyncio
+
+        answer = asyncio.run_coroutine_threadsafe(call(**kwargs), self.client.loop.asyncio_loop)
+        try:
+            result = answer.result(timeout=_SCHEDULER_ANSWER_S)
+        except TimeoutError:
+            answer.cancel()
+            where = self.settings.scheduler or "of the local cluster"
+            self._silent = f"the scheduler at {where} did not answer within {_SCHEDULER_ANSWER_S:g} s"
+            log.warning("%s", self._silent)
+            raise WorkerGone(self._silent) from None
+        self._silent = None
+        return result
 
     def _connected(self) -> bool:
         """Whether the client is connected, connecting again where its connection to a scheduler of its own
@@ -430,7 +452,7 @@ class DaskExecutor(_Busy):
         (key, start, finish, recommendations, stimulus, time) it left ``processing`` as the scheduler lost that
         process (its connection broke, or it went silent past the scheduler's worker TTL). A process that left
         gracefully, or that ``restart`` replaced, leaves its task to run elsewhere, as Dask itself does."""
-        story = self.client.sync(self.client.scheduler.get_story, keys_or_stimuli=[future.key])
+        story = self._ask_scheduler(self.client.scheduler.get_story, keys_or_stimuli=[future.key])
         return any(
             len(step) > 4 and step[1] == "processing" and str(step[4]).startswith(_PROCESS_LOST) for step in story
         )
@@ -482,6 +504,12 @@ class DaskExecutor(_Busy):
         return self._facts[worker]
 
     def workers(self) -> list[WorkerInfo]:
+        try:
+            return self._workers()
+        except WorkerGone:  # the scheduler is silent: no worker to give a job to (why_none says why)
+            return []
+
+    def _workers(self) -> list[WorkerInfo]:
         if self.cluster is not None:  # the listing is polled (job runner, API): a closed local nanny comes back
             for name in list(self.cluster.worker_spec):
                 self._revive(name)
@@ -499,8 +527,13 @@ class DaskExecutor(_Busy):
         return out
 
     def why_none(self) -> str | None:
-        if self.worker_names():
-            return None
+        if self._silent is not None:  # the listing just asked, and was not answered: not asked again
+            return self._silent
+        try:
+            if self.worker_names():
+                return None
+        except WorkerGone as exc:
+            return str(exc)
         return self._why or "no GPU worker has joined the scheduler (start one with `kernelmill worker`)"
 
     def evaluator(self, worker: str) -> Evaluator:

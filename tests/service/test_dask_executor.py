@@ -437,3 +437,47 @@ def test_kernelmill_worker_joins_its_scheduler_again_after_it_restarts(monkeypat
             workers.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_frozen_scheduler_does_not_hang_the_listing_of_the_workers(tmp_path, monkeypatch):
+    """A scheduler process that is frozen (SIGSTOP, swapping) keeps its TCP connections open: the listing of the
+    workers (the job runner's poll, /api/workers, /api/health) and a batch's poll waited for its answer for as long
+    as it stayed frozen, with no timeout anywhere. Now the listing is empty after a bounded wait and says why."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_SCHEDULER_ANSWER_S", 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+           "--no-dashboard"]  # fmt: skip
+    scheduler = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    executor = None
+    try:
+        address = f"tcp://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while executor is None:
+            try:
+                executor = DaskExecutor(Settings(database_url=f"sqlite:///{tmp_path}/f.db", scheduler=address))
+            except OSError:
+                assert time.monotonic() < deadline, "the scheduler did not start"
+                time.sleep(0.2)
+        assert executor.workers() == []
+        scheduler.send_signal(signal.SIGSTOP)
+        listed = threading.Event()
+        threading.Thread(target=lambda: (executor.workers(), listed.set()), daemon=True).start()
+        assert listed.wait(10), "the listing waited on the frozen scheduler"
+        assert executor.why_none() == f"the scheduler at {address} did not answer within 1 s"
+        with pytest.raises(executor_module.WorkerGone, match="did not answer within 1 s"):
+            executor.run_on("gpu0", time.sleep, 1, timeout=5)
+    finally:
+        scheduler.send_signal(signal.SIGCONT)
+        if executor is not None:
+            executor.close()
+        scheduler.terminate()
+        scheduler.wait(10)
