@@ -287,7 +287,7 @@ def test_a_batch_whose_answer_arrives_as_a_poll_ends_is_taken(executor, monkeypa
     monkeypatch.setattr(executor.client, "_gather", slow_gather)
     batch = [(c.family, c.params_json) for c in Space(get_op("softmax"), "float16").candidates[:4]]
     results = executor.run_on("gpu0", executor_module.task_evaluate, "softmax", [64, 64], "float16", {}, batch,
-                              timeout=5)  # fmt: skip
+                              timeout=60)  # fmt: skip
     assert [(r.family, r.params) for r in results] == [(f, json.loads(p)) for f, p in batch]
 
 
