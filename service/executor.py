@@ -9,6 +9,7 @@ trial is recorded as failed with the reason and the job goes on.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -31,8 +32,22 @@ log = logging.getLogger(__name__)
 
 #: How often a call waiting on a worker checks that the process its task is pinned to is still there (s).
 _POLL_S = 2.0
+#: The most seconds a finished task's result may take to reach the service (it takes milliseconds).
+_FETCH_S = 30.0
+#: The scheduler's stimuli for a worker process it lost (distributed.scheduler): its connection broke, or it sent
+#: no heartbeat within the worker TTL.
+_PROCESS_LOST = ("handle-worker-cleanup-", "check-worker-ttl-")
+#: The most seconds the scheduler may take to answer a question (it takes milliseconds).
+_SCHEDULER_ANSWER_S = 10.0
+#: Seconds a GPU worker of `kernelmill worker` that lost its scheduler waits before it joins again.
+_REJOIN_S = 2.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
+
+
+class WorkerDied(Exception):
+    """The worker's process died while it ran the task (a scheduler that retries such tasks kept it): as Dask's
+    KilledWorker, its candidates are to blame, one of them at least."""
 
 
 class WorkerGone(GpuUnavailable):
@@ -204,8 +219,16 @@ class DaskEvaluator:
         return DeviceFacts(data["name"], data["arch"], data.get("extra", {}))
 
     def baseline_ms(self, op, shape, dtype, attrs, precision=None):
+        from distributed import KilledWorker
+
         timeout = self.executor.settings.worker_answer_timeout_s
-        return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
+        try:
+            return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
+        except (KilledWorker, WorkerDied, TimeoutError) as exc:  # PyTorch's own op: the worker is at fault, not the job
+            self.executor.restart(self.worker)
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            why = f"GPU worker {self.worker} {how} while timing PyTorch's baseline (it was replaced)"
+            raise WorkerGone(why) from None
 
     def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
         try:
@@ -229,7 +252,7 @@ class DaskEvaluator:
         timeout = self.executor.settings.worker_answer_timeout_s
         try:
             results = self._result(task_evaluate, op, list(shape), dtype, dict(attrs), payload, timeout=timeout)
-        except KilledWorker:
+        except (KilledWorker, WorkerDied):
             self.executor.restart(self.worker)
             if len(candidates) > 1:  # which one killed it is not known: each again on its own, on a fresh process
                 log.warning("worker %s died on a batch of %d: each again alone", self.worker, len(candidates))
@@ -259,6 +282,8 @@ class DaskExecutor(_Busy):
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
+        self._closed = False  # close() was called: the service stops, and no call connects again
+        self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -269,10 +294,29 @@ class DaskExecutor(_Busy):
         self.client = Client(self.cluster)
 
     def _registered(self) -> dict[str, dict[str, Any]]:
-        """The worker processes registered with the scheduler now, by address (none while it cannot be reached)."""
+        """The worker processes registered with the scheduler now, by address (none while it cannot be reached);
+        WorkerGone where it does not answer within _SCHEDULER_ANSWER_S."""
         if not self._connected():
             return {}
-        return self.client.scheduler_info(n_workers=-1).get("workers", {})
+        return self._ask_scheduler(self.client.scheduler.identity, n_workers=-1).get("workers", {})
+
+    def _ask_scheduler(self, call, **kwargs) -> Any:
+        """``call(**kwargs)``, a scheduler RPC, answered within _SCHEDULER_ANSWER_S, else WorkerGone: a scheduler
+        process that is frozen (stopped, swapping) keeps its connections open, and Dask waits for its answer for
+        as long as it stays so (the job runner's poll, /api/health and a batch's poll did)."""
+        import asyncio
+
+        answer = asyncio.run_coroutine_threadsafe(call(**kwargs), self.client.loop.asyncio_loop)
+        try:
+            result = answer.result(timeout=_SCHEDULER_ANSWER_S)
+        except TimeoutError:
+            answer.cancel()
+            where = self.settings.scheduler or "of the local cluster"
+            self._silent = f"the scheduler at {where} did not answer within {_SCHEDULER_ANSWER_S:g} s"
+            log.warning("%s", self._silent)
+            raise WorkerGone(self._silent) from None
+        self._silent = None
+        return result
 
     def _connected(self) -> bool:
         """Whether the client is connected, connecting again where its connection to a scheduler of its own
@@ -280,7 +324,7 @@ class DaskExecutor(_Busy):
         for good, and the service never reached a worker again."""
         if self.client.status != "closed":
             return True
-        if not self.settings.scheduler:  # the local cluster's own client: nothing to connect to again
+        if not self.settings.scheduler or self._closed:  # the local cluster's own client: nothing to connect to again
             return False
         if time.monotonic() < self._reconnect_at:
             return False
@@ -357,29 +401,75 @@ class DaskExecutor(_Busy):
     def run_on(self, worker: str, fn, *args, timeout: float, gpu: bool = True) -> Any:
         """``fn(*args)`` on GPU worker ``worker``; TimeoutError after ``timeout`` s without an answer (the task
         cancelled), WorkerGone where no process of the worker joins meanwhile or the scheduler is lost. A task
-        still waiting on a process that has left is pinned to the worker's new process: it never started there
-        (a task whose worker dies while running it errs at once, KilledWorker)."""
+        still waiting on a process that has left is pinned to the worker's new process: it never started there.
+        A task whose worker process dies while running it errs at once (KilledWorker), or, where the scheduler
+        would retry it (its allowed-failures above 0), WorkerDied."""
         from concurrent.futures import CancelledError
 
         deadline = time.monotonic() + timeout
         address, future = self._submit_or_gone(worker, fn, *args, timeout=timeout, gpu=gpu)
+        done = _done_event(future)
         while True:
+            # Waited for here, fetched once done: future.result(timeout=...) also bounds the fetch of a finished
+            # task's result, and a timeout falling in it raised UnboundLocalError out of Dask's sync() (asyncio's
+            # CancelledError escapes its ``except Exception``): the job failed for good.
+            finished = done.wait(max(0.01, min(_POLL_S, deadline - time.monotonic())))
+            if self._closed:  # the service stops: its client is closed, nothing more can be asked through it
+                raise self._closing(worker)
             try:
-                return future.result(timeout=max(0.01, min(_POLL_S, deadline - time.monotonic())))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
+                if finished:
+                    return self._fetch(worker, future)
+                left = (future.status == "pending" and not self.alive(address)) and not self._closed
+                if left and self._died_under(future):
+                    # A scheduler that retries a task whose worker died (allowed-failures above 0, Dask's default)
+                    # holds it for the dead process: sent to the new one, a kernel that kills its process would
+                    # kill it again, until the timeout.
                     future.cancel()
-                    raise
-                if future.status == "pending" and not self.alive(address):
+                    raise WorkerDied(f"GPU worker {worker} died while running a task (its process {address} left)")
+                if left:
                     log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
                     future.cancel()
-                    left = max(0.0, deadline - time.monotonic())
-                    address, future = self._submit_or_gone(worker, fn, *args, timeout=left, gpu=gpu)
+                    remaining = max(0.0, deadline - time.monotonic())
+                    address, future = self._submit_or_gone(worker, fn, *args, timeout=remaining, gpu=gpu)
+                    done = _done_event(future)
+                    continue
             except (CancelledError, OSError) as exc:  # the scheduler went away: FutureCancelledError, CommClosedError
+                if self._closed:
+                    raise self._closing(worker) from None
                 if future.status == "error":  # the task's own OSError, raised again here: not the scheduler's
                     raise
                 why = str(exc) or type(exc).__name__
                 raise WorkerGone(f"lost the scheduler while GPU worker {worker} ran a task ({why})") from None
+            if self._closed:  # closed while the scheduler was asked: no worker was listed
+                raise self._closing(worker)
+            if time.monotonic() >= deadline:  # raised out of the try: a TimeoutError is an OSError
+                with contextlib.suppress(Exception):  # the scheduler may be gone too
+                    future.cancel()
+                raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+
+    def _died_under(self, future: Any) -> bool:
+        """Whether ``future``'s task was running on a worker process that died: in the scheduler's transition log
+        (key, start, finish, recommendations, stimulus, time) it left ``processing`` as the scheduler lost that
+        process (its connection broke, or it went silent past the scheduler's worker TTL). A process that left
+        gracefully, or that ``restart`` replaced, leaves its task to run elsewhere, as Dask itself does."""
+        story = self._ask_scheduler(self.client.scheduler.get_story, keys_or_stimuli=[future.key])
+        return any(
+            len(step) > 4 and step[1] == "processing" and str(step[4]).startswith(_PROCESS_LOST) for step in story
+        )
+
+    def _closing(self, worker: str) -> WorkerGone:
+        return WorkerGone(f"the service closed its connection to the scheduler while GPU worker {worker} ran a task")
+
+    def _fetch(self, worker: str, future: Any) -> Any:
+        """The result of a done ``future`` (its error raised); WorkerGone where it cannot be fetched within _FETCH_S
+        (the process holding it left as it finished)."""
+        try:
+            return future.result(timeout=_FETCH_S)
+        except TimeoutError:
+            if future.status == "error":  # the task's own TimeoutError
+                raise
+            why = f"the answer of GPU worker {worker} could not be fetched within {_FETCH_S:.0f} s"
+            raise WorkerGone(why) from None
 
     def _submit_or_gone(self, worker: str, fn, *args, timeout: float, gpu: bool) -> tuple[str, Any]:
         try:
@@ -414,6 +504,12 @@ class DaskExecutor(_Busy):
         return self._facts[worker]
 
     def workers(self) -> list[WorkerInfo]:
+        try:
+            return self._workers()
+        except WorkerGone:  # the scheduler is silent: no worker to give a job to (why_none says why)
+            return []
+
+    def _workers(self) -> list[WorkerInfo]:
         if self.cluster is not None:  # the listing is polled (job runner, API): a closed local nanny comes back
             for name in list(self.cluster.worker_spec):
                 self._revive(name)
@@ -431,8 +527,13 @@ class DaskExecutor(_Busy):
         return out
 
     def why_none(self) -> str | None:
-        if self.worker_names():
-            return None
+        if self._silent is not None:  # the listing just asked, and was not answered: not asked again
+            return self._silent
+        try:
+            if self.worker_names():
+                return None
+        except WorkerGone as exc:
+            return str(exc)
         return self._why or "no GPU worker has joined the scheduler (start one with `kernelmill worker`)"
 
     def evaluator(self, worker: str) -> Evaluator:
@@ -454,9 +555,17 @@ class DaskExecutor(_Busy):
             log.warning("restart of %s: %s", worker, exc)
 
     def close(self) -> None:
+        self._closed = True  # before the client closes: a job thread polling a task then takes it for gone
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()
+
+
+def _done_event(future: Any) -> threading.Event:
+    """An event set once ``future`` is finished, erred or cancelled."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done
 
 
 def _worker_spec(index: int, prefix: str, fake_device: bool) -> dict[str, Any]:
@@ -509,10 +618,9 @@ def _local_cluster(n_gpus: int, fake_device: bool):
 
 
 async def run_workers(scheduler: str, gpus: int | None = None) -> None:
-    """``kernelmill worker``: one Nanny per local GPU joining ``scheduler``; returns when they close."""
+    """``kernelmill worker``: one Nanny per local GPU joining ``scheduler``, and joining it again after it restarts;
+    runs until cancelled."""
     import asyncio
-
-    from distributed import Nanny
 
     if gpus is not None and gpus < 1:
         raise ValueError(f"--gpus must be at least 1, not {gpus}")
@@ -528,12 +636,34 @@ async def run_workers(scheduler: str, gpus: int | None = None) -> None:
     if not fake_device and importlib.util.find_spec("pycuda") is None:
         raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")
     prefix = f"{socket.gethostname()}-"
-    nannies = []
-    for i in range(n):
-        spec = _worker_spec(i, prefix, fake_device=fake_device)
-        nannies.append(Nanny(scheduler, **spec["options"]))
-    await asyncio.gather(*nannies)
-    await asyncio.gather(*(nanny.finished() for nanny in nannies))
+    specs = [_worker_spec(i, prefix, fake_device=fake_device) for i in range(n)]
+    await asyncio.gather(*(_serve_gpu(scheduler, spec["options"]) for spec in specs))
+
+
+async def _serve_gpu(scheduler: str, options: dict[str, Any]) -> None:
+    """One GPU's Nanny, started again whenever it closes: Dask's workers close when their scheduler's connection
+    breaks (a scheduler restarted), and do not reconnect; a Nanny started while the scheduler is away waits for it.
+    Ends when cancelled (Ctrl-C), closing the Nanny."""
+    import asyncio
+
+    from distributed import Nanny
+
+    while True:
+        nanny = Nanny(scheduler, **options)
+        try:
+            try:
+                await nanny
+            except RuntimeError as exc:  # "Nanny failed to start."
+                if not isinstance(exc.__cause__, OSError):  # not the scheduler's connection breaking as it started
+                    raise
+            else:
+                await nanny.finished()
+        finally:
+            if nanny.status.name not in ("closed", "failed"):  # cancelled: the worker process goes with it
+                await asyncio.shield(nanny.close(reason="kernelmill-worker-stopping"))
+        name = options["name"]
+        log.warning("GPU worker %s lost the scheduler at %s; it joins again once that is back", name, scheduler)
+        await asyncio.sleep(_REJOIN_S)
 
 
 def make_executor(settings: Settings) -> Executor:

@@ -1,5 +1,8 @@
 """The Dask executor on CPU: fake-device worker processes (one per 'GPU'), a worker that dies mid-task."""
 
+import contextlib
+import json
+import socket
 import time
 
 import pytest
@@ -7,7 +10,7 @@ import pytest
 from kernelmill.agents.space import Candidate, Space
 from kernelmill.kernels.ops import get_op
 from kernelmill.service.db.store import Store
-from kernelmill.service.executor import DaskExecutor
+from kernelmill.service.executor import DaskEvaluator, DaskExecutor, FakeExecutor, task_baseline, task_evaluate
 from kernelmill.service.jobs import JobRunner
 from kernelmill.settings import Settings
 
@@ -263,3 +266,218 @@ def test_workers_run_on_the_gpus_cuda_visible_devices_names(monkeypatch):
     assert executor.count_gpus() == (2, "nvidia-smi")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert executor.count_gpus() == (8, "nvidia-smi")
+
+
+def test_a_batch_whose_answer_arrives_as_a_poll_ends_is_taken(executor, monkeypatch):
+    """run_on polled with future.result(timeout=...), whose timeout also bounds the fetch of a finished task's
+    result: one falling during that fetch raised UnboundLocalError out of Dask's sync() (asyncio's CancelledError
+    escapes its ``except Exception``) and the job failed for good (seen on a live service), or, fetch after fetch cut
+    short, the answer never came. Here each fetch takes longer than a poll: the batch's results come back."""
+    import asyncio
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_POLL_S", 0.01)
+    real_gather = executor.client._gather
+
+    async def slow_gather(*args, **kwargs):  # a batch's results (cubins, ptxas reports) take a while to fetch
+        await asyncio.sleep(0.1)
+        return await real_gather(*args, **kwargs)
+
+    monkeypatch.setattr(executor.client, "_gather", slow_gather)
+    batch = [(c.family, c.params_json) for c in Space(get_op("softmax"), "float16").candidates[:4]]
+    results = executor.run_on("gpu0", executor_module.task_evaluate, "softmax", [64, 64], "float16", {}, batch,
+                              timeout=60)  # fmt: skip
+    assert [(r.family, r.params) for r in results] == [(f, json.loads(p)) for f, p in batch]
+
+
+def test_a_task_past_its_timeout_is_a_timeout_not_a_lost_worker(executor):
+    """A worker silent past its timeout is one to replace (DaskEvaluator restarts it and records the batch's
+    timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it."""
+    with pytest.raises(TimeoutError, match="GPU worker gpu0 did not answer within 1 s"):
+        executor.run_on("gpu0", time.sleep, 5, timeout=0.6)
+
+
+@pytest.mark.parametrize("own_scheduler", [False, True])
+def test_a_task_running_as_the_service_closes_the_executor_is_a_lost_worker(executor, monkeypatch, own_scheduler):
+    """Ctrl-C on `serve` waits 5 s for the job threads, then closes the executor under a batch still running: the
+    poll found no worker on the closed client, cancelling the task raised ClosedClientError, and the job ended
+    failed for good instead of queued again. A client of its own scheduler also connected again after the close."""
+    from kernelmill.service import executor as executor_module
+
+    if own_scheduler:
+        executor.settings = executor.settings.model_copy(update={"scheduler": executor.cluster.scheduler_address})
+    monkeypatch.setattr(executor_module, "_POLL_S", 0.05)
+    real_alive, closed = executor.alive, []
+
+    def close_then_look(address: str) -> bool:  # the service stops as the poll looks at the worker
+        if not closed:
+            closed.append(executor.client)
+            executor.close()
+        return real_alive(address)
+
+    monkeypatch.setattr(executor, "alive", close_then_look)
+    with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu0"):
+        executor.run_on("gpu0", time.sleep, 30, timeout=20)
+    assert executor.client is closed[0]  # no new connection after the close
+
+
+class _DiesUnderTheBaseline(FakeExecutor):
+    """One fake GPU worker whose process dies (or goes silent) while it times PyTorch's baseline, once; its
+    evaluator is the Dask one, over a stand-in for the Dask calls."""
+
+    def __init__(self, how: str, settings: Settings) -> None:
+        super().__init__(1)
+        self.how, self.settings, self.restarted = how, settings, []
+
+    def evaluator(self, worker):
+        return DaskEvaluator(self, worker)
+
+    def facts(self, worker):
+        facts = self._evaluators[worker].facts()
+        return {"name": facts.name, "arch": facts.arch, "extra": facts.extra}
+
+    def run_on(self, worker, fn, *args, timeout, gpu=True):
+        from types import SimpleNamespace
+
+        from distributed import KilledWorker
+
+        if fn is task_baseline and not self.restarted:
+            if self.how == "died":
+                raise KilledWorker("task_baseline-1", SimpleNamespace(address="tcp://127.0.0.1:9"), 0)
+            raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+        method = {task_baseline: "baseline_ms", task_evaluate: "evaluate"}[fn]
+        if fn is task_evaluate:
+            args = (*args[:4], [Candidate(family, params) for family, params in args[4]])
+        return getattr(self._evaluators[worker], method)(*args)
+
+    def restart(self, worker):
+        self.restarted.append(worker)
+
+
+@pytest.mark.parametrize("how", ["died", "silent"])
+def test_a_worker_lost_while_timing_the_baseline_queues_the_job_again(tmp_path, how):
+    """A worker process that died (KilledWorker) or went silent (TimeoutError) while it timed PyTorch's baseline
+    ended the job failed for good: the worker, not the job, is at fault. The worker is replaced, the job queued
+    again, and it completes once the worker is back."""
+    store = Store(f"sqlite:///{tmp_path}/baseline.db")
+    settings = Settings(database_url=store.url, batch_size=4, worker_answer_timeout_s=60)
+    executor = _DiesUnderTheBaseline(how, settings)
+    runner = JobRunner(store, executor, settings, poll_s=0.02)
+    runner.bench_s = 0.0  # the worker back at once
+    job = store.create_job(
+        op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random", budget_trials=8,
+        budget_seconds=120,
+    )  # fmt: skip
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while store.get_job(job.id).state not in ("done", "failed"):
+            assert time.monotonic() < deadline, store.get_job(job.id).state
+            time.sleep(0.02)
+    finally:
+        runner.stop()
+        store.close()
+    final = store.get_job(job.id)
+    assert (final.state, final.error) == ("done", None)
+    assert executor.restarted == ["fake-gpu0"]
+
+
+def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retries(executor, crash_family_key):
+    """A scheduler started without DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0 (a plain `dask scheduler`, which
+    `serve --scheduler` and `kernelmill worker` join) retries a task whose worker died: pinned to the dead process,
+    it waited, and the poll took it for one that never ran, sent it to the fresh process, which the kernel killed
+    again, until worker_answer_timeout_s; then every candidate of the batch was recorded as a timeout."""
+    executor.cluster.scheduler.allowed_failures = 3  # Dask's default
+    executor.settings = executor.settings.model_copy(update={"worker_answer_timeout_s": 20})
+    evaluator = executor.evaluator("gpu0")
+    space = Space(get_op("softmax"), "float16")
+    other = next(c for c in space.candidates[:8] if c != crash_family_key)
+    results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [crash_family_key, other])
+    assert [r.status for r in results][0] == "fault" and "died" in results[0].reason
+    assert results[1].status != "fault" and results[1].status != "timeout", results[1].reason
+
+
+def test_kernelmill_worker_joins_its_scheduler_again_after_it_restarts(monkeypatch):
+    """Dask's workers close when their scheduler's connection breaks: `kernelmill worker` then returned, and after a
+    scheduler restart its GPUs never joined again (jobs stayed queued, "no GPU worker has joined the scheduler")."""
+    import asyncio
+
+    from distributed import Scheduler
+
+    from kernelmill.service.executor import run_workers
+
+    monkeypatch.setenv("KERNELMILL_FAKE_DEVICE", "1")
+
+    async def joined(scheduler, workers) -> None:
+        deadline = time.monotonic() + 60
+        while not scheduler.workers or scheduler._starting_nannies:  # the nanny's start done too
+            assert not workers.done(), "kernelmill worker returned"
+            assert time.monotonic() < deadline, "no GPU worker joined"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        first = await Scheduler(host="127.0.0.1", port=0, dashboard=False, dashboard_address="127.0.0.1:0")
+        address = first.address
+        workers = asyncio.ensure_future(run_workers(address, gpus=1))
+        try:
+            await joined(first, workers)
+            await first.close()
+            port = int(address.rsplit(":", 1)[1])
+            again = await Scheduler(host="127.0.0.1", port=port, dashboard=False, dashboard_address="127.0.0.1:0")
+            try:
+                await joined(again, workers)
+                assert [w.name for w in again.workers.values()] == [f"{socket.gethostname()}-gpu0"]
+            finally:
+                workers.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await workers
+                await again.close()
+        finally:
+            workers.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_frozen_scheduler_does_not_hang_the_listing_of_the_workers(tmp_path, monkeypatch):
+    """A scheduler process that is frozen (SIGSTOP, swapping) keeps its TCP connections open: the listing of the
+    workers (the job runner's poll, /api/workers, /api/health) and a batch's poll waited for its answer for as long
+    as it stayed frozen, with no timeout anywhere. Now the listing is empty after a bounded wait and says why."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_SCHEDULER_ANSWER_S", 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+           "--no-dashboard"]  # fmt: skip
+    scheduler = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    executor = None
+    try:
+        address = f"tcp://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while executor is None:
+            try:
+                executor = DaskExecutor(Settings(database_url=f"sqlite:///{tmp_path}/f.db", scheduler=address))
+            except OSError:
+                assert time.monotonic() < deadline, "the scheduler did not start"
+                time.sleep(0.2)
+        assert executor.workers() == []
+        scheduler.send_signal(signal.SIGSTOP)
+        listed = threading.Event()
+        threading.Thread(target=lambda: (executor.workers(), listed.set()), daemon=True).start()
+        assert listed.wait(10), "the listing waited on the frozen scheduler"
+        assert executor.why_none() == f"the scheduler at {address} did not answer within 1 s"
+        with pytest.raises(executor_module.WorkerGone, match="did not answer within 1 s"):
+            executor.run_on("gpu0", time.sleep, 1, timeout=5)
+    finally:
+        scheduler.send_signal(signal.SIGCONT)
+        if executor is not None:
+            executor.close()
+        scheduler.terminate()
+        scheduler.wait(10)
