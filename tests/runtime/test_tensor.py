@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -86,3 +88,9 @@ def test_bad_device_and_dtype():
         Tensor.empty((2,), "float32", "tpu")
     with pytest.raises(TypeError):
         from_numpy(np.zeros(2, dtype=np.complex64))
+
+
+def test_to_torch_without_torch_says_what_to_install_and_what_works_instead(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError, as where it is missing
+    with pytest.raises(ModuleNotFoundError, match=r"to_torch needs PyTorch \(pip install torch\); .*\.numpy\(\)"):
+        to_torch(from_numpy(np.zeros(2, np.float32)))
