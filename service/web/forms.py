@@ -33,23 +33,6 @@ from kernelmill.settings import Settings
 
 CSRF_COOKIE = "kernelmill_csrf"
 GENERAL = "form"  # errors that belong to no one field
-# The hint's example shape per op, one each op takes in each of its dtypes (BERT-base's sizes where it has
-# them). An op not named here (a plugin's) gets 1024 a dim: attention's head_dim of 1024 was refused.
-EXAMPLES = {
-    "softmax": "8192x8192",
-    "matmul": "4096x4096x4096",
-    "fused_mlp": "32x4096x16384x4096",
-    "linear": "1024x3072x768",
-    "linear_t": "1024x3072x768",
-    "bias_act": "1024x3072",
-    "add": "786432",
-    "layernorm": "1024x768",
-    "add_layernorm": "1024x768",
-    "embedding": "8x128x768x30522x2",
-    "attention": "8x12x128x64",
-    "sdpa": "8x12x128x64",
-    "mlp_stack": "1x4096x11008x4",
-}
 
 
 def new_csrf_token() -> str:
@@ -119,7 +102,7 @@ def choices(settings: Settings) -> dict[str, Any]:
             {
                 "name": spec.name,
                 "dims": " x ".join(spec.dims),
-                "example": EXAMPLES.get(spec.name, "x".join("1024" for _ in spec.dims)),
+                "example": spec.example(),
                 "attributes": [
                     {"name": a.name, "field": attr_field(spec.name, a.name), "options": list(a.values), "doc": a.doc}
                     for a in spec.attributes
