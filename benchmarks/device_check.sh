@@ -28,8 +28,10 @@ export KERNELMILL_REQUIRE_GPU=1
 # And what the GPU tests importorskip: CUDA graphs need cuda.bindings, the baselines torch.
 export KERNELMILL_REQUIRE_MODULES=torch,cuda.bindings,pycuda
 # pytest puts the rootdir on sys.path, where the source folder kernelmill/ would shadow the installed
-# package (whose subpackages live in other folders): run the tests from a copy.
-rm -rf /tmp/kmtests && mkdir -p /tmp/kmtests && cp -r tests pyproject.toml /tmp/kmtests/
+# package (whose subpackages live in other folders): run the tests from a copy, one of this run's own.
+kmtests=$(mktemp -d "${TMPDIR:-/tmp}/kmtests.XXXXXX")
+trap 'rm -rf "$kmtests"' EXIT
+cp -r tests pyproject.toml "$kmtests/"
 py="python3"
 # `python3 -m kernelmill`, not the console script: pip install --target into a folder that already has a bin/
 # (another wheel's scripts) leaves the script out with only a warning. Run from /tmp, where no source folder
@@ -43,21 +45,33 @@ serial=(test_faults_gpu test_profile_gpu test_profile_forward_gpu test_service_g
 xdist=()
 $py -c "import xdist" 2> /dev/null && xdist=(-n "${NW:-8}")
 summary=()
+# A pytest run that fails (a test failed, or the session refused to start: KERNELMILL_REQUIRE_GPU on a host
+# without a working GPU) fails the script; its summary line is the log's last non-empty one (pytest's
+# totals, or the reason the session did not start, which ends in an empty line).
+status=0
+last_line() { awk 'NF { line = $0 } END { print line }' "$1"; }
 if [ "$part" != rest ]; then
   start=$(date +%s)
-  (cd /tmp/kmtests && $py -m pytest -q -p no:cacheprovider -rfEs "${xdist[@]}" "${parallel[@]}") > "$OUT/gpu-tests.log" 2>&1
-  summary+=("verification files (${xdist[*]:-one process}): $(tail -1 "$OUT/gpu-tests.log") [$(($(date +%s) - start)) s]")
+  (cd "$kmtests" && $py -m pytest -q -p no:cacheprovider -rfEs "${xdist[@]}" "${parallel[@]}") > "$OUT/gpu-tests.log" 2>&1
+  [ $? = 0 ] || status=1
+  summary+=("verification files (${xdist[*]:-one process}): $(last_line "$OUT/gpu-tests.log") [$(($(date +%s) - start)) s]")
 fi
 if [ "$part" = verify ]; then
   printf '%s\n' "${summary[@]}"
-  exit 0
+  exit "$status"
 fi
 for f in "${serial[@]}"; do
   start=$(date +%s)
-  (cd /tmp/kmtests && $py -m pytest -q -p no:cacheprovider -rfEs "tests/gpu/$f.py") > "$OUT/$f.log" 2>&1
-  summary+=("$f: $(tail -1 "$OUT/$f.log") [$(($(date +%s) - start)) s]")
+  (cd "$kmtests" && $py -m pytest -q -p no:cacheprovider -rfEs "tests/gpu/$f.py") > "$OUT/$f.log" 2>&1
+  [ $? = 0 ] || status=1
+  summary+=("$f: $(last_line "$OUT/$f.log") [$(($(date +%s) - start)) s]")
 done
 km bench softmax --shape 8192x8192 --dtype float16 2>&1 | tee "$OUT/bench-softmax.txt"
+rc=${PIPESTATUS[0]}
+if [ "$rc" != 0 ]; then
+  status=1
+  summary+=("bench softmax: failed (exit $rc), $OUT/bench-softmax.txt")
+fi
 # Issue 3's acceptance (CHECK_SERVE=1): a served tuning job over REST, against torch.softmax in the same job.
 if [ "${CHECK_SERVE:-0}" = 1 ]; then
   export KERNELMILL_DATABASE_URL=sqlite:////tmp/kernelmill-check.db
@@ -70,3 +84,4 @@ if [ "${CHECK_SERVE:-0}" = 1 ]; then
   km kernels --server http://127.0.0.1:8000
 fi
 printf '%s\n' "${summary[@]}"
+exit "$status"

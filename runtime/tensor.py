@@ -369,7 +369,14 @@ def from_torch(t: Any) -> Tensor:
 
 def to_torch(t: Tensor):
     """The tensor as a torch tensor over the same memory (DLPack); the runtime tensor stays alive with it."""
-    import torch
+    try:
+        import torch
+    except ImportError as exc:  # torch is no dependency of the runtime
+        raise ModuleNotFoundError(
+            f"runtime.to_torch needs PyTorch (pip install torch); without it, .numpy() gives the tensor as a "
+            f"NumPy array ({exc})",
+            name="torch",
+        ) from None
 
     return torch.from_dlpack(t)
 

@@ -290,6 +290,7 @@ class DaskExecutor(_Busy):
         n, how = (gpus, "configured") if gpus is not None else count_gpus()
         if n == 0:
             self._why = f"no GPU on this host ({how}); jobs stay queued until a GPU worker joins"
+            log.warning("%s", self._why)  # at start, in serve's log: not only on /api/workers and the dashboard
         self.cluster = _local_cluster(n, fake_device)
         self.client = Client(self.cluster)
 

@@ -354,6 +354,7 @@ class Attention(OpSpec):
     matrix_bound = True
     input_kinds = ("random", "zero", "padding")
     dims = ("batch", "heads", "seq", "head_dim")
+    example_shape = "8x12x128x64"
     inputs = ("qkv", "mask")
     outputs = ("out",)
     # 16-bit defaults take mma where head_dim allows (kernels/defaults.py), fused otherwise.

@@ -352,6 +352,9 @@ class OpSpec(ABC):
     #: Kinds of input make_inputs draws by seed (seed % len): values a kernel takes a separate path for, such as
     #: attention's all-zero mask, get seeds of their own (fresh_seeds gives each kind one).
     input_kinds: tuple[str, ...] = ("uniform",)
+    #: A shape a job of the op takes in each of its dtypes, the example that hints and errors give (BERT-base's
+    #: sizes where it has them); unset (a plugin's op), 1024 a dim, which not every op takes.
+    example_shape: str = ""
 
     @abstractmethod
     def tensor_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -416,6 +419,10 @@ class OpSpec(ABC):
             known = ", ".join(self.families)
             raise SpecError(f"op {self.name} has no family {name!r}; its families: {known}") from None
 
+    def example(self) -> str:
+        """A shape the op takes, as text: ``example_shape``, else 1024 a dim."""
+        return self.example_shape or "x".join("1024" for _ in self.dims)
+
     def parse_shape(self, text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
         """``"8192x8192"`` (or a sequence) -> validated tuple of positive ints."""
         if isinstance(text, str):
@@ -423,8 +430,7 @@ class OpSpec(ABC):
             # ASCII digits only: int() also reads "１２" (full width) and "1_0" as numbers.
             if not parts or not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
                 raise SpecError(
-                    f"malformed shape {text!r} for {self.name}: expected {'x'.join(self.dims)}, e.g. "
-                    f"{'x'.join('1024' for _ in self.dims)}"
+                    f"malformed shape {text!r} for {self.name}: expected {'x'.join(self.dims)}, e.g. {self.example()}"
                 )
             self._check_dim_count(len(parts))
             # Digits counted before int(), which raises past 4300 of them (leading zeros included).

@@ -92,6 +92,7 @@ class BiasAct(OpSpec):
     name = "bias_act"
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     dims = ("rows", "cols")
+    example_shape = "1024x3072"
     inputs = ("X", "b")
     outputs = ("Y",)
     attributes = (Param("act", ELEMENTWISE_ACTIVATIONS, "activation after the bias"),)
@@ -135,6 +136,7 @@ class Add(OpSpec):
     name = "add"
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     dims = ("n",)
+    example_shape = "786432"
     inputs = ("X", "R")
     outputs = ("Y",)
     families = {

@@ -83,6 +83,7 @@ class Embedding(OpSpec):
     name = "embedding"
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     dims = ("batch", "seq", "hidden", "vocab", "type_vocab")
+    example_shape = "8x128x768x30522x2"
     inputs = ("ids", "type_ids", "word", "pos", "types")
     outputs = ("Y",)
     families = {"gather": Gather()}

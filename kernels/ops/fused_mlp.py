@@ -437,6 +437,7 @@ class FusedMlp(OpSpec):
     name = "fused_mlp"
     matrix_bound = True
     dims = ("batch", "d_in", "d_hidden", "d_out")
+    example_shape = "32x4096x16384x4096"
     inputs = ("X", "W1", "b1", "W2", "b2")
     outputs = ("Y",)
     attributes = (Param("act", ACTIVATIONS, "activation between the two projections"),)

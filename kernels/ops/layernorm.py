@@ -90,6 +90,7 @@ class LayerNorm(OpSpec):
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     input_kinds = ("uniform", "offset")
     dims = ("rows", "cols")
+    example_shape = "1024x768"
     inputs = ("X", "gamma", "beta")
     outputs = ("Y",)
     attributes = (_EPS,)

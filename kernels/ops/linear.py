@@ -92,6 +92,7 @@ class Linear(OpSpec):
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     matrix_bound = True
     dims = ("M", "N", "K")
+    example_shape = "1024x3072x768"
     inputs = ("X", "W", "b")
     outputs = ("Y",)
     attributes = (Param("act", ELEMENTWISE_ACTIVATIONS, "activation after the bias"),)

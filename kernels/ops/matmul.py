@@ -632,6 +632,7 @@ class Matmul(OpSpec):
     intermediates = False  # only the output is rounded (OpSpec.intermediates)
     matrix_bound = True
     dims = ("M", "N", "K")
+    example_shape = "4096x4096x4096"
     inputs = ("A", "B")
     outputs = ("C",)
     families = {f.name: f for f in (SIMT, TENSORCORE, WGMMA, GEMV)}

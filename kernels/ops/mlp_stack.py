@@ -175,6 +175,7 @@ class Persistent(Family):
 class MlpStack(OpSpec):
     name = "mlp_stack"
     dims = ("batch", "d_model", "d_hidden", "layers")
+    example_shape = "1x4096x11008x4"
     inputs = ("X", "W1", "b1", "W2", "b2")
     outputs = ("Y",)
     attributes = (Param("act", _ACTS, "activation of each block's up projection"),)

@@ -321,6 +321,7 @@ class Softmax(OpSpec):
     cancels = False  # each output a positive exp over a positive sum: held to its own size
     input_kinds = ("uniform", "offset", "masked")
     dims = ("rows", "cols")
+    example_shape = "8192x8192"
     inputs = ("x",)
     outputs = ("y",)
     families = {f.name: f for f in (WarpRow(), BlockRow(), ClusterRow(), SmemRow(), SplitRow())}

@@ -33,12 +33,6 @@ from kernelmill.settings import Settings
 
 CSRF_COOKIE = "kernelmill_csrf"
 GENERAL = "form"  # errors that belong to no one field
-EXAMPLES = {
-    "softmax": "8192x8192",
-    "matmul": "4096x4096x4096",
-    "fused_mlp": "32x4096x16384x4096",
-    "mlp_stack": "1x4096x11008x4",
-}
 
 
 def new_csrf_token() -> str:
@@ -108,7 +102,7 @@ def choices(settings: Settings) -> dict[str, Any]:
             {
                 "name": spec.name,
                 "dims": " x ".join(spec.dims),
-                "example": EXAMPLES.get(spec.name, "x".join("1024" for _ in spec.dims)),
+                "example": spec.example(),
                 "attributes": [
                     {"name": a.name, "field": attr_field(spec.name, a.name), "options": list(a.values), "doc": a.doc}
                     for a in spec.attributes

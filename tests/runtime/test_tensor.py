@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -103,3 +105,9 @@ def test_shapes_are_whole_numbers_and_an_int_is_a_1d_shape():
     for dims in ((2.9, 3), ("2", 3), (True, 6)):
         with pytest.raises(TypeError, match=r"^cannot reshape \(6,\): a shape is whole numbers, got "):
             t.reshape(*dims)
+
+
+def test_to_torch_without_torch_says_what_to_install_and_what_works_instead(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError, as where it is missing
+    with pytest.raises(ModuleNotFoundError, match=r"to_torch needs PyTorch \(pip install torch\); .*\.numpy\(\)"):
+        to_torch(from_numpy(np.zeros(2, np.float32)))

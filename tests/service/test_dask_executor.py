@@ -481,3 +481,19 @@ def test_a_frozen_scheduler_does_not_hang_the_listing_of_the_workers(tmp_path, m
             executor.close()
         scheduler.terminate()
         scheduler.wait(10)
+
+
+def test_a_host_without_gpus_says_at_start_that_jobs_stay_queued(monkeypatch, tmp_path, caplog):
+    # kernelmill serve on a CPU machine printed only "serving on ...": that no job would run was told by
+    # /api/workers, the dashboard and tune alone, not in the service's own log.
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "count_gpus", lambda: (0, "nvidia-smi lists no GPU"))
+    caplog.set_level("INFO", logger="kernelmill.service.executor")
+    ex = DaskExecutor(Settings(database_url=f"sqlite:///{tmp_path}/d.db"))
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == ["no GPU on this host (nvidia-smi lists no GPU); jobs stay queued until a GPU worker joins"]
+        assert ex.why_none() == warned[0]
+    finally:
+        ex.close()

@@ -20,6 +20,19 @@ def test_parse_shape_roundtrip(dims):
     assert op.parse_shape(dims) == tuple(dims)
 
 
+def test_each_ops_example_shape_is_one_a_job_of_each_of_its_dtypes_takes():
+    """The example a malformed shape's error (and the dashboard's form) gives: 1024 a dim was attention's
+    head_dim of 1024, which no attention variant takes."""
+    from kernelmill.service.jobs import validate_submission
+    from kernelmill.settings import Settings
+
+    for spec in OPS.values():
+        for dtype in [dt for dt in DTYPES if any(dt in family.dtypes for family in spec.families.values())]:
+            validate_submission(Settings(), spec.name, [spec.example()], dtype, "random", 64, 600.0)
+    with pytest.raises(SpecError, match=r"malformed shape '8x12xqx64' for attention: .*e\.g\. 8x12x128x64$"):
+        get_op("attention").parse_shape("8x12xqx64")
+
+
 @pytest.mark.parametrize("text", ["8192", "8x8x8", "axb", "8x-1", "0x5", "", "1x2147483648"])
 def test_parse_shape_rejects(text):
     with pytest.raises(SpecError):

@@ -71,6 +71,16 @@ def test_op_attributes_are_submitted(empty):
     assert job["op"] == "fused_mlp" and job["attrs"] == {"act": "gelu_erf"}
 
 
+def test_every_ops_example_shape_is_one_a_job_takes(empty):
+    # The hint under Shapes gives an example per op; each must be a shape its op accepts in the form's dtype.
+    html = empty.get("/jobs/new").text
+    examples = dict(re.findall(r'data-op="(\w+)"><b>\w+</b>: [^<]*, e\.g\. <code>([0-9x]+)</code>', html))
+    assert len(examples) == len(re.findall(r'class="op-hint"', html)) > 10
+    for op, shape in examples.items():
+        resp = _post(empty, {**VALID, "op": op, "shapes": shape})
+        assert resp.status_code == 303, (op, shape, field_error(resp.text, "shapes"))
+
+
 @pytest.mark.parametrize(
     ("change", "field", "message"),
     [
