@@ -431,7 +431,10 @@ class JobRunner:
             except (GpuUnavailable, NvccMissing) as exc:  # the machine failed (its GPU went, it has no nvcc), not the
                 # job: what was recorded stays, and the job resumes on a worker that can run it
                 self.store.requeue_job(job.id, self.name)
-                self._bench(worker, job, exc)
+                if self._stop.is_set():  # the service stopping closed the executor under the batch: no fault
+                    log.info("job %s interrupted by the service stopping: queued again to resume", job.id)
+                else:
+                    self._bench(worker, job, exc)
                 return
             except OperationalError as exc:  # the database failed, not the job (SQLite busy past its timeout, a
                 # server gone a while): queued again to resume from what was recorded, or, where the database

@@ -224,6 +224,39 @@ def test_a_job_none_of_whose_trials_verified_fails_saying_so(store):
     assert ended.error.startswith("no trial verified, so nothing is served: 1024x1024: 4 trials: 4 wrong_result")
 
 
+class _ClosedUnderEvaluator(FakeEvaluator):
+    """Its batch ends as the service stops: the executor closed under it (WorkerGone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.stopping = threading.Event(), threading.Event()
+
+    def evaluate(self, op, shape, dtype, attrs, candidates):
+        self.entered.set()
+        self.stopping.wait(20)
+        raise GpuUnavailable("the executor was closed under the batch")
+
+
+def test_a_batch_cut_by_the_service_stopping_queues_the_job_without_blaming_the_worker(store, caplog):
+    """The service stopping closed the executor under a batch: the job went back to the queue, rightly, but the
+    log said the worker could not run it and benched it for 30 s."""
+    evaluator = _ClosedUnderEvaluator()
+    runner, job = _runner_on(store, evaluator)
+    runner.start()
+    try:
+        assert evaluator.entered.wait(20)
+        with caplog.at_level(logging.INFO, logger="kernelmill.service.jobs"):
+            runner._stop.set()
+            evaluator.stopping.set()
+            runner.stop()
+    finally:
+        evaluator.stopping.set()
+        runner.stop()
+    assert store.get_job(job.id).state == "queued" and runner._benched == {}
+    assert f"job {job.id} interrupted by the service stopping: queued again to resume" in caplog.text
+    assert "cannot run job" not in caplog.text
+
+
 def test_a_cancel_while_the_runner_reads_the_gpus_facts_wins(store):
     slow = _SlowFacts()
     runner, job = _runner_on(store, slow)
