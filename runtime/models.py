@@ -464,8 +464,8 @@ def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | 
             raise ValueError(
                 f"{keys}{', ...' if len(indices) > 4 else ''} are Linears at indices in a row: an nn.Sequential "
                 "of them has nothing between them, a ModuleList run in a loop an activation between each two, and "
-                "a state_dict cannot say which: give act='none' for the first, or the loop's activation "
-                "(act='relu', ...) for the second"
+                "a state_dict cannot say which: give act='none' (--act none) for the first, or the loop's "
+                "activation (act='relu', --act relu, ...) for the second"
             )
 
 
@@ -1563,10 +1563,12 @@ def load_module(path: str | Path, act: str | None = None) -> Module:
         loaded = loaded[wrapper]
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict")
-    if act is None:
-        # A state_dict holds no activation: say which one the model assumes, since a wrong one runs silently.
+    model = mlp_from_state_dict(loaded, act)
+    # A state_dict holds no activation: say which one the model assumes where it runs one, since a wrong one runs
+    # silently (said before the loading, it came ahead of a refusal to guess, and for a model that runs none).
+    if act is None and any(getattr(layer, "act", "none") != "none" for layer in model.layers):
         log.warning("%s names no activation: the MLP uses relu (give act=..., or --act, if it is another)", path)
-    return mlp_from_state_dict(loaded, act)
+    return model
 
 
 def load_model(

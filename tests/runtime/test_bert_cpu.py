@@ -188,6 +188,10 @@ def test_mlp_without_an_activation_says_it_assumes_relu(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="kernelmill.runtime.models"):
         runtime.load_model(path, device="cpu", act="relu")
     assert not caplog.records
+    torch.save(torch.nn.Linear(8, 4).state_dict(), path)  # one Linear: no activation runs, none to name
+    with caplog.at_level("WARNING", logger="kernelmill.runtime.models"):
+        runtime.load_model(path, device="cpu")
+    assert not caplog.records
 
 
 def test_files_that_are_not_models_are_one_line_errors(tmp_path):
@@ -588,7 +592,7 @@ class _ListLoop(torch.nn.Module):
 
 
 @pytest.mark.parametrize("head", [False, True])
-def test_mlp_linears_at_indices_all_in_a_row_take_what_act_says(tmp_path, head):
+def test_mlp_linears_at_indices_all_in_a_row_take_what_act_says(tmp_path, head, caplog):
     """layers.0, layers.1, layers.2: a Sequential of Linears alone, or a ModuleList run with an activation between
     them? The keys cannot say. Before, the ModuleList ran with no activation (0.23 error) unless a head sat after
     it, which flipped the reading (and a Sequential of Linears and a head ran with activations between them)."""
@@ -596,11 +600,12 @@ def test_mlp_linears_at_indices_all_in_a_row_take_what_act_says(tmp_path, head):
     loop = _ListLoop(head).eval()
     path = tmp_path / "mlp.pt"
     torch.save(loop.state_dict(), path)
-    with pytest.raises(ValueError) as err:
+    with caplog.at_level("WARNING", logger="kernelmill.runtime.models"), pytest.raises(ValueError) as err:
         runtime.load_model(path, device="cpu")  # no act said
+    assert not caplog.records  # no "the MLP uses relu" ahead of the refusal to guess
     message = str(err.value)
     assert message.startswith("layers.0.weight, layers.1.weight, layers.2.weight are Linears at indices in a row")
-    assert "give act='none' for the first, or the loop's activation (act='relu', ...)" in message
+    assert "give act='none' (--act none) for the first, or the loop's activation (act='relu', --act relu" in message
     assert _matches_torch(runtime.load_model(path, device="cpu", act="gelu"), loop, 24) < 1e-5
     plain = _seq(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24))  # nothing between them
     torch.save(plain.state_dict(), path)
