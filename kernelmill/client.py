@@ -274,7 +274,9 @@ def tune_embedded(settings: Settings, fields: dict[str, Any], console: Console) 
         batch_size=settings.batch_size,
         families=job.families,
     )
-    console.print(f"job {job.id} on {facts.name} ({facts.arch}), recorded in {settings.database_url}")
+    console.print(
+        f"job {job.id} on {facts.name} ({facts.arch}), recorded in {_without_password(settings.database_url)}"
+    )
     with _progress(console) as bar:
         task = bar.add_task(f"job {job.id}", total=job.budget_trials, failed=0, **_fmt(None, None))
 
@@ -417,6 +419,13 @@ def _all_pages(fetch) -> list[dict[str, Any]]:
         items += page
         if not page or len(items) >= total:
             return items
+
+
+def _without_password(database_url: str) -> str:
+    """The database URL (one Store opened) for a terminal line: a PostgreSQL password in it is shown as ***."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(database_url).render_as_string(hide_password=True)
 
 
 def missing_local_database() -> Path | None:

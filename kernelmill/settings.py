@@ -130,11 +130,16 @@ class SettingsError(ValueError):
     """A ``KERNELMILL_*`` value (environment or ``.env``) that is not valid; one line naming each variable."""
 
 
+#: Settings whose values an error names but never shows: serve's error line lands in logs.
+SECRETS = frozenset({"api_token", "llm_api_key", "database_url"})
+
+
 def _named(exc: ValidationError) -> str:
     problems = []
     for err in exc.errors():
         name = "KERNELMILL_" + "_".join(str(part) for part in err["loc"]).upper()
-        problems.append(f"{name}={err['input']!r}: {err['msg']}")
+        secret = bool(err["loc"]) and err["loc"][0] in SECRETS
+        problems.append(f"{name} (not shown): {err['msg']}" if secret else f"{name}={err['input']!r}: {err['msg']}")
     return "; ".join(problems)
 
 

@@ -25,8 +25,28 @@ async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
+#: What browsers send in Sec-Fetch-Site for a request of the service's own pages (/docs), or one typed in.
+OWN_SITE = ("same-origin", "none")
+
+
+def from_another_site(sec_fetch_site: str | None) -> bool:
+    """Whether a browser marked the request as sent from a page other than the service's own."""
+    return sec_fetch_site is not None and sec_fetch_site.lower() not in OWN_SITE
+
+
 async def require_writer(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    """Writes need the bearer token when KERNELMILL_API_TOKEN is set."""
+    """Writes need the bearer token when KERNELMILL_API_TOKEN is set, and are never taken from another site's page.
+
+    A form on any page can post to the cancel route (a simple request: no preflight), and without a token the
+    visitor's browser would cancel the job; browsers name the request's origin in Sec-Fetch-Site (the CLI and
+    curl send none)."""
+    site = request.headers.get("sec-fetch-site")
+    if from_another_site(site):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            detail=f"a browser sent this write from another site's page (Sec-Fetch-Site: {site[:40]}): "
+            "writes come from kernelmill's own pages or a client such as the CLI",
+        )
     token = request.app.state.settings.api_token
     if not token:
         return

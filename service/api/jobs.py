@@ -96,7 +96,7 @@ def _job_or_404(store: Store, job_id: int) -> Job:
     "",
     status_code=status.HTTP_201_CREATED,
     dependencies=[Depends(require_writer), Depends(json_body)],
-    responses=problems(400, 401, 413, 415, 422),
+    responses=problems(400, 401, 403, 413, 415, 422),
 )
 def create_job(
     body: JobCreate, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
@@ -136,7 +136,9 @@ def get_job(job_id: JobId, store: Store = Depends(get_store)) -> JobOut:
     return job_out(store, _job_or_404(store, job_id))
 
 
-@router.post("/{job_id}/cancel", dependencies=[Depends(require_writer)], responses=problems(401, 404, 409, 413, 422))
+@router.post(
+    "/{job_id}/cancel", dependencies=[Depends(require_writer)], responses=problems(401, 403, 404, 409, 413, 422)
+)
 def cancel_job(job_id: JobId, store: Store = Depends(get_store)) -> JobOut:
     job = _job_or_404(store, job_id)
     if job.state in ENDED_STATES:

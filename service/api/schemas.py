@@ -39,6 +39,7 @@ class Problem(BaseModel):
 _PROBLEMS = {
     400: "the body could not be read as JSON (e.g. not UTF-8)",
     401: "a write without the bearer token this server requires (KERNELMILL_API_TOKEN)",
+    403: "a write a browser sent from another site's page (Sec-Fetch-Site)",
     404: "no such id, or no tuned kernel for the problem",
     409: "the job is already finished",
     413: "request body over KERNELMILL_MAX_BODY_BYTES",

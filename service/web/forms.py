@@ -7,7 +7,8 @@ replaced by a valid value, until it passes: every field's first problem shows.
 
 Writes are guarded like the API's: the token when ``KERNELMILL_API_TOKEN`` is
 set, and always a double-submit CSRF token (a SameSite=Strict cookie that must
-match a hidden field), so another site cannot post the form from a browser.
+match a hidden field) with no browser saying the post came from another site's
+page (Sec-Fetch-Site), so another site cannot post the form from a browser.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 from kernelmill.agents.strategies import STRATEGIES
 from kernelmill.kernels.ops import DTYPES, OPS
+from kernelmill.service.api.deps import from_another_site
 from kernelmill.service.api.schemas import Budget, JobCreate
 from kernelmill.service.db.models import Job
 from kernelmill.service.db.store import Store
@@ -236,9 +238,11 @@ def validation_errors(settings: Settings, form: JobForm) -> tuple[dict[str, str]
     return errors, (fields if not errors else None)
 
 
-def submit_job(store: Store, settings: Settings, form: JobForm, csrf_cookie: str | None) -> Submission:
+def submit_job(
+    store: Store, settings: Settings, form: JobForm, csrf_cookie: str | None, sec_fetch_site: str | None = None
+) -> Submission:
     """Check the CSRF and API tokens, validate, create the job; errors come back on the form."""
-    if not csrf_cookie or not form.csrf or not hmac.compare_digest(csrf_cookie.encode(), form.csrf.encode()):
+    if not _same_site_form(form.csrf, csrf_cookie, sec_fetch_site):
         form.errors = {GENERAL: "This form expired or came from another site: reload the page and submit again."}
         return Submission(form, status_code=403)
     errors, fields = validation_errors(settings, form)
@@ -255,12 +259,21 @@ def submit_job(store: Store, settings: Settings, form: JobForm, csrf_cookie: str
     return Submission(form, store.create_job(**fields), 201)
 
 
-def check_write(settings: Settings, data: Mapping[str, str], csrf_cookie: str | None) -> str | None:
+def check_write(
+    settings: Settings, data: Mapping[str, str], csrf_cookie: str | None, sec_fetch_site: str | None = None
+) -> str | None:
     """Why a posted button (cancel) may not write, or None."""
-    given = data.get("csrf", "")
-    if not csrf_cookie or not given or not hmac.compare_digest(csrf_cookie.encode(), given.encode()):
+    if not _same_site_form(data.get("csrf", ""), csrf_cookie, sec_fetch_site):
         return "This form expired or came from another site: reload the page and try again."
     token = data.get("token", "")
     if settings.api_token and not hmac.compare_digest(token.encode(), settings.api_token.encode()):
         return "This server needs its API token for writes (KERNELMILL_API_TOKEN)." if not token else "Wrong token."
     return None
+
+
+def _same_site_form(given: str, csrf_cookie: str | None, sec_fetch_site: str | None) -> bool:
+    """The form's CSRF field matches its cookie, and no browser said it was posted from another site's page:
+    another site can set the cookie where it shares the host (cookies ignore ports) or the parent domain."""
+    if from_another_site(sec_fetch_site):
+        return False
+    return bool(csrf_cookie and given and hmac.compare_digest(csrf_cookie.encode(), given.encode()))

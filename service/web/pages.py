@@ -128,7 +128,8 @@ async def submit_job(
     request: Request, store: Store = Depends(get_store), settings: Settings = Depends(get_settings_dep)
 ) -> Response:
     form = forms.JobForm.from_pairs(forms.parse_body(await request.body()))
-    done = forms.submit_job(store, settings, form, request.cookies.get(forms.CSRF_COOKIE))
+    site = request.headers.get("sec-fetch-site")
+    done = forms.submit_job(store, settings, form, request.cookies.get(forms.CSRF_COOKIE), site)
     if done.job is not None:
         return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{done.job.id}", status_code=303)
     context = {"form": done.form, **forms.choices(settings)}
@@ -176,9 +177,8 @@ async def cancel_job(
     job = store.get_job(job_id) if job_id is not None else None
     if job is None:
         return not_found(request, f"job {_shown(raw_id)}")
-    refused = forms.check_write(
-        settings, forms.parse_body(await request.body()), request.cookies.get(forms.CSRF_COOKIE)
-    )
+    body, site = forms.parse_body(await request.body()), request.headers.get("sec-fetch-site")
+    refused = forms.check_write(settings, body, request.cookies.get(forms.CSRF_COOKIE), site)
     status = 403
     if refused is None and job.state not in ACTIVE_STATES:  # it ended while the page was open: say so
         refused, status = f"the job had already ended ({job.state})", 409

@@ -65,6 +65,26 @@ def test_reads_stay_open_when_a_token_is_set(tmp_path):
                 assert client.get(path).status_code == 200, path
 
 
+def test_another_site_cannot_write_through_a_browser(client):
+    """Without a token, a page of another site (or another port: cookies and sites ignore ports) could have a
+    visitor's browser post a form to the cancel route: a simple request, no preflight. Browsers say where a
+    request comes from in Sec-Fetch-Site; one from elsewhere is refused, one from the service's own pages
+    (/docs) or typed in is not, and clients that send no such header (the CLI, curl) are not either."""
+    job = client.post("/api/jobs", json=SOFTMAX_JOB).json()
+    form = {"Content-Type": "application/x-www-form-urlencoded", "Origin": "https://evil.example"}
+    for site in ("cross-site", "same-site"):
+        resp = client.post(f"/api/jobs/{job['id']}/cancel", content=b"", headers={**form, "Sec-Fetch-Site": site})
+        assert resp.status_code == 403, (site, resp.text)
+        assert "another site" in resp.json()["detail"]
+        resp = client.post("/api/jobs", json=SOFTMAX_JOB, headers={"Sec-Fetch-Site": site})
+        assert resp.status_code == 403, (site, resp.text)
+    after = client.get(f"/api/jobs/{job['id']}").json()
+    assert after["state"] != "cancelled" and not after["cancel_requested"]
+    for site in ("same-origin", "none"):
+        assert client.post("/api/jobs", json=SOFTMAX_JOB, headers={"Sec-Fetch-Site": site}).status_code == 201
+    assert client.post(f"/api/jobs/{job['id']}/cancel").status_code in (200, 409)
+
+
 def test_no_other_methods(client):
     for path in ("/api/jobs", "/api/jobs/1", "/api/kernels", "/api/kernels/1", "/api/health"):
         for method in ("PUT", "PATCH", "DELETE"):

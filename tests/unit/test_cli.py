@@ -270,8 +270,11 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
         # Path("") is the current folder: the cubin cache landed wherever the command ran.
         ({"KERNELMILL_CACHE_DIR": ""}, "error: KERNELMILL_CACHE_DIR='': Value error, is empty; unset it for"),
         # A header carries ASCII only: no request could ever match this token, so no write could be made.
-        ({"KERNELMILL_API_TOKEN": "clé"}, "error: KERNELMILL_API_TOKEN='clé': Value error, must be printable ASCII"),
-        ({"KERNELMILL_API_TOKEN": ""}, "error: KERNELMILL_API_TOKEN='': Value error, is empty; unset it to leave"),
+        # Secrets are named, never shown: serve's error line lands in logs, and a token with a stray space (an
+        # env file's) is the secret itself.
+        ({"KERNELMILL_API_TOKEN": "clé"}, "error: KERNELMILL_API_TOKEN (not shown): Value error, must be printable"),
+        ({"KERNELMILL_API_TOKEN": "s3cret-token "}, "error: KERNELMILL_API_TOKEN (not shown): Value error, must be"),
+        ({"KERNELMILL_API_TOKEN": ""}, "error: KERNELMILL_API_TOKEN (not shown): Value error, is empty; unset it to"),
         # inf overflowed int() in the compiler; an infinite budget let a job in whose page then answered 500.
         (
             {"KERNELMILL_COMPILE_CACHE_MAX_MB": "inf"},
@@ -299,6 +302,7 @@ def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == done.stderr.strip().splitlines()[0] and done.stderr.startswith(message)
     assert "Traceback" not in done.stderr and not done.stdout
+    assert "s3cret" not in done.stderr and "clé" not in done.stderr
 
 
 def test_serve_shows_kernelmills_own_info_lines():

@@ -87,3 +87,18 @@ def test_no_nvcc_here_ends_the_job_failed_saying_so_not_with_a_compile_error_a_t
     assert out["state"] == "failed" and store.list_trials(out["id"])[1] == 4
     assert store.get_job(out["id"]).error.startswith("stopped: nvcc not found (/nonexistent/nvcc)")
     assert "stopped: nvcc not found" in console.export_text()
+
+
+def test_the_database_is_named_without_its_password(tmp_path, monkeypatch):
+    """The line naming where the job is recorded showed KERNELMILL_DATABASE_URL whole, PostgreSQL password and
+    all, in the terminal (and a CI log)."""
+    from kernelmill.service.db import store as store_module
+
+    url = f"sqlite:///{tmp_path}/km.db"
+    monkeypatch.setattr(store_module, "Store", lambda _url: Store(url))  # the job on SQLite all the same
+    monkeypatch.setattr(evaluators, "LocalEvaluator", lambda *args: Watched(url))
+    settings = Settings(database_url="postgresql://kernelmill:hunter2@db.internal/kernelmill", batch_size=4)
+    console = Console(record=True, width=200)
+    assert client.tune_embedded(settings, dict(FIELDS), console)["state"] == "done"
+    text = console.export_text()
+    assert "hunter2" not in text and "recorded in postgresql://kernelmill:***@db.internal/kernelmill" in text

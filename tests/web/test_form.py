@@ -149,6 +149,27 @@ def test_post_without_the_csrf_token_is_refused(empty):
     assert empty.get("/api/jobs").json()["total"] == 0
 
 
+def test_a_csrf_cookie_planted_by_another_site_does_not_pass(empty):
+    """Cookies ignore ports, and a sibling subdomain can set one for the parent domain: a page at
+    http://localhost:3000 can set the CSRF cookie the service at localhost:8000 gets, and post the form with the
+    same value. Such a post is same-site, never same-origin (Sec-Fetch-Site), and is refused as another site's."""
+    planted = "p" * 43
+    empty.cookies.set("kernelmill_csrf", planted)
+    for site in ("same-site", "cross-site"):
+        headers = {"Sec-Fetch-Site": site, "Origin": "http://localhost:3000"}
+        body = {**VALID, "csrf": planted}
+        resp = empty.post("/jobs/new", data=body, headers=headers, follow_redirects=False)
+        assert resp.status_code == 403 and "another site" in resp.text, site
+    assert empty.get("/api/jobs").json()["total"] == 0
+    ok = empty.post("/jobs/new", data={**VALID, "csrf": planted}, headers={"Sec-Fetch-Site": "same-origin"})
+    assert ok.status_code == 200 and empty.get("/api/jobs").json()["total"] == 1
+    job_id = empty.get("/api/jobs").json()["items"][0]["id"]
+    same_site = {"Sec-Fetch-Site": "same-site"}
+    refused = empty.post(f"/jobs/{job_id}/cancel", data={"csrf": planted}, headers=same_site, follow_redirects=False)
+    assert refused.status_code == 403 and "Not cancelled" in refused.text
+    assert empty.get(f"/api/jobs/{job_id}").json()["state"] == "queued"
+
+
 def test_token_is_required_when_the_api_needs_one(authed):
     html = authed.get("/jobs/new").text
     assert 'name="token"' in html and "KERNELMILL_API_TOKEN" in html
