@@ -690,8 +690,9 @@ def jobs(
         raise fail(f"--limit {limit} is out of range 1..{MAX_JOBS_PAGE}")
     listed = fetch_jobs(server, state, limit)
     if not listed:
-        console.print(
-            f"no {state + ' ' if state else ''}jobs{_listed_from(server)} (submit one: kernelmill tune OP --shape S)"
+        console.print(  # one line, a path in it whole: wrapped at the terminal's width, it broke inside the path
+            f"no {state + ' ' if state else ''}jobs{_listed_from(server)} (submit one: kernelmill tune OP --shape S)",
+            soft_wrap=True,
         )
         return
     table = Table(title="jobs")
@@ -765,7 +766,10 @@ def kernels(
     if not listed:
         what = " ".join(v for v in (op, dtype) if v)
         where = _listed_from(server)
-        console.print(f"no served {what + ' ' if what else ''}kernels{where} (a finished tuning job serves its best)")
+        console.print(
+            f"no served {what + ' ' if what else ''}kernels{where} (a finished tuning job serves its best)",
+            soft_wrap=True,
+        )
         return
     table = Table(title="served kernels", caption=f"({len(listed)} kernel{'s' if len(listed) != 1 else ''})")
     for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
