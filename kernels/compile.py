@@ -7,6 +7,7 @@ The one place that runs nvcc: callers get a ``CompiledKernel`` or a
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -97,6 +98,15 @@ class NvccMissing(CompileError):
 
 class CompileTimeout(CompileError):
     """nvcc ran past the compile timeout: maybe the source, maybe a busy machine (so not remembered)."""
+
+
+class CompileInterrupted(CompileError):
+    """nvcc was stopped by the machine, not the source: killed (itself or its cicc/ptxas, by the OOM killer
+    say), out of disk space, or its build folder could not be written. Not remembered: it may build next time."""
+
+
+#: What nvcc says where a disk it writes its temporaries or its cubin to is full.
+_NO_SPACE = os.strerror(errno.ENOSPC)
 
 
 _ELF64_LE = b"\x7fELF\x02\x01"
@@ -308,8 +318,8 @@ class Compiler:
         self._nvcc = nvcc
         self.timeout_s = timeout_s or settings.compile_timeout_s
         # nvcc's failures by cache key, for this compiler's life: a batch compiled in parallel first and then
-        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source. Not timeouts: a busy
-        # machine's would have failed that source in this worker for good.
+        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source. Not timeouts nor
+        # CompileInterrupted: a busy or full machine's would have failed that source in this worker for good.
         self._failed: dict[str, CompileError] = {}
         self.max_cache_bytes = int(settings.compile_cache_max_mb * MB)
         self._stores = 0
@@ -343,7 +353,7 @@ class Compiler:
             raise self._failed[key]
         try:
             compiled = self._nvcc_compile(source, arch, flags, key)
-        except CompileTimeout:
+        except (CompileTimeout, CompileInterrupted):
             raise
         except CompileError as exc:
             self._failed[key] = exc
@@ -352,6 +362,18 @@ class Compiler:
         return compiled
 
     def _nvcc_compile(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
+        try:
+            return self._run_nvcc(source, arch, flags, key)
+        except FileNotFoundError as exc:
+            if exc.filename == self.nvcc:  # removed since find_nvcc found it
+                raise NvccMissing(
+                    f"nvcc not found ({self.nvcc}); install the CUDA toolkit or set KERNELMILL_NVCC"
+                ) from None
+            raise CompileInterrupted(f"nvcc could not run on this machine: {exc}") from None
+        except OSError as exc:  # the temp folder full or read-only: raised out of compile_many's whole batch
+            raise CompileInterrupted(f"nvcc could not run on this machine: {exc}") from None
+
+    def _run_nvcc(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
         with _build_folder(key) as tmp:
             src = Path(tmp) / "kernel.cu"
             out = Path(tmp) / "kernel.cubin"
@@ -374,6 +396,11 @@ class Compiler:
             log_text = stdout + stderr
             if timed_out:
                 raise CompileTimeout(f"nvcc timed out after {self.timeout_s:g} s", log_text)
+            # Killed by a signal: nvcc itself (a negative code), or its cicc or ptxas (nvcc's shell exits 128 + N).
+            signalled = proc.returncode < 0 or 128 < proc.returncode <= 128 + 64
+            if signalled or _NO_SPACE in log_text:
+                why = "was killed" if signalled else "ran out of disk space"
+                raise CompileInterrupted(f"nvcc {why} (exit {proc.returncode}): the machine, not the source", log_text)
             if proc.returncode != 0 or not out.exists():
                 raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)
             return CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)

@@ -16,6 +16,7 @@ from kernelmill.kernels.compile import (
     BASE_FLAGS,
     MB,
     CompileError,
+    CompileInterrupted,
     Compiler,
     CompileTimeout,
     arch_flags,
@@ -29,6 +30,14 @@ if mode == "slow":  # a child of its own (as nvcc runs cicc and ptxas), both out
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     open({pidfile!r}, "w").write(str(child.pid))
     time.sleep(60)
+if mode == "killed":
+    os.kill(os.getpid(), 9)
+if mode == "child-killed":  # cicc killed: nvcc's shell says so and exits 128 + 9
+    print("Killed", file=sys.stderr)
+    sys.exit(137)
+if mode == "no-space":
+    print("<built-in>: fatal error: when writing output to /tmp/x.ii: No space left on device", file=sys.stderr)
+    sys.exit(1)
 if mode == "fail":
     print("kernel.cu(1): error: nope", file=sys.stderr)
     sys.exit(2)
@@ -223,3 +232,36 @@ def test_nvcc_runs_in_a_folder_named_after_the_key_and_removed_after(nvcc, tmp_p
     second = seen.read_text().split()[1]
     assert second.startswith(str(tmp_path / "tmp" / "kernelmill-nvcc-")) and not second.endswith(key[:32])
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [f"kernelmill-nvcc-{key[:32]}"]
+
+
+@pytest.mark.parametrize("how", ["killed", "child-killed", "no-space"])
+def test_nvcc_stopped_by_the_machine_is_not_remembered_as_the_sources_failure(nvcc, tmp_path, how):
+    """nvcc killed (the OOM killer, on itself or on its cicc: 137 and "Killed") or out of disk space for its
+    temporaries was remembered as the source's compile error: the worker failed that variant again without
+    running nvcc for the rest of its life."""
+    script, set_mode, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    set_mode(how)
+    with pytest.raises(CompileInterrupted) as first:
+        compiler.compile("// a source", "sm_90")
+    assert "the machine" in str(first.value)
+    set_mode("ok")
+    assert not compiler.compile("// a source", "sm_90").cached  # nvcc ran again, and built it
+
+
+def test_a_build_folder_that_cannot_be_written_fails_the_compile_not_the_batch(nvcc, tmp_path, monkeypatch):
+    """A full or read-only temp folder raised OSError out of compile(), and out of compile_many's whole batch."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    write_text = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if path.name == "kernel.cu":
+            raise OSError(28, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    results = compiler.compile_many(["// a", "// b", "// a"], "sm_90", workers=2)
+    assert all(isinstance(r, CompileInterrupted) and "No space left on device" in str(r) for r in results)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert not compiler.compile("// a", "sm_90").cached  # not remembered
