@@ -19,6 +19,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -274,6 +275,9 @@ MB = 1 << 20
 PRUNE_EVERY = 64
 #: A cache over its limit is cut to (1 - PRUNE_SLACK) of it.
 PRUNE_SLACK = 0.1
+#: A write's temporary file (mkstemp's name, no extension) this old was left by a writer that died; a write in
+#: progress takes milliseconds.
+STRAY_WRITE_AGE_S = 3600.0
 
 
 @dataclass
@@ -289,6 +293,8 @@ class PruneReport:
     bytes: int  # before
     removed: int
     freed_bytes: int
+    kept: int = 0  # entries it could not remove (a read-only cache, say)
+    error: str = ""  # the first such entry's error
 
 
 @contextlib.contextmanager
@@ -434,6 +440,8 @@ class Compiler:
         try:
             meta = json.loads(meta_path.read_text())
             cubin = cubin_path.read_bytes()
+        except IsADirectoryError as exc:  # no write could replace it: compiled again on every use
+            return self._damaged(key, exc)
         except (OSError, ValueError):
             return None
         with contextlib.suppress(OSError):  # its last use, which pruning keeps the latest of
@@ -444,10 +452,14 @@ class Compiler:
             resources = {name: KernelResources(**vals) for name, vals in meta.get("kernels", {}).items()}
             return CompiledKernel(cubin, arch, key, resources, meta.get("log", ""), cached=True)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("compile cache entry %s is damaged (%s): compiling it again", key[:12], exc)
-            for path in (cubin_path, meta_path):
-                path.unlink(missing_ok=True)
-            return None
+            return self._damaged(key, exc)
+
+    def _damaged(self, key: str, why: Exception) -> None:
+        """Removes a damaged entry, so the compile writes it anew."""
+        log.warning("compile cache entry %s is damaged (%s): compiling it again", key[:12], why)
+        with contextlib.suppress(OSError):  # a read-only cache: compiled, not written
+            for path in self._paths(key):
+                _remove(path)
 
     def _store(self, compiled: CompiledKernel) -> None:
         cubin_path, meta_path = self._paths(compiled.key)
@@ -472,7 +484,14 @@ class Compiler:
         # of KB each, thousands a day), and the cache grew without end.
         if self.max_cache_bytes and self._stores % PRUNE_EVERY == 1 and self._pruning.acquire(blocking=False):
             try:
-                self.prune(self.max_cache_bytes, slack=PRUNE_SLACK)
+                report = self.prune(self.max_cache_bytes, slack=PRUNE_SLACK)
+                if report.kept:
+                    log.warning(
+                        "compile cache at %s: %d entries could not be removed: %s",
+                        self.cache_dir,
+                        report.kept,
+                        report.error,
+                    )
             finally:
                 self._pruning.release()
 
@@ -487,7 +506,8 @@ class Compiler:
                     for f in files:
                         key, _, ext = f.name.partition(".")
                         if ext not in ("cubin", "json"):
-                            continue  # a write in progress (mkstemp's name)
+                            self._remove_stray(Path(f.path))  # a write in progress (mkstemp's name), or a dead one's
+                            continue
                         with contextlib.suppress(FileNotFoundError):
                             st = f.stat()
                             entry = found.setdefault(key, CacheEntry(key, 0, 0.0))
@@ -509,9 +529,13 @@ class Compiler:
         for entry in entries:
             if total <= target:
                 break
-            for path in self._paths(entry.key):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            try:
+                for path in self._paths(entry.key):
+                    _remove(path)
+            except OSError as exc:  # a read-only cache: reported, never raised out of a compile's write
+                report.kept += 1
+                report.error = report.error or str(exc)
+                continue
             total -= entry.bytes
             report.removed += 1
             report.freed_bytes += entry.bytes
@@ -523,3 +547,21 @@ class Compiler:
             report.freed_bytes / MB,
         )
         return report
+
+    @staticmethod
+    def _remove_stray(path: Path) -> None:
+        """Removes a write's temporary file left by a writer that died (killed between writing and renaming)."""
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > STRAY_WRITE_AGE_S:
+                _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Removes a cache file, or a folder where one should be (which made every prune raise IsADirectoryError). A
+    file already gone (another process pruning) is no error; any other OSError is raised."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        shutil.rmtree(path)

@@ -265,3 +265,50 @@ def test_a_build_folder_that_cannot_be_written_fails_the_compile_not_the_batch(n
     assert all(isinstance(r, CompileInterrupted) and "No space left on device" in str(r) for r in results)
     monkeypatch.setattr(Path, "write_text", write_text)
     assert not compiler.compile("// a", "sm_90").cached  # not remembered
+
+
+def test_a_folder_where_an_entry_should_be_or_an_entry_that_cannot_go_does_not_break_prune(nvcc, tmp_path, monkeypatch):
+    """A folder at an entry's cubin path made every prune raise IsADirectoryError (kernelmill cache prune's
+    traceback; a compile's write over the limit raised it out of compile()), and the entry was compiled again on
+    every use; an entry that cannot be removed (a read-only cache) raised the same way."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    built = compiler.compile("// a", "sm_90")
+    cubin, _ = compiler._paths(built.key)
+    cubin.unlink()
+    cubin.mkdir()
+    assert not compiler.compile("// a", "sm_90").cached and compiler.compile("// a", "sm_90").cached
+    cubin.unlink()
+    cubin.mkdir()
+    (cubin / "inside").write_bytes(b"x")
+    assert compiler.prune(0).removed == 1 and not cubin.exists()
+
+    stuck = compiler.compile("// b", "sm_90").key
+    compiler.compile("// c", "sm_90")
+    unlink = Path.unlink
+
+    def read_only(path, missing_ok=False):
+        if path.name.startswith(stuck):
+            raise OSError(30, "Read-only file system")
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    report = compiler.prune(0)
+    assert (report.removed, report.kept) == (1, 1) and "Read-only file system" in report.error
+    compiler.max_cache_bytes, compiler._stores = 1, 0  # the next write prunes
+    assert not compiler.compile("// d", "sm_90").cached  # pruned on its write; what could not go stayed
+    assert {e.key for e in compiler.entries()} == {stuck}
+
+
+def test_prune_removes_the_temporary_files_of_writers_that_died(nvcc, tmp_path):
+    """A writer killed between its temporary file and the rename left the file for ever: prune --all kept it."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    built = compiler.compile("// a", "sm_90")
+    folder = compiler._paths(built.key)[0].parent
+    dead, writing = folder / "tmpdead0000", folder / "tmpnow00000"
+    dead.write_bytes(b"\x7fELF")
+    writing.write_bytes(b"\x7fELF")
+    os.utime(dead, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+    assert compiler.prune(0).removed == 1
+    assert sorted(p.name for p in folder.iterdir()) == ["tmpnow00000"]  # a write in progress is left alone
