@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -302,17 +303,45 @@ def _build_folder(key: str) -> Iterator[str]:
     """A folder for one nvcc run, named after the cache key. -lineinfo writes the folder nvcc ran in into the
     cubin (and the source file's mtime, which the compile sets to 0), so a random temp folder made every build
     of one source different bytes: a rebuilt cache entry then missed the runtime's first-use records, which
-    are keyed by the cubin. Another process building the same key at the same moment (or one killed
-    mid-build) gets a random folder, and only reproducibility is lost."""
+    are keyed by the cubin. The build holds a lock on the folder: another process building the same key at the
+    same moment gets a random folder, and only reproducibility is lost; a folder left by a build that was
+    killed (nobody holds its lock) is emptied and used, where it made every later build of its key a random
+    folder's."""
     folder = Path(tempfile.gettempdir()) / f"kernelmill-nvcc-{key[:32]}"
-    try:
-        folder.mkdir(mode=0o700)
-    except FileExistsError:
+    held = _lock_folder(folder)
+    if held is None:
         folder = Path(tempfile.mkdtemp(prefix="kernelmill-nvcc-"))
     try:
         yield str(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if held is not None:
+            os.close(held)
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An open descriptor of ``folder`` (made if missing, emptied if not) holding its lock, or None where another
+    process holds it, or it is not this user's own private folder (/tmp is everyone's)."""
+    fd = None
+    try:
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        # Still the folder at that name (its last builder may have removed it as this one opened it), and private.
+        if st.st_ino != os.stat(folder, follow_symlinks=False).st_ino or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError("not this build's own folder")
+        for leftover in os.scandir(folder):
+            if leftover.is_dir(follow_symlinks=False):
+                shutil.rmtree(leftover.path)
+            else:
+                os.unlink(leftover.path)
+        return fd
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        return None
 
 
 class Compiler:

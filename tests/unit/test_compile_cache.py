@@ -3,6 +3,7 @@ the timeout, the memo of failures and the on-disk cache can be followed."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import sys
@@ -226,12 +227,23 @@ def test_nvcc_runs_in_a_folder_named_after_the_key_and_removed_after(nvcc, tmp_p
     compiler.compile("// a", "sm_90")
     assert seen.read_text().split() == [str(tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}")]
 
-    (tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}").mkdir()  # another process building it at this moment
+    keyed = tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}"
+    keyed.mkdir(mode=0o700)  # another process building it at this moment: it holds the folder's lock
+    building = os.open(keyed, os.O_RDONLY)
+    fcntl.flock(building, fcntl.LOCK_EX)
     compiler.prune(0)
     assert not compiler.compile("// a", "sm_90").cached  # built in a folder of its own
     second = seen.read_text().split()[1]
     assert second.startswith(str(tmp_path / "tmp" / "kernelmill-nvcc-")) and not second.endswith(key[:32])
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [f"kernelmill-nvcc-{key[:32]}"]
+    os.close(building)
+
+    # Left by a build that was killed (nobody holds its lock): every later build of the key got a random folder,
+    # so other bytes each time.
+    (keyed / "kernel.cubin").write_bytes(b"half a cubin")
+    compiler.prune(0)
+    assert not compiler.compile("// a", "sm_90").cached
+    assert seen.read_text().split()[2] == str(keyed) and not keyed.exists()
 
 
 @pytest.mark.parametrize("how", ["killed", "child-killed", "no-space"])
