@@ -527,7 +527,8 @@ class Compiler:
     def entries(self) -> list[CacheEntry]:
         """The cache's entries, least recently used first."""
         found: dict[str, CacheEntry] = {}
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.cache_dir) as folders:
+        # A cache folder not made yet, or under a file (a wrong KERNELMILL_CACHE_DIR): empty, not a traceback.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(self.cache_dir) as folders:
             for folder in folders:
                 if not folder.is_dir():
                     continue

@@ -482,3 +482,13 @@ def test_cache_commands_on_a_read_only_or_changing_cache_say_so_in_a_line(tmp_pa
     cleared = runner.invoke(app, ["cache", "prune", "--all"])
     assert cleared.exit_code == 0, cleared.output
     assert "1 of 1 compiled variants removed" in cleared.stdout and not cubin.exists()
+
+
+def test_cache_commands_on_a_cache_folder_under_a_file_say_it_is_empty(tmp_path, monkeypatch):
+    """A KERNELMILL_CACHE_DIR under a file: cache prune raised NotADirectoryError (info said empty)."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KERNELMILL_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    for args in (["cache", "info"], ["cache", "prune", "--all"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert "0 of 0 compiled variants removed" in result.stdout
