@@ -359,6 +359,8 @@ class Compiler:
         self.max_cache_bytes = int(settings.compile_cache_max_mb * MB)
         self._stores = 0
         self._pruning = threading.Lock()
+        self._key_locks: dict[str, tuple[threading.Lock, int]] = {}  # the key's lock, and its holder and waiters
+        self._key_locks_guard = threading.Lock()
 
     @property
     def nvcc(self) -> str:
@@ -384,17 +386,39 @@ class Compiler:
         hit = self._load(key, arch)
         if hit is not None:
             return hit
-        if key in self._failed:
-            raise self._failed[key]
+        with self._building(key):
+            hit = self._load(key, arch)  # built by another thread while this one waited
+            if hit is not None:
+                return hit
+            if key in self._failed:
+                raise self._failed[key]
+            try:
+                compiled = self._nvcc_compile(source, arch, flags, key)
+            except (CompileTimeout, CompileInterrupted):
+                raise
+            except CompileError as exc:
+                self._failed[key] = exc
+                raise
+            self._store(compiled)
+            return compiled
+
+    @contextlib.contextmanager
+    def _building(self, key: str) -> Iterator[None]:
+        """One build of ``key`` at a time in this compiler; the others wait for its cache entry. compile_many with
+        a source twice (or a worker's threads) ran nvcc for each, all but one in a random folder: other bytes."""
+        with self._key_locks_guard:
+            lock, waiting = self._key_locks.get(key, (threading.Lock(), 0))
+            self._key_locks[key] = (lock, waiting + 1)
         try:
-            compiled = self._nvcc_compile(source, arch, flags, key)
-        except (CompileTimeout, CompileInterrupted):
-            raise
-        except CompileError as exc:
-            self._failed[key] = exc
-            raise
-        self._store(compiled)
-        return compiled
+            with lock:
+                yield
+        finally:
+            with self._key_locks_guard:
+                lock, waiting = self._key_locks[key]
+                if waiting == 1:
+                    del self._key_locks[key]
+                else:
+                    self._key_locks[key] = (lock, waiting - 1)
 
     def _nvcc_compile(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
         try:

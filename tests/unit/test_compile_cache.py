@@ -324,3 +324,18 @@ def test_prune_removes_the_temporary_files_of_writers_that_died(nvcc, tmp_path):
     os.utime(dead, (time.time() - 2 * 3600, time.time() - 2 * 3600))
     assert compiler.prune(0).removed == 1
     assert sorted(p.name for p in folder.iterdir()) == ["tmpnow00000"]  # a write in progress is left alone
+
+
+def test_one_source_compiled_by_several_threads_at_once_runs_nvcc_once(nvcc, tmp_path):
+    """compile_many with a source twice (or two threads of one worker) ran nvcc for each, the others in random
+    folders: other bytes for one cache key in one batch (-lineinfo), and the cache kept whichever wrote last."""
+    script, _, _ = nvcc
+    runs = tmp_path / "runs"
+    Path(script).write_text(
+        Path(script).read_text().replace("mode = open(", f"open({str(runs)!r}, 'a').write('run\\n')\nmode = open(")
+    )
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    results = compiler.compile_many(["// a"] * 4 + ["// b"], "sm_90", workers=5)
+    assert runs.read_text().split() == ["run", "run"]
+    assert sorted(r.cached for r in results[:4]) == [False, True, True, True]
+    assert len({r.cubin for r in results[:4]}) == 1
