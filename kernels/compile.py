@@ -502,6 +502,9 @@ class Compiler:
         try:
             if not cubin.startswith(_ELF64_LE) or len(cubin) != meta["cubin_bytes"]:
                 raise ValueError(f"cubin of {len(cubin)} bytes, {meta['cubin_bytes']} recorded")
+            digest = hashlib.sha256(cubin).hexdigest()
+            if meta.get("cubin_sha256", digest) != digest:  # entries from before the digest: no check
+                raise ValueError("the cubin is not the one its entry was written with (sha256 differs)")
             resources = {name: KernelResources(**vals) for name, vals in meta.get("kernels", {}).items()}
             return CompiledKernel(cubin, arch, key, resources, meta.get("log", ""), cached=True)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -518,7 +521,11 @@ class Compiler:
         cubin_path, meta_path = self._paths(compiled.key)
         try:
             cubin_path.parent.mkdir(parents=True, exist_ok=True)
-            meta = {**compiled.report(), "log": compiled.log}
+            meta = {
+                **compiled.report(),
+                "log": compiled.log,
+                "cubin_sha256": hashlib.sha256(compiled.cubin).hexdigest(),
+            }
             # Write-then-rename so a concurrent reader never sees half a file.
             for path, data in ((cubin_path, compiled.cubin), (meta_path, json.dumps(meta).encode())):
                 fd, tmp = tempfile.mkstemp(dir=path.parent)

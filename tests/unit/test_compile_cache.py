@@ -4,6 +4,7 @@ the timeout, the memo of failures and the on-disk cache can be followed."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 import sys
@@ -339,3 +340,20 @@ def test_one_source_compiled_by_several_threads_at_once_runs_nvcc_once(nvcc, tmp
     assert runs.read_text().split() == ["run", "run"]
     assert sorted(r.cached for r in results[:4]) == [False, True, True, True]
     assert len({r.cubin for r in results[:4]}) == 1
+
+
+def test_a_cached_cubin_damaged_in_place_is_compiled_again_not_used(nvcc, tmp_path):
+    """Only the cubin's length and ELF magic were checked: a cubin damaged without changing its length (a bad
+    disk block, another program's write) was loaded as the compile of its source."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    built = compiler.compile("// a", "sm_90")
+    cubin_path, meta_path = compiler._paths(built.key)
+    cubin_path.write_bytes(built.cubin[:-1] + b"\x01")
+    again = compiler.compile("// a", "sm_90")
+    assert not again.cached and again.cubin == built.cubin
+
+    meta = json.loads(meta_path.read_text())  # an entry written before the digest is still read
+    del meta["cubin_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    assert compiler.compile("// a", "sm_90").cached
