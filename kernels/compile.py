@@ -394,7 +394,7 @@ class Compiler:
                 raise self._failed[key]
             try:
                 compiled = self._nvcc_compile(source, arch, flags, key)
-            except (CompileTimeout, CompileInterrupted):
+            except (CompileTimeout, CompileInterrupted, NvccMissing):
                 raise
             except CompileError as exc:
                 self._failed[key] = exc

@@ -21,6 +21,7 @@ from kernelmill.kernels.compile import (
     CompileInterrupted,
     Compiler,
     CompileTimeout,
+    NvccMissing,
     arch_flags,
 )
 from kernelmill.settings import override_settings
@@ -357,3 +358,13 @@ def test_a_cached_cubin_damaged_in_place_is_compiled_again_not_used(nvcc, tmp_pa
     del meta["cubin_sha256"]
     meta_path.write_text(json.dumps(meta))
     assert compiler.compile("// a", "sm_90").cached
+
+
+def test_nvcc_gone_since_it_was_found_is_the_machines_failure_and_not_remembered(nvcc, tmp_path):
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    Path(script).rename(tmp_path / "away")  # a toolkit upgrade replacing it, say
+    with pytest.raises(NvccMissing, match="nvcc not found"):
+        compiler.compile("// a", "sm_90")
+    (tmp_path / "away").rename(script)
+    assert not compiler.compile("// a", "sm_90").cached
