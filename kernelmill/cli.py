@@ -6,6 +6,7 @@ Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, 4 no profil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -812,11 +813,23 @@ def cache_info() -> None:
     for col, justify in (("part", "left"), ("files", "right"), ("size", "right"), ("what", "left")):
         table.add_column(col, justify=justify)
     for part, what in CACHE_PARTS.items():
-        files = [f for f in (root / part).rglob("*") if f.is_file()] if (root / part).is_dir() else []
-        table.add_row(part, str(len(files)), _mb(sum(f.stat().st_size for f in files)), what)
+        files, size = _usage(root / part)
+        table.add_row(part, str(files), _mb(size), what)
     console.print(table)
     limit = settings.compile_cache_max_mb
     console.print(f"compile cache limit: {_mb(limit * MB) if limit else 'none'} (KERNELMILL_COMPILE_CACHE_MAX_MB)")
+
+
+def _usage(folder: Path) -> tuple[int, int]:
+    """The files under ``folder`` and their bytes. One removed as it is counted (a prune or a write in another
+    process) or unreadable is passed over: either raised a traceback."""
+    files = size = 0
+    for top, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(top, name), follow_symlinks=False)
+                files, size = files + 1, size + st.st_size
+    return files, size
 
 
 CACHE_PARTS = {
@@ -853,6 +866,8 @@ def cache_prune(
         f"{report.removed} of {report.entries} compiled variants removed ({_mb(report.freed_bytes)}); "
         f"{_mb(left)} left in {compiler.cache_dir}"
     )
+    if report.kept:  # a read-only cache raised a traceback at its first entry
+        raise fail(f"{report.kept} compiled variants could not be removed: {report.error}", 1)
 
 
 # -- a model's forward: tuning its problems, profiling it (nsys) ----------------------------------------------

@@ -7,6 +7,8 @@ The one place that runs nvcc: callers get a ``CompiledKernel`` or a
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -18,6 +20,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -97,6 +100,15 @@ class NvccMissing(CompileError):
 
 class CompileTimeout(CompileError):
     """nvcc ran past the compile timeout: maybe the source, maybe a busy machine (so not remembered)."""
+
+
+class CompileInterrupted(CompileError):
+    """nvcc was stopped by the machine, not the source: killed (itself or its cicc/ptxas, by the OOM killer
+    say), out of disk space, or its build folder could not be written. Not remembered: it may build next time."""
+
+
+#: What nvcc says where a disk it writes its temporaries or its cubin to is full.
+_NO_SPACE = os.strerror(errno.ENOSPC)
 
 
 _ELF64_LE = b"\x7fELF\x02\x01"
@@ -264,6 +276,9 @@ MB = 1 << 20
 PRUNE_EVERY = 64
 #: A cache over its limit is cut to (1 - PRUNE_SLACK) of it.
 PRUNE_SLACK = 0.1
+#: A write's temporary file (mkstemp's name, no extension) this old was left by a writer that died; a write in
+#: progress takes milliseconds.
+STRAY_WRITE_AGE_S = 3600.0
 
 
 @dataclass
@@ -279,6 +294,8 @@ class PruneReport:
     bytes: int  # before
     removed: int
     freed_bytes: int
+    kept: int = 0  # entries it could not remove (a read-only cache, say)
+    error: str = ""  # the first such entry's error
 
 
 @contextlib.contextmanager
@@ -286,17 +303,45 @@ def _build_folder(key: str) -> Iterator[str]:
     """A folder for one nvcc run, named after the cache key. -lineinfo writes the folder nvcc ran in into the
     cubin (and the source file's mtime, which the compile sets to 0), so a random temp folder made every build
     of one source different bytes: a rebuilt cache entry then missed the runtime's first-use records, which
-    are keyed by the cubin. Another process building the same key at the same moment (or one killed
-    mid-build) gets a random folder, and only reproducibility is lost."""
+    are keyed by the cubin. The build holds a lock on the folder: another process building the same key at the
+    same moment gets a random folder, and only reproducibility is lost; a folder left by a build that was
+    killed (nobody holds its lock) is emptied and used, where it made every later build of its key a random
+    folder's."""
     folder = Path(tempfile.gettempdir()) / f"kernelmill-nvcc-{key[:32]}"
-    try:
-        folder.mkdir(mode=0o700)
-    except FileExistsError:
+    held = _lock_folder(folder)
+    if held is None:
         folder = Path(tempfile.mkdtemp(prefix="kernelmill-nvcc-"))
     try:
         yield str(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if held is not None:
+            os.close(held)
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An open descriptor of ``folder`` (made if missing, emptied if not) holding its lock, or None where another
+    process holds it, or it is not this user's own private folder (/tmp is everyone's)."""
+    fd = None
+    try:
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        # Still the folder at that name (its last builder may have removed it as this one opened it), and private.
+        if st.st_ino != os.stat(folder, follow_symlinks=False).st_ino or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError("not this build's own folder")
+        for leftover in os.scandir(folder):
+            if leftover.is_dir(follow_symlinks=False):
+                shutil.rmtree(leftover.path)
+            else:
+                os.unlink(leftover.path)
+        return fd
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        return None
 
 
 class Compiler:
@@ -308,12 +353,14 @@ class Compiler:
         self._nvcc = nvcc
         self.timeout_s = timeout_s or settings.compile_timeout_s
         # nvcc's failures by cache key, for this compiler's life: a batch compiled in parallel first and then
-        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source. Not timeouts: a busy
-        # machine's would have failed that source in this worker for good.
+        # one variant at a time (agents.evaluator) ran nvcc twice on each failing source. Not timeouts nor
+        # CompileInterrupted: a busy or full machine's would have failed that source in this worker for good.
         self._failed: dict[str, CompileError] = {}
         self.max_cache_bytes = int(settings.compile_cache_max_mb * MB)
         self._stores = 0
         self._pruning = threading.Lock()
+        self._key_locks: dict[str, tuple[threading.Lock, int]] = {}  # the key's lock, and its holder and waiters
+        self._key_locks_guard = threading.Lock()
 
     @property
     def nvcc(self) -> str:
@@ -339,19 +386,53 @@ class Compiler:
         hit = self._load(key, arch)
         if hit is not None:
             return hit
-        if key in self._failed:
-            raise self._failed[key]
+        with self._building(key):
+            hit = self._load(key, arch)  # built by another thread while this one waited
+            if hit is not None:
+                return hit
+            if key in self._failed:
+                raise self._failed[key]
+            try:
+                compiled = self._nvcc_compile(source, arch, flags, key)
+            except (CompileTimeout, CompileInterrupted, NvccMissing):
+                raise
+            except CompileError as exc:
+                self._failed[key] = exc
+                raise
+            self._store(compiled)
+            return compiled
+
+    @contextlib.contextmanager
+    def _building(self, key: str) -> Iterator[None]:
+        """One build of ``key`` at a time in this compiler; the others wait for its cache entry. compile_many with
+        a source twice (or a worker's threads) ran nvcc for each, all but one in a random folder: other bytes."""
+        with self._key_locks_guard:
+            lock, waiting = self._key_locks.get(key, (threading.Lock(), 0))
+            self._key_locks[key] = (lock, waiting + 1)
         try:
-            compiled = self._nvcc_compile(source, arch, flags, key)
-        except CompileTimeout:
-            raise
-        except CompileError as exc:
-            self._failed[key] = exc
-            raise
-        self._store(compiled)
-        return compiled
+            with lock:
+                yield
+        finally:
+            with self._key_locks_guard:
+                lock, waiting = self._key_locks[key]
+                if waiting == 1:
+                    del self._key_locks[key]
+                else:
+                    self._key_locks[key] = (lock, waiting - 1)
 
     def _nvcc_compile(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
+        try:
+            return self._run_nvcc(source, arch, flags, key)
+        except FileNotFoundError as exc:
+            if exc.filename == self.nvcc:  # removed since find_nvcc found it
+                raise NvccMissing(
+                    f"nvcc not found ({self.nvcc}); install the CUDA toolkit or set KERNELMILL_NVCC"
+                ) from None
+            raise CompileInterrupted(f"nvcc could not run on this machine: {exc}") from None
+        except OSError as exc:  # the temp folder full or read-only: raised out of compile_many's whole batch
+            raise CompileInterrupted(f"nvcc could not run on this machine: {exc}") from None
+
+    def _run_nvcc(self, source: str, arch: str, flags: list[str], key: str) -> CompiledKernel:
         with _build_folder(key) as tmp:
             src = Path(tmp) / "kernel.cu"
             out = Path(tmp) / "kernel.cubin"
@@ -374,6 +455,11 @@ class Compiler:
             log_text = stdout + stderr
             if timed_out:
                 raise CompileTimeout(f"nvcc timed out after {self.timeout_s:g} s", log_text)
+            # Killed by a signal: nvcc itself (a negative code), or its cicc or ptxas (nvcc's shell exits 128 + N).
+            signalled = proc.returncode < 0 or 128 < proc.returncode <= 128 + 64
+            if signalled or _NO_SPACE in log_text:
+                why = "was killed" if signalled else "ran out of disk space"
+                raise CompileInterrupted(f"nvcc {why} (exit {proc.returncode}): the machine, not the source", log_text)
             if proc.returncode != 0 or not out.exists():
                 raise CompileError(f"nvcc failed (exit {proc.returncode})", log_text)
             return CompiledKernel(out.read_bytes(), arch, key, parse_ptxas(log_text), log_text)
@@ -407,6 +493,8 @@ class Compiler:
         try:
             meta = json.loads(meta_path.read_text())
             cubin = cubin_path.read_bytes()
+        except IsADirectoryError as exc:  # no write could replace it: compiled again on every use
+            return self._damaged(key, exc)
         except (OSError, ValueError):
             return None
         with contextlib.suppress(OSError):  # its last use, which pruning keeps the latest of
@@ -414,19 +502,30 @@ class Compiler:
         try:
             if not cubin.startswith(_ELF64_LE) or len(cubin) != meta["cubin_bytes"]:
                 raise ValueError(f"cubin of {len(cubin)} bytes, {meta['cubin_bytes']} recorded")
+            digest = hashlib.sha256(cubin).hexdigest()
+            if meta.get("cubin_sha256", digest) != digest:  # entries from before the digest: no check
+                raise ValueError("the cubin is not the one its entry was written with (sha256 differs)")
             resources = {name: KernelResources(**vals) for name, vals in meta.get("kernels", {}).items()}
             return CompiledKernel(cubin, arch, key, resources, meta.get("log", ""), cached=True)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("compile cache entry %s is damaged (%s): compiling it again", key[:12], exc)
-            for path in (cubin_path, meta_path):
-                path.unlink(missing_ok=True)
-            return None
+            return self._damaged(key, exc)
+
+    def _damaged(self, key: str, why: Exception) -> None:
+        """Removes a damaged entry, so the compile writes it anew."""
+        log.warning("compile cache entry %s is damaged (%s): compiling it again", key[:12], why)
+        with contextlib.suppress(OSError):  # a read-only cache: compiled, not written
+            for path in self._paths(key):
+                _remove(path)
 
     def _store(self, compiled: CompiledKernel) -> None:
         cubin_path, meta_path = self._paths(compiled.key)
         try:
             cubin_path.parent.mkdir(parents=True, exist_ok=True)
-            meta = {**compiled.report(), "log": compiled.log}
+            meta = {
+                **compiled.report(),
+                "log": compiled.log,
+                "cubin_sha256": hashlib.sha256(compiled.cubin).hexdigest(),
+            }
             # Write-then-rename so a concurrent reader never sees half a file.
             for path, data in ((cubin_path, compiled.cubin), (meta_path, json.dumps(meta).encode())):
                 fd, tmp = tempfile.mkstemp(dir=path.parent)
@@ -445,14 +544,22 @@ class Compiler:
         # of KB each, thousands a day), and the cache grew without end.
         if self.max_cache_bytes and self._stores % PRUNE_EVERY == 1 and self._pruning.acquire(blocking=False):
             try:
-                self.prune(self.max_cache_bytes, slack=PRUNE_SLACK)
+                report = self.prune(self.max_cache_bytes, slack=PRUNE_SLACK)
+                if report.kept:
+                    log.warning(
+                        "compile cache at %s: %d entries could not be removed: %s",
+                        self.cache_dir,
+                        report.kept,
+                        report.error,
+                    )
             finally:
                 self._pruning.release()
 
     def entries(self) -> list[CacheEntry]:
         """The cache's entries, least recently used first."""
         found: dict[str, CacheEntry] = {}
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.cache_dir) as folders:
+        # A cache folder not made yet, or under a file (a wrong KERNELMILL_CACHE_DIR): empty, not a traceback.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(self.cache_dir) as folders:
             for folder in folders:
                 if not folder.is_dir():
                     continue
@@ -460,7 +567,8 @@ class Compiler:
                     for f in files:
                         key, _, ext = f.name.partition(".")
                         if ext not in ("cubin", "json"):
-                            continue  # a write in progress (mkstemp's name)
+                            self._remove_stray(Path(f.path))  # a write in progress (mkstemp's name), or a dead one's
+                            continue
                         with contextlib.suppress(FileNotFoundError):
                             st = f.stat()
                             entry = found.setdefault(key, CacheEntry(key, 0, 0.0))
@@ -482,9 +590,13 @@ class Compiler:
         for entry in entries:
             if total <= target:
                 break
-            for path in self._paths(entry.key):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            try:
+                for path in self._paths(entry.key):
+                    _remove(path)
+            except OSError as exc:  # a read-only cache: reported, never raised out of a compile's write
+                report.kept += 1
+                report.error = report.error or str(exc)
+                continue
             total -= entry.bytes
             report.removed += 1
             report.freed_bytes += entry.bytes
@@ -496,3 +608,21 @@ class Compiler:
             report.freed_bytes / MB,
         )
         return report
+
+    @staticmethod
+    def _remove_stray(path: Path) -> None:
+        """Removes a write's temporary file left by a writer that died (killed between writing and renaming)."""
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > STRAY_WRITE_AGE_S:
+                _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Removes a cache file, or a folder where one should be (which made every prune raise IsADirectoryError). A
+    file already gone (another process pruning) is no error; any other OSError is raised."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        shutil.rmtree(path)

@@ -19,6 +19,7 @@ kernel over instead of faulting again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ import math
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,9 +83,17 @@ def write_atomically(path: Path, data: bytes) -> None:
     """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path`` (readers never see half a
     file; another process writing the same path replaces it whole). Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    # A name of its own for each write: one named after the process was shared by its threads writing one path.
+    # (mkstemp's would be readable by its owner alone: the umask's mode is kept, as for the file it replaces.)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "xb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk left it behind for good
+            os.unlink(tmp)
+        raise
 
 
 def gpu_folder(name: str) -> str:

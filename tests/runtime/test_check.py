@@ -361,3 +361,34 @@ def test_a_check_that_cannot_be_recorded_still_serves_and_runs_again_next_time(t
 
 def _texts(root):
     return [p.read_text() for p in (root / "cache" / "verified").rglob("*.json")]
+
+
+def test_write_atomically_is_whole_for_two_writers_of_one_process_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """Its temporary file was named after the process: two threads writing one path (two registries' served
+    entries, a check recorded twice) shared it, so one read an empty or half-written file or renamed the other's
+    away (FileNotFoundError: a lost write); a failed write (a full disk) left the file behind for good."""
+    import os
+
+    from kernelmill.runtime import check as check_module
+
+    path = tmp_path / "served" / "op" / "k.cubin"
+    replace = os.replace
+    nested: list[bool] = []
+
+    def another_thread_between(src, dst):  # the second writer runs between the first's write and its rename
+        if not nested:
+            nested.append(True)
+            check_module.write_atomically(path, b"second")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", another_thread_between)
+    check_module.write_atomically(path, b"first")
+    assert path.read_bytes() == b"first" and sorted(p.name for p in path.parent.iterdir()) == ["k.cubin"]
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        check_module.write_atomically(path, b"third")
+    assert path.read_bytes() == b"first" and sorted(p.name for p in path.parent.iterdir()) == ["k.cubin"]

@@ -442,3 +442,61 @@ def test_cache_info_and_prune(tmp_path, monkeypatch):
     refused = runner.invoke(app, ["cache", "prune"])
     assert refused.exit_code == 2 and "has no limit" in refused.stderr
     assert "0 of 0 compiled variants removed" in runner.invoke(app, ["cache", "prune", "--all"]).stdout
+
+
+def test_cache_commands_on_a_read_only_or_changing_cache_say_so_in_a_line(tmp_path, monkeypatch):
+    """cache prune on a read-only cache, or one with a folder where a cubin should be, and cache info on a
+    cache a prune was removing files from, each ended in a traceback."""
+    import os
+    from pathlib import Path
+
+    monkeypatch.setenv("KERNELMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    for key in ("aa" + "0" * 62, "ab" + "1" * 62):
+        folder = tmp_path / "cubin" / key[:2]
+        folder.mkdir(parents=True)
+        (folder / f"{key}.cubin").write_bytes(b"\x7fELF" + b"\0" * 496)
+        (folder / f"{key}.json").write_text("{}")
+    stat = os.stat
+
+    def vanishing(path, *args, **kwargs):
+        if str(path).endswith(".json"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", vanishing)
+    info = runner.invoke(app, ["cache", "info"])
+    monkeypatch.setattr(os, "stat", stat)
+    assert info.exit_code == 0, info.output
+    assert "│ cubin    │     2 │" in info.stdout  # the two cubins; the reports went as they were counted
+
+    unlink = Path.unlink
+
+    def read_only(path, missing_ok=False):
+        if path.name.startswith("aa"):
+            raise OSError(30, "Read-only file system", str(path))
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    pruned = runner.invoke(app, ["cache", "prune", "--all"])
+    assert pruned.exit_code == 1 and "Traceback" not in pruned.output
+    assert "1 of 2 compiled variants removed" in pruned.stdout
+    assert "error: 1 compiled variants could not be removed: [Errno 30] Read-only file system" in pruned.stderr
+    monkeypatch.setattr(Path, "unlink", unlink)
+
+    cubin = tmp_path / "cubin" / "aa" / ("aa" + "0" * 62 + ".cubin")
+    cubin.unlink()
+    cubin.mkdir()
+    cleared = runner.invoke(app, ["cache", "prune", "--all"])
+    assert cleared.exit_code == 0, cleared.output
+    assert "1 of 1 compiled variants removed" in cleared.stdout and not cubin.exists()
+
+
+def test_cache_commands_on_a_cache_folder_under_a_file_say_it_is_empty(tmp_path, monkeypatch):
+    """A KERNELMILL_CACHE_DIR under a file: cache prune raised NotADirectoryError (info said empty)."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KERNELMILL_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    for args in (["cache", "info"], ["cache", "prune", "--all"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert "0 of 0 compiled variants removed" in result.stdout

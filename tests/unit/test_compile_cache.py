@@ -3,6 +3,8 @@ the timeout, the memo of failures and the on-disk cache can be followed."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import stat
 import sys
@@ -16,8 +18,10 @@ from kernelmill.kernels.compile import (
     BASE_FLAGS,
     MB,
     CompileError,
+    CompileInterrupted,
     Compiler,
     CompileTimeout,
+    NvccMissing,
     arch_flags,
 )
 from kernelmill.settings import override_settings
@@ -29,6 +33,14 @@ if mode == "slow":  # a child of its own (as nvcc runs cicc and ptxas), both out
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     open({pidfile!r}, "w").write(str(child.pid))
     time.sleep(60)
+if mode == "killed":
+    os.kill(os.getpid(), 9)
+if mode == "child-killed":  # cicc killed: nvcc's shell says so and exits 128 + 9
+    print("Killed", file=sys.stderr)
+    sys.exit(137)
+if mode == "no-space":
+    print("<built-in>: fatal error: when writing output to /tmp/x.ii: No space left on device", file=sys.stderr)
+    sys.exit(1)
 if mode == "fail":
     print("kernel.cu(1): error: nope", file=sys.stderr)
     sys.exit(2)
@@ -217,9 +229,142 @@ def test_nvcc_runs_in_a_folder_named_after_the_key_and_removed_after(nvcc, tmp_p
     compiler.compile("// a", "sm_90")
     assert seen.read_text().split() == [str(tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}")]
 
-    (tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}").mkdir()  # another process building it at this moment
+    keyed = tmp_path / "tmp" / f"kernelmill-nvcc-{key[:32]}"
+    keyed.mkdir(mode=0o700)  # another process building it at this moment: it holds the folder's lock
+    building = os.open(keyed, os.O_RDONLY)
+    fcntl.flock(building, fcntl.LOCK_EX)
     compiler.prune(0)
     assert not compiler.compile("// a", "sm_90").cached  # built in a folder of its own
     second = seen.read_text().split()[1]
     assert second.startswith(str(tmp_path / "tmp" / "kernelmill-nvcc-")) and not second.endswith(key[:32])
     assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [f"kernelmill-nvcc-{key[:32]}"]
+    os.close(building)
+
+    # Left by a build that was killed (nobody holds its lock): every later build of the key got a random folder,
+    # so other bytes each time.
+    (keyed / "kernel.cubin").write_bytes(b"half a cubin")
+    compiler.prune(0)
+    assert not compiler.compile("// a", "sm_90").cached
+    assert seen.read_text().split()[2] == str(keyed) and not keyed.exists()
+
+
+@pytest.mark.parametrize("how", ["killed", "child-killed", "no-space"])
+def test_nvcc_stopped_by_the_machine_is_not_remembered_as_the_sources_failure(nvcc, tmp_path, how):
+    """nvcc killed (the OOM killer, on itself or on its cicc: 137 and "Killed") or out of disk space for its
+    temporaries was remembered as the source's compile error: the worker failed that variant again without
+    running nvcc for the rest of its life."""
+    script, set_mode, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    set_mode(how)
+    with pytest.raises(CompileInterrupted) as first:
+        compiler.compile("// a source", "sm_90")
+    assert "the machine" in str(first.value)
+    set_mode("ok")
+    assert not compiler.compile("// a source", "sm_90").cached  # nvcc ran again, and built it
+
+
+def test_a_build_folder_that_cannot_be_written_fails_the_compile_not_the_batch(nvcc, tmp_path, monkeypatch):
+    """A full or read-only temp folder raised OSError out of compile(), and out of compile_many's whole batch."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    write_text = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if path.name == "kernel.cu":
+            raise OSError(28, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    results = compiler.compile_many(["// a", "// b", "// a"], "sm_90", workers=2)
+    assert all(isinstance(r, CompileInterrupted) and "No space left on device" in str(r) for r in results)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert not compiler.compile("// a", "sm_90").cached  # not remembered
+
+
+def test_a_folder_where_an_entry_should_be_or_an_entry_that_cannot_go_does_not_break_prune(nvcc, tmp_path, monkeypatch):
+    """A folder at an entry's cubin path made every prune raise IsADirectoryError (kernelmill cache prune's
+    traceback; a compile's write over the limit raised it out of compile()), and the entry was compiled again on
+    every use; an entry that cannot be removed (a read-only cache) raised the same way."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    built = compiler.compile("// a", "sm_90")
+    cubin, _ = compiler._paths(built.key)
+    cubin.unlink()
+    cubin.mkdir()
+    assert not compiler.compile("// a", "sm_90").cached and compiler.compile("// a", "sm_90").cached
+    cubin.unlink()
+    cubin.mkdir()
+    (cubin / "inside").write_bytes(b"x")
+    assert compiler.prune(0).removed == 1 and not cubin.exists()
+
+    stuck = compiler.compile("// b", "sm_90").key
+    compiler.compile("// c", "sm_90")
+    unlink = Path.unlink
+
+    def read_only(path, missing_ok=False):
+        if path.name.startswith(stuck):
+            raise OSError(30, "Read-only file system")
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    report = compiler.prune(0)
+    assert (report.removed, report.kept) == (1, 1) and "Read-only file system" in report.error
+    compiler.max_cache_bytes, compiler._stores = 1, 0  # the next write prunes
+    assert not compiler.compile("// d", "sm_90").cached  # pruned on its write; what could not go stayed
+    assert {e.key for e in compiler.entries()} == {stuck}
+
+
+def test_prune_removes_the_temporary_files_of_writers_that_died(nvcc, tmp_path):
+    """A writer killed between its temporary file and the rename left the file for ever: prune --all kept it."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    built = compiler.compile("// a", "sm_90")
+    folder = compiler._paths(built.key)[0].parent
+    dead, writing = folder / "tmpdead0000", folder / "tmpnow00000"
+    dead.write_bytes(b"\x7fELF")
+    writing.write_bytes(b"\x7fELF")
+    os.utime(dead, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+    assert compiler.prune(0).removed == 1
+    assert sorted(p.name for p in folder.iterdir()) == ["tmpnow00000"]  # a write in progress is left alone
+
+
+def test_one_source_compiled_by_several_threads_at_once_runs_nvcc_once(nvcc, tmp_path):
+    """compile_many with a source twice (or two threads of one worker) ran nvcc for each, the others in random
+    folders: other bytes for one cache key in one batch (-lineinfo), and the cache kept whichever wrote last."""
+    script, _, _ = nvcc
+    runs = tmp_path / "runs"
+    Path(script).write_text(
+        Path(script).read_text().replace("mode = open(", f"open({str(runs)!r}, 'a').write('run\\n')\nmode = open(")
+    )
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    results = compiler.compile_many(["// a"] * 4 + ["// b"], "sm_90", workers=5)
+    assert runs.read_text().split() == ["run", "run"]
+    assert sorted(r.cached for r in results[:4]) == [False, True, True, True]
+    assert len({r.cubin for r in results[:4]}) == 1
+
+
+def test_a_cached_cubin_damaged_in_place_is_compiled_again_not_used(nvcc, tmp_path):
+    """Only the cubin's length and ELF magic were checked: a cubin damaged without changing its length (a bad
+    disk block, another program's write) was loaded as the compile of its source."""
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    built = compiler.compile("// a", "sm_90")
+    cubin_path, meta_path = compiler._paths(built.key)
+    cubin_path.write_bytes(built.cubin[:-1] + b"\x01")
+    again = compiler.compile("// a", "sm_90")
+    assert not again.cached and again.cubin == built.cubin
+
+    meta = json.loads(meta_path.read_text())  # an entry written before the digest is still read
+    del meta["cubin_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    assert compiler.compile("// a", "sm_90").cached
+
+
+def test_nvcc_gone_since_it_was_found_is_the_machines_failure_and_not_remembered(nvcc, tmp_path):
+    script, _, _ = nvcc
+    compiler = Compiler(cache_dir=tmp_path / "cache", nvcc=script, timeout_s=30)
+    Path(script).rename(tmp_path / "away")  # a toolkit upgrade replacing it, say
+    with pytest.raises(NvccMissing, match="nvcc not found"):
+        compiler.compile("// a", "sm_90")
+    (tmp_path / "away").rename(script)
+    assert not compiler.compile("// a", "sm_90").cached
