@@ -176,6 +176,11 @@ def test_mlp_flat_sequential_and_act_in_the_file(tmp_path):
     assert rel_err(model(x).numpy(), want) < 1e-5
 
 
+#: A one-layer BERT's config.json, for checkpoints that are refused before any weight is used.
+_ONE_LAYER_CONFIG = {"model_type": "bert", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1,
+                     "num_attention_heads": 2}  # fmt: skip
+
+
 def test_mlp_without_an_activation_says_it_assumes_relu(tmp_path, caplog):
     ref = _mlp_blocks(8, 16, 1, "relu")
     path = tmp_path / "mlp.pt"
@@ -224,14 +229,7 @@ def test_files_that_are_not_models_are_one_line_errors(tmp_path):
     # A HF directory whose pytorch_model.bin is not a state_dict of tensors: AttributeErrors before.
     hf = tmp_path / "hf"
     hf.mkdir()
-    config = {
-        "model_type": "bert",
-        "vocab_size": 50,
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-    }
-    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "config.json").write_text(json.dumps(_ONE_LAYER_CONFIG))
     for content, message in (
         ([torch.zeros(2)], "pytorch_model.bin holds a list, not a state_dict of tensors"),
         ({"state_dict": {"step": 3}}, "pytorch_model.bin holds entries that are not named tensors: 'step' \\(not a"),
@@ -269,14 +267,7 @@ def test_a_broken_config_json_is_a_one_line_error_naming_the_file(tmp_path, conf
 
 
 def test_a_checkpoint_missing_a_weight_is_a_one_line_error_naming_it(tmp_path):
-    config = {
-        "model_type": "bert",
-        "vocab_size": 50,
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(_ONE_LAYER_CONFIG))
     torch.save({"bert.embeddings.word_embeddings.weight": torch.zeros(50, 32)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="checkpoint has no bert.embeddings.position_embeddings.weight"):
         runtime.load_model(tmp_path, device="cpu")
