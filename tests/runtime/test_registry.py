@@ -521,19 +521,29 @@ def test_served_arch_specific_kernels_and_tf32_policy(tmp_path):
     assert entry.source == TUNED and entry.arch == "sm_90a"
 
 
+def _by_precision(ieee: dict, tf32: dict, calls: list | None = None):
+    """A service's handler answering sm_90's best kernel: ``tf32`` where that precision is asked for, else ``ieee``
+    (the precision each request asked for appended to ``calls``); cubins are their paths' bytes; else 404."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if calls is not None:
+            calls.append(request.url.params.get("precision"))
+        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
+            return httpx.Response(200, json=tf32 if request.url.params.get("precision") == "tf32" else ieee)
+        if request.url.path.endswith("/cubin"):
+            return httpx.Response(200, content=request.url.path.encode())
+        return httpx.Response(404, json={"detail": "none"})
+
+    return handler
+
+
 def test_tf32_kernels_are_asked_for_by_name_and_cached_apart(tmp_path):
     ieee = _fused_kernel(op="matmul", shape=[64, 64, 64], attrs={}, family="simt", dtype="float32", exact=True)
     ieee.update(params=get_op("matmul").family("simt").defaults("float32"), median_ms=0.05)
     tf32 = {**ieee, "id": 8, "family": "tensorcore", "params": TensorCoreCore().defaults("float32"), "median_ms": 0.01}
     calls: list = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(request.url.params.get("precision"))
-        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
-            return httpx.Response(200, json=tf32 if request.url.params.get("precision") == "tf32" else ieee)
-        if request.url.path.endswith("/cubin"):
-            return httpx.Response(200, content=request.url.path.encode())
-        return httpx.Response(404, json={"detail": "none"})
+    handler = _by_precision(ieee, tf32, calls)
 
     def registry(**kw):
         client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
@@ -556,12 +566,7 @@ def test_a_kernel_tuned_for_the_exact_shape_is_taken_before_a_faster_one_tuned_a
     near = {**exact, "id": 8, "family": "tensorcore", "params": TensorCoreCore().defaults("float32")}
     near.update(shape=[64, 64, 128], exact=False, median_ms=0.01)
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
-            return httpx.Response(200, json=near if request.url.params.get("precision") == "tf32" else exact)
-        if request.url.path.endswith("/cubin"):
-            return httpx.Response(200, content=request.url.path.encode())
-        return httpx.Response(404, json={"detail": "none"})
+    handler = _by_precision(exact, near)
 
     client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
     reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, allow_tf32=True, compiler=_NoCompile())
@@ -615,12 +620,7 @@ def test_of_the_cached_precisions_the_kernel_timed_on_this_gpu_model_is_taken_fi
     tf32 = {**ieee, "id": 8, "family": "tensorcore", "params": TensorCoreCore().defaults("float32"), "median_ms": 0.01}
     tf32["device_name"] = "NVIDIA H100"
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/api/kernels/best" and request.url.params.get("arch") == "sm_90":
-            return httpx.Response(200, json=tf32 if request.url.params.get("precision") == "tf32" else ieee)
-        if request.url.path.endswith("/cubin"):
-            return httpx.Response(200, content=request.url.path.encode())
-        return httpx.Response(404, json={"detail": "none"})
+    handler = _by_precision(ieee, tf32)
 
     def on(gpu: str, **kw) -> int:
         device = SimpleNamespace(info=SimpleNamespace(name=gpu, sm_count=132), load=lambda cubin, key: None)
