@@ -224,16 +224,11 @@ def test_a_job_none_of_whose_trials_verified_fails_saying_so(store):
     assert ended.error.startswith("no trial verified, so nothing is served: 1024x1024: 4 trials: 4 wrong_result")
 
 
-class _ClosedUnderEvaluator(FakeEvaluator):
-    """Its batch ends as the service stops: the executor closed under it (WorkerGone)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entered, self.stopping = threading.Event(), threading.Event()
+class _ClosedUnderEvaluator(_StuckEvaluator):
+    """Its batch, once released, ends as the service stops: the executor closed under it (WorkerGone)."""
 
     def evaluate(self, op, shape, dtype, attrs, candidates):
-        self.entered.set()
-        self.stopping.wait(20)
+        super().evaluate(op, shape, dtype, attrs, candidates)
         raise GpuUnavailable("the executor was closed under the batch")
 
 
@@ -247,10 +242,10 @@ def test_a_batch_cut_by_the_service_stopping_queues_the_job_without_blaming_the_
         assert evaluator.entered.wait(20)
         with caplog.at_level(logging.INFO, logger="kernelmill.service.jobs"):
             runner._stop.set()
-            evaluator.stopping.set()
+            evaluator.release.set()
             runner.stop()
     finally:
-        evaluator.stopping.set()
+        evaluator.release.set()
         runner.stop()
     assert store.get_job(job.id).state == "queued" and runner._benched == {}
     assert f"job {job.id} interrupted by the service stopping: queued again to resume" in caplog.text
