@@ -82,7 +82,9 @@ class Evaluator(Protocol):
     def profile(
         self, op: str, shape: Sequence[int], dtype: str, attrs: Mapping[str, Any], candidate: Candidate
     ) -> dict[str, Any]:
-        """Profiler metrics of one candidate (ncu), or {"error": why} where it cannot be profiled."""
+        """Profiler metrics of one candidate (ncu), or {"error": why, "unavailable": bool} where it cannot be
+        profiled: ``unavailable`` False where only this candidate failed (it hung or crashed under ncu), True (or
+        absent) where the profiler cannot run here at all."""
         ...
 
 
@@ -118,13 +120,13 @@ class LocalEvaluator:
         return DeviceFacts(info.name, info.arch, extra)
 
     def profile(self, op, shape, dtype, attrs, candidate):
-        from kernelmill.kernels.profile import ProfileUnavailable, profile
+        from kernelmill.kernels.profile import ProfileFailed, ProfileUnavailable, profile
 
         try:
             arch = self.device.info.arch + self.op_family(op, candidate.family).arch_suffix
             return profile(op, candidate.family, dtype, candidate.params, tuple(shape), dict(attrs), arch).to_dict()
-        except ProfileUnavailable as exc:
-            return {"error": str(exc)}
+        except ProfileFailed as exc:
+            return {"error": str(exc), "unavailable": isinstance(exc, ProfileUnavailable)}
 
     @staticmethod
     def op_family(op: str, family: str):

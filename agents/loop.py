@@ -342,8 +342,9 @@ def _profile_best(
     top_k: int | None = None,
 ) -> bool:
     """ncu on the ``top_k`` (default ``plan.profile_top_k``) fastest verified trials of a shape that have no
-    profile yet (each profile stored with its trial), while the time budget lasts and no cancel is asked.
-    Whether the profiler works (False once it said it cannot run here: asking again would say it again)."""
+    profile yet (each profile stored with its trial; one that failed stores why), while the time budget lasts and
+    no cancel is asked. Whether the profiler works (False once it said it cannot run here: asking again would say
+    it again; one variant that hung or crashed under it does not stop the next)."""
     top_k = plan.profile_top_k if top_k is None else min(top_k, plan.profile_top_k)
     if top_k <= 0:
         return True
@@ -354,7 +355,9 @@ def _profile_best(
         metrics = evaluator.profile(plan.op, shape, plan.dtype, plan.attrs, obs.candidate)
         obs.facts["profile"] = metrics
         recorder.record_profile(format_shape(shape), obs.candidate, metrics)
-        if "error" in metrics:  # no ncu here: one message is enough
+        if "error" in metrics and metrics.get("unavailable", True):  # no ncu here: one message is enough
             log.info("job %s: no profile: %s", plan.job_id, metrics["error"])
             return False
+        if "error" in metrics:  # this variant's failure (it hung or crashed under ncu): the next may profile
+            log.info("job %s: %s not profiled: %s", plan.job_id, obs.candidate.key, metrics["error"])
     return True

@@ -2,17 +2,24 @@
 
 ncu replays the kernel in a child process (``python -m kernelmill.kernels.profile``
 runs the variant on fresh inputs), so the caller's CUDA context is never
-touched by the profiler. A missing ncu or a failed run is data, not a crash.
+touched by the profiler. A missing ncu or a failed run is data, not a crash:
+``ProfileUnavailable`` where nothing can be profiled on this machine (no ncu, no
+permission to read the counters, no GPU, an ncu that does not know this GPU or
+these metrics), ``ProfileFailed`` where only this variant could not be (it hung
+or crashed under ncu, or no launch was captured).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,8 +62,29 @@ STALL_REASONS = (
 _STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 
 
-class ProfileUnavailable(RuntimeError):
-    """ncu is not installed or cannot read the counters here."""
+class ProfileFailed(RuntimeError):
+    """ncu could not profile this variant (it timed out, its process failed, no launch was captured); the next
+    variant may still be profiled."""
+
+
+class ProfileUnavailable(ProfileFailed):
+    """ncu cannot profile anything here: not installed, no permission to read the counters, no GPU, or a version
+    that does not know this GPU or these metrics. Every variant would fail alike."""
+
+
+#: What the child prints (on stderr, under ncu) where this machine has no usable GPU.
+NO_GPU = "kernelmill: no GPU:"
+#: What ncu prints where it cannot profile on this machine, whatever the kernel (read on its ==ERROR== and
+#: ==WARNING== lines only: a variant's own output may say anything).
+_MACHINE_FAILURES = re.compile(
+    r"ERR_NVGPUCTRPERM"  # no permission to read the GPU's performance counters
+    r"|lock file"  # its lock file (/tmp/nsight-compute-lock) cannot be created
+    r"|driver resource was unavailable"  # another profiler (DCGM) holds the counters
+    r"|failed to find metric"  # an ncu older than these metric names
+    r"|(device|gpu|chip|architecture)\b.*\b(not supported|unsupported)"  # an ncu older than this GPU
+    r"|(not supported|unsupported)\b.*\b(device|gpu|chip|architecture)",
+    re.IGNORECASE,
+)
 
 
 @dataclass
@@ -130,7 +158,8 @@ def profile(
     arch: str | None = None,
     timeout_s: float = 300.0,
 ) -> KernelProfile:
-    """Profile the variant under ncu in a child process; raises ProfileUnavailable with the reason."""
+    """Profile the variant under ncu in a child process; raises ProfileUnavailable (nothing can be profiled here)
+    or ProfileFailed (this variant could not be) with the reason."""
     ncu = find_ncu()
     if ncu is None:
         raise ProfileUnavailable("ncu (Nsight Compute) is not installed or not on PATH")
@@ -142,35 +171,74 @@ def profile(
         "--kernel-name-base", "function", "--target-processes", "all",
         sys.executable, "-P", "-m", "kernelmill.kernels.profile", json.dumps(spec),
     ]  # fmt: skip
+    code, out, err = _run(cmd, timeout_s)
+    profiles = parse_ncu_csv(out)
+    if code == 0 and profiles:
+        # The variant's longest launch is the one worth reading (a split-K GEMM's main kernel, not its reduce).
+        return max(profiles, key=lambda p: p.metrics.get("duration_ns", 0.0))
+    said = _said(out, err)
+    ncu_lines = [ln for ln in f"{out}\n{err}".splitlines() if ln.startswith(("==ERROR==", "==WARNING=="))]
+    if any(ln.startswith(NO_GPU) for ln in err.splitlines()) or any(_MACHINE_FAILURES.search(ln) for ln in ncu_lines):
+        raise ProfileUnavailable(f"ncu cannot profile on this machine: {said}")
+    raise ProfileFailed(f"ncu could not profile this variant (exit {code}): {said}")
+
+
+def _run(cmd: list[str], timeout_s: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ncu. It runs in a process group of its own: on timeout the whole group
+    is killed, the child running the variant with it (killing ncu alone left a hung variant on the GPU)."""
     try:
         # -P and a neutral cwd: a source checkout's kernelmill/ folder must not shadow the installed package.
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=tempfile.gettempdir()
-        )
+        proc = subprocess.Popen(
+            cmd, cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            errors="replace", start_new_session=True,
+        )  # fmt: skip
+    except OSError as exc:  # found but cannot be run (a broken install, a script without its interpreter)
+        raise ProfileUnavailable(f"ncu ({cmd[0]}) could not be started: {exc.strerror or exc}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise ProfileUnavailable(f"ncu did not finish within {timeout_s:.0f} s") from None
-    profiles = parse_ncu_csv(proc.stdout)
-    if proc.returncode != 0 or not profiles:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise ProfileUnavailable(f"ncu failed (exit {proc.returncode}): {' | '.join(tail)}")
-    # The variant's longest launch is the one worth reading (a split-K GEMM's main kernel, not its reduce).
-    return max(profiles, key=lambda p: p.metrics.get("duration_ns", 0.0))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()  # not communicate(): a child that left the group would keep the pipes open
+        proc.stdout.close()
+        proc.stderr.close()
+        raise ProfileFailed(f"ncu did not finish within {timeout_s:.0f} s (the variant hung under it)") from None
+    return proc.returncode, out, err
 
 
-def _target(spec_json: str) -> None:
-    """Child process: run the variant once on fresh inputs (what ncu measures)."""
-    from kernelmill.kernels.device import get_device
+#: The most of what ncu said that a failure keeps (it is stored with the trial).
+_SAID_CHARS = 600
+
+
+def _said(out: str, err: str) -> str:
+    """What explains a failed run, on one line: the child's last line of its own (an exception) and ncu's last
+    errors and warnings (its progress lines and CSV rows left out)."""
+    lines = [ln.strip() for ln in f"{err}\n{out}".splitlines() if ln.strip() and not ln.startswith('"')]
+    ncu = [ln for ln in lines if ln.startswith(("==ERROR==", "==WARNING=="))]
+    own = [ln for ln in lines if not ln.startswith("==")]
+    said = " | ".join(own[-1:] + ncu[-4:]) or "it printed nothing"
+    return said if len(said) <= _SAID_CHARS else said[: _SAID_CHARS - 3] + "..."
+
+
+def _target(spec_json: str) -> int:
+    """Child process: run the variant once on fresh inputs (what ncu measures). Exit 3 where there is no GPU."""
+    from kernelmill.kernels.device import GpuUnavailable, get_device
     from kernelmill.kernels.variant import BoundVariant, Variant
 
     spec = json.loads(spec_json)
     variant = Variant.create(spec["op"], spec["family"], spec["dtype"], spec["params"], spec["attrs"])
-    device = get_device()
+    try:
+        device = get_device()
+    except GpuUnavailable as exc:  # the machine's failure, not the variant's: said so the parent can tell
+        print(f"{NO_GPU} {exc}", file=sys.stderr)
+        return 3
     shape = tuple(spec["shape"])
     bound = BoundVariant(device, variant, variant.compile(arch=spec.get("arch")), shape)
     bound.set_inputs(variant.op.make_inputs(shape, variant.dtype, seed=1))
     bound.run()
     device.synchronize(60.0)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover - runs under ncu on a GPU host
-    _target(sys.argv[1])
+    sys.exit(_target(sys.argv[1]))

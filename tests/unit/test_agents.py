@@ -556,6 +556,54 @@ def test_guided_reads_the_leaders_profile_while_it_searches_and_ncu_missing_is_a
     assert NoNcu.asked == 1  # not again after each batch, nor for the next shape
 
 
+def test_one_variant_that_fails_under_ncu_does_not_stop_the_others_being_profiled():
+    """A variant that crashed or hung under ncu was taken as "ncu cannot run here": no other was profiled."""
+    asked = []
+
+    class OneFails(FakeEvaluator):
+        def profile(self, op, shape, dtype, attrs, candidate):
+            asked.append(candidate.key)
+            if len(asked) == 1:
+                return {"error": "ncu could not profile this variant (exit 1): ...", "unavailable": False}
+            return super().profile(op, shape, dtype, attrs, candidate)
+
+    rec = MemoryRecorder()
+    run_job(plan(shapes=[(256, 256), (512, 512)], budget_trials=24, profile_top_k=3), OneFails(fail_every=0), rec)
+    assert len(asked) == 6  # the top three of each shape, the first failing
+    failed = [p for p in rec.profiles.values() if "error" in p]
+    assert len(failed) == 1 and failed[0]["unavailable"] is False  # its reason is stored with its trial
+
+    class NoCounters(FakeEvaluator):
+        asked = 0
+
+        def profile(self, op, shape, dtype, attrs, candidate):
+            NoCounters.asked += 1
+            return {"error": "ncu cannot profile on this machine: ERR_NVGPUCTRPERM", "unavailable": True}
+
+    run_job(plan(shapes=[(256, 256), (512, 512)], budget_trials=24, profile_top_k=3), NoCounters(), MemoryRecorder())
+    assert NoCounters.asked == 1  # the machine's failure: once is enough
+
+
+def test_the_local_evaluator_tells_the_machines_profiling_failure_from_the_variants(monkeypatch):
+    from types import SimpleNamespace
+
+    import kernelmill.kernels.profile as kprofile
+    from kernelmill.agents.evaluator import LocalEvaluator
+    from kernelmill.agents.space import Candidate
+
+    evaluator = LocalEvaluator.__new__(LocalEvaluator)  # no GPU here: only its profile() is under test
+    evaluator.device = SimpleNamespace(info=SimpleNamespace(arch="sm_90"))
+    cand = Candidate.of("block_row", {"vec": 8, "unroll": 2, "threads": 256, "fast_exp": False})
+    for exc, unavailable in ((kprofile.ProfileFailed("hung"), False), (kprofile.ProfileUnavailable("no ncu"), True)):
+
+        def failing(*args, exc=exc, **kwargs):
+            raise exc
+
+        monkeypatch.setattr(kprofile, "profile", failing)
+        got = evaluator.profile("softmax", (64, 64), "float16", {}, cand)
+        assert got == {"error": str(exc), "unavailable": unavailable}
+
+
 def test_profiling_leaders_mid_search_takes_at_most_its_share_of_the_shapes_time():
     """ncu takes seconds a kernel: a leader changing at every batch would have had the search mostly profiling."""
     now = [0.0]
