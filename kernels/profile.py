@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -115,18 +115,23 @@ def find_ncu() -> str | None:
 
 
 def parse_ncu_csv(text: str) -> list[KernelProfile]:
-    """Rows of ``ncu --csv --page raw`` (one per profiled launch) -> KernelProfile."""
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
-    if len(lines) < 2:
+    """Rows of ``ncu --csv --page raw`` (one per profiled launch) -> KernelProfile. Only whole rows count: a row
+    cut short (ncu killed mid-line) is left out, and so is any line before the header (the variant's own
+    output), the units row and a repeated header; a value that is not a finite number is absent, not guessed."""
+    # Every whole row of ncu's CSV starts and ends with a quote.
+    lines = [ln for ln in (ln.strip() for ln in text.splitlines()) if len(ln) > 1 and ln[0] == ln[-1] == '"']
+    rows = [row for row in map(_cells, lines) if row is not None]
+    header_at = next((i for i, row in enumerate(rows) if "Kernel Name" in row), None)
+    if header_at is None:
         return []
-    rows = list(csv.reader(io.StringIO("\n".join(lines))))
-    header, data = rows[0], rows[1:]
-    if data and data[0] and data[0][0] == "":  # the units row
-        data = data[1:]
+    header = rows[header_at]
     out = []
-    for row in data:
+    for row in rows[header_at + 1 :]:
         record = dict(zip(header, row, strict=False))
-        prof = KernelProfile(record.get("Kernel Name", "?"))
+        kernel = record.get("Kernel Name", "")
+        if row == header or not kernel:  # a repeated header, or the units row (its name column is empty)
+            continue
+        prof = KernelProfile(kernel)
         for metric, name in METRICS.items():
             value = _number(record.get(metric))
             if value is not None:
@@ -139,13 +144,25 @@ def parse_ncu_csv(text: str) -> list[KernelProfile]:
     return out
 
 
-def _number(text: str | None) -> float | None:
-    if text is None or text.strip() in ("", "n/a"):
-        return None
+def _cells(line: str) -> list[str] | None:
+    """One CSV line's fields; None for one the csv module refuses (a field past its size limit)."""
     try:
-        return float(text.replace(",", ""))
-    except ValueError:
+        return next(csv.reader([line]))
+    except csv.Error:
         return None
+
+
+#: A number as ncu writes it: digits with commas between thousands (91,232), a decimal point, an exponent.
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?")
+
+
+def _number(text: str | None) -> float | None:
+    """The value of one cell, or None for "n/a", "nan", "inf", a decimal comma ("12,5") or anything else that
+    is not a finite number written as above (never a number guessed from it)."""
+    if text is None or not _NUMBER.fullmatch(text.strip()):
+        return None
+    value = float(text.strip().replace(",", ""))
+    return value if math.isfinite(value) else None
 
 
 def profile(
