@@ -137,6 +137,12 @@ class ForwardSpec:
         preset = PRESETS.get(self.preset or "", {})
         if preset.get("kind") == "bert" and self.act is not None:  # it was ignored
             raise ValueError(f"--act is for an MLP; {self.preset}'s activation is its config's hidden_act (GELU)")
+        if self.act is not None:  # else refused only by the child, once nsys had started
+            from kernelmill.runtime.ops import canonical_act
+
+            if self.path is not None and Path(self.path).is_dir():
+                raise ValueError(f"--act is for an MLP file; {self.path}'s activation is its config's hidden_act")
+            canonical_act(self.act)
         if preset.get("kind") == "bert" and self.seq > preset["max_position_embeddings"]:
             raise ValueError(f"--seq {self.seq} > {preset['max_position_embeddings']} positions of {self.preset}")
 

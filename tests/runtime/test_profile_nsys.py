@@ -154,6 +154,8 @@ The following built-in reports are available:
         ({"preset": "mlp-tiny", "dtype": "int8"}, "unknown dtype"),
         ({"preset": "mlp-tiny", "iters": 0}, "--iters"),
         ({"preset": "bert-tiny", "seq": 4096}, "positions"),
+        ({"preset": "mlp-tiny", "act": "swishy"}, "unknown activation 'swishy'"),  # the child refused it, under nsys
+        ({"path": str(Path(__file__).parent), "act": "relu"}, "--act is for an MLP file"),  # a checkpoint folder
     ],
 )
 def test_spec_check_refuses_what_cannot_run(fields, message):

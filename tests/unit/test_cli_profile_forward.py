@@ -57,6 +57,7 @@ def test_without_nsys_one_line_and_its_own_exit_code(tmp_path, monkeypatch, db_u
         (["--preset", "mlp-tiny", "-d", "int8"], "unknown dtype"),
         (["--preset", "bert-tiny", "--seq", "100000"], "positions"),
         (["--preset", "bert-tiny", "--act", "relu"], "--act is for an MLP"),  # it was ignored
+        (["--preset", "mlp-tiny", "--act", "swishy"], "unknown activation"),  # refused by the child, under nsys
     ],
 )
 def test_bad_input_exits_2_before_nsys(argv, message, nsys_bin):
