@@ -986,8 +986,8 @@ def profile_forward(
     try:
         with console.status(f"nsys: {iters} forwards of {spec.model_name}"):
             result = run_profile(spec, keep_dir=keep, timeout_s=timeout_s)
-    except NsysUnavailable:
-        raise fail(_NO_NSYS, EXIT_NO_PROFILER) from None
+    except NsysUnavailable as exc:  # found above, but it cannot be started
+        raise fail(f"{exc}; nothing profiled", EXIT_NO_PROFILER) from None
     except ForwardFailed as exc:
         if exc.kind == "no_gpu":
             raise fail(f"no GPU here ({exc.reason}); nothing profiled", EXIT_UNAVAILABLE) from None

@@ -6,7 +6,8 @@ compiled and loaded then), and only then opens nsys's capture window (cuProfiler
 forwards with NVTX ranges on (``KERNELMILL_NVTX=1``). ``nsys stats --format csv`` then turns the report into
 tables that ``summarize`` reduces to a ``ForwardProfile``. The caller's process never touches the GPU.
 
-Failures are exceptions that say what happened, never a half summary: ``NsysUnavailable`` (no nsys here),
+Failures are exceptions that say what happened, never a half summary: ``NsysUnavailable`` (no nsys here, or
+one that cannot be started),
 ``ForwardFailed`` (the child could not run the forward: no GPU, a bad model file, ...), ``NsysNoReport``
 (nsys ran but wrote no report, or one without kernels; with the tail of what nsys printed).
 
@@ -519,9 +520,12 @@ def _tail(*texts: str | None) -> str:
 
 def _run(cmd: list[str], timeout_s: float, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """Run ``cmd`` in its own process group; on timeout the whole group (nsys and its child) is killed."""
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    try:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    except OSError as exc:  # found but cannot be run (a broken install, a script without its interpreter)
+        raise NsysUnavailable(f"{cmd[0]} could not be started: {exc.strerror or exc}") from None
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -154,3 +154,16 @@ def test_a_relative_kernelmill_nsys_is_found_from_the_work_folder_nsys_runs_in(t
     result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "2"])
     assert result.exit_code == 0, result.output
     assert fake_nsys.calls(tmp_path / "tools") and stored(db_url) == 1
+
+
+def test_an_nsys_that_cannot_be_started_is_one_line_and_exit_4(nsys_bin, db_url):
+    """One on PATH whose interpreter is gone was started anyway: a FileNotFoundError traceback."""
+    nsys_bin.mkdir(parents=True, exist_ok=True)
+    broken = nsys_bin / "nsys"
+    broken.write_text("#!/nonexistent/interpreter\n")
+    broken.chmod(0o755)
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "1"])
+    assert result.exit_code == EXIT_NO_PROFILER, result.output
+    assert "could not be started" in result.output and "nothing profiled" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2
+    assert stored(db_url) == 0
