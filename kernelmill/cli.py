@@ -983,6 +983,8 @@ def profile_forward(
         _output_dir(keep, "--keep")
     if json_out is not None:
         _output_file(json_out, "--json")
+    if store:  # so is the database: one that cannot be opened lost the summary to its error at the end
+        _open_store().close()
     try:
         with console.status(f"nsys: {iters} forwards of {spec.model_name}"):
             result = run_profile(spec, keep_dir=keep, timeout_s=timeout_s)
@@ -1000,21 +1002,33 @@ def profile_forward(
             err_console.print("nsys said:\n" + escape(exc.tail), highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_NO_REPORT) from None
     summary = result.to_dict()
+    not_stored = None
     if store:
-        from kernelmill.service.db.store import Store
-        from kernelmill.settings import get_settings
+        from sqlalchemy.exc import SQLAlchemyError
 
-        db = Store(get_settings().database_url)
         try:
-            summary["id"] = db.record_forward_profile(summary).id
-        finally:
-            db.close()
+            db = _open_store()
+            try:
+                summary["id"] = db.record_forward_profile(summary).id
+            finally:
+                db.close()
+        except (SQLAlchemyError, ValueError) as exc:  # gone since the check: the summary is still printed (and written)
+            not_stored = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     _print_forward_profile(summary)
     if json_out is not None:
         try:
             json_out.write_text(json.dumps(summary, indent=2))
         except OSError as exc:  # gone or read-only since the check: the summary is printed (and stored) above
             raise fail(f"--json {json_out}: {exc.strerror or exc}; the summary is above", 1) from None
+    if not_stored is not None:
+        raise fail(f"the summary could not be stored ({not_stored}); it is above", EXIT_UNAVAILABLE)
+
+
+def _open_store():
+    from kernelmill.service.db.store import Store
+    from kernelmill.settings import get_settings
+
+    return Store(get_settings().database_url)
 
 
 _NO_NSYS = (

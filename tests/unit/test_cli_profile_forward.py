@@ -167,3 +167,31 @@ def test_an_nsys_that_cannot_be_started_is_one_line_and_exit_4(nsys_bin, db_url)
     assert "could not be started" in result.output and "nothing profiled" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2
     assert stored(db_url) == 0
+
+
+def test_a_database_that_cannot_be_opened_is_said_before_nsys_starts(nsys_bin, tmp_path, monkeypatch):
+    """It was opened only after the profile (minutes on a GPU): its error then lost the summary, unprinted."""
+    fake_nsys.install(nsys_bin, "ok")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("KERNELMILL_DATABASE_URL", f"sqlite:///{a_file}/cli.db")
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "2"])
+    assert result.exit_code == EXIT_UNAVAILABLE, result.output
+    assert "cannot open the database" in result.output and "Traceback" not in result.output
+    assert fake_nsys.calls(nsys_bin) == []  # nothing profiled only to be lost
+
+
+def test_a_database_lost_during_the_run_still_prints_and_writes_the_summary(nsys_bin, db_url, tmp_path, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    def gone(self, summary):
+        raise OperationalError("INSERT INTO forward_profiles ...", {}, Exception("server closed the connection"))
+
+    fake_nsys.install(nsys_bin, "ok")
+    monkeypatch.setattr(Store, "record_forward_profile", gone)
+    out = tmp_path / "summary.json"
+    result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", "--iters", "2", "--json", str(out)])
+    assert result.exit_code == EXIT_UNAVAILABLE, result.output
+    assert "top kernels" in result.output and json.loads(out.read_text())["model"] == "mlp-tiny"
+    assert "the summary could not be stored" in result.output and "server closed the connection" in result.output
+    assert "Traceback" not in result.output
