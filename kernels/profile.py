@@ -103,9 +103,10 @@ class KernelProfile:
 
 
 def find_ncu() -> str | None:
+    """ncu: KERNELMILL_NCU (a name on PATH or a path), else CUDA's or Nsight Compute's install folders."""
     found = shutil.which(os.environ.get("KERNELMILL_NCU", "ncu"))
-    if found:
-        return found
+    if found:  # absolute: ncu runs in a neutral folder, where ./tools/ncu is not found
+        return os.path.abspath(found)
     for root in ("/usr/local/cuda/bin", "/opt/nvidia/nsight-compute"):
         if os.path.isdir(root):
             for dirpath, _, files in os.walk(root):

@@ -113,3 +113,11 @@ def test_no_ncu_is_unavailable(tmp_path, monkeypatch):
     monkeypatch.setattr(kprofile, "find_ncu", lambda: None)
     with pytest.raises(ProfileUnavailable, match="not installed"):
         profile(*SOFTMAX)
+
+
+def test_a_relative_kernelmill_ncu_is_found_from_the_folder_ncu_runs_in(tmp_path, monkeypatch):
+    """./tools/ncu was started from the temporary folder ncu runs in, where it is not (FileNotFoundError)."""
+    fake_ncu.install(tmp_path / "tools", "ok")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KERNELMILL_NCU", "./tools/ncu")
+    assert profile(*SOFTMAX).kernel == "softmax_block_row"
