@@ -11,6 +11,7 @@ and exits as it does:
 * ``crash``: the variant's process raised (a kernel fault), nothing profiled, exit 1;
 * ``kernel-error``: ncu failed on the variant's kernel itself, exit 9;
 * ``no-kernel``: the variant's process launched nothing ncu captured, exit 0;
+* ``not-utf8``: the profile of ``ok`` with bytes that are not UTF-8 (a line of the variant's, a kernel name);
 * ``hang``: starts a child that sleeps (its pid in ``bin_dir/child.pid``) and sleeps itself;
 * ``run-child``: runs the program after ``--target-processes all`` (the real child), then says nothing was profiled.
 """
@@ -82,6 +83,10 @@ elif MODE == "kernel-error":
 elif MODE == "no-kernel":
     print("==PROF== Disconnected from process 1234")
     print("==WARNING== No kernels were profiled.")
+elif MODE == "not-utf8":  # the variant's output (or a kernel name) in another encoding
+    sys.stdout.flush()
+    sys.stdout.buffer.write(b"caf\xe9 au lait\n")
+    sys.stdout.buffer.write(CSV.replace("km_reduce", "km_r\xe9duce").encode("latin-1"))
 elif MODE == "hang":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     (BIN / "child.pid").write_text(str(child.pid))

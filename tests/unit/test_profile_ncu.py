@@ -121,3 +121,9 @@ def test_a_relative_kernelmill_ncu_is_found_from_the_folder_ncu_runs_in(tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KERNELMILL_NCU", "./tools/ncu")
     assert profile(*SOFTMAX).kernel == "softmax_block_row"
+
+
+def test_output_that_is_not_utf8_is_read_not_raised(tmp_path, monkeypatch):
+    """ncu's output was decoded strictly: a byte that is not UTF-8 raised UnicodeDecodeError out of profile()."""
+    _ncu(tmp_path, monkeypatch, "not-utf8")
+    assert profile(*SOFTMAX).kernel == "softmax_block_row"
