@@ -220,7 +220,9 @@ def find_nsys(name: str | None = None) -> str | None:
 def nsys_version(nsys: str) -> str | None:
     """e.g. "2025.3.1.90" from ``nsys --version``; None where it does not answer."""
     try:
-        proc = subprocess.run([nsys, "--version"], capture_output=True, text=True, timeout=60, check=False)
+        proc = subprocess.run(
+            [nsys, "--version"], capture_output=True, text=True, errors="replace", timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = re.search(r"(\d{4}\.\d+(?:\.\d+)*)", proc.stdout + proc.stderr)
@@ -231,7 +233,7 @@ def known_reports(nsys: str) -> set[str]:
     """Report names ``nsys stats --help-reports`` lists (empty where it lists none)."""
     try:
         proc = subprocess.run(
-            [nsys, "stats", "--help-reports"], capture_output=True, text=True, timeout=60, check=False
+            [nsys, "stats", "--help-reports"], capture_output=True, text=True, errors="replace", timeout=60, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
         return set()
@@ -522,8 +524,9 @@ def _run(cmd: list[str], timeout_s: float, cwd: Path, env: dict[str, str] | None
     """Run ``cmd`` in its own process group; on timeout the whole group (nsys and its child) is killed."""
     try:
         proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+            start_new_session=True,
+        )  # fmt: skip
     except OSError as exc:  # found but cannot be run (a broken install, a script without its interpreter)
         raise NsysUnavailable(f"{cmd[0]} could not be started: {exc.strerror or exc}") from None
     try:

@@ -6,6 +6,7 @@
 * ``nsys stats --help-reports`` with the report names of the fixture folder ``reports`` (new or old names);
 * ``nsys profile ... --output BASE ... PROGRAM ARGS``: by ``mode``,
   ``ok`` writes ``BASE.nsys-rep`` without running PROGRAM (the forward itself needs a GPU),
+  ``not-utf8`` does the same and prints bytes that are not UTF-8,
   ``no-report`` prints what nsys prints when it writes nothing and exits 1,
   ``qdstrm`` leaves a raw ``BASE.qdstrm`` capture and no report (the nsys of Nsight Compute's folder),
   ``run-child`` runs PROGRAM (the real child) and writes no report;
@@ -63,9 +64,11 @@ elif args[:1] == ["profile"]:
         else:
             program = rest[i:]
             break
-    if MODE == "ok":
+    if MODE in ("ok", "not-utf8"):
         Path(base + ".nsys-rep").write_bytes(b"fake nsys report")
-        print("Generated:\n    " + base + ".nsys-rep")
+        print("Generated:\n    " + base + ".nsys-rep", flush=True)
+        if MODE == "not-utf8":  # what the child printed, in another encoding
+            sys.stdout.buffer.write(b"caf\xe9 au lait\n")
     elif MODE == "no-report":
         print("Collecting data...", flush=True)
         print("Agent launcher failed.\nNo reports were generated", file=sys.stderr)

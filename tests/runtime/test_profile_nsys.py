@@ -226,6 +226,12 @@ def test_profile_forward_with_a_fake_nsys(nsys_bin, tmp_path):
     assert set(stats_cmd[stats_cmd.index("--report") + 1].split(",")) == {c[0] for c in REPORTS.values()}
 
 
+def test_output_that_is_not_utf8_is_read_not_raised(nsys_bin):
+    """nsys's output (the child's prints pass through it) was decoded strictly: UnicodeDecodeError after the run."""
+    fake_nsys.install(nsys_bin, "not-utf8", "new")
+    assert profile_forward(ForwardSpec(preset="mlp-tiny", iters=2)).kernel_launches == 4
+
+
 def test_relative_model_and_keep_paths_are_made_absolute_for_nsys(nsys_bin, tmp_path, monkeypatch):
     """nsys starts the forward in the work directory: a relative model path or --keep would point elsewhere."""
     fake_nsys.install(nsys_bin, "ok", "new")
