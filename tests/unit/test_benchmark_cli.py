@@ -1,0 +1,105 @@
+"""The benchmarks' command lines without a GPU: bad arguments are a one-line usage error (exit 2), a missing GPU
+or database a one-line message (exit 3), before any work; their JSON states the date and the command."""
+
+import json
+
+import pytest
+
+from tests.benchmark_scripts import load_benchmark
+
+
+def _no_gpu(monkeypatch):
+    from kernelmill.kernels import device
+
+    def no_gpu(ordinal=0):
+        raise device.GpuUnavailable("no CUDA device is visible")
+
+    monkeypatch.setattr(device, "get_device", no_gpu)
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "reason"),
+    [
+        ("attention_sweep", ["--shapes", "8x12x128"], "--shapes: sdpa takes a shape of 4 dims"),
+        ("attention_sweep", ["--ops", "sdpa,softmax"], "--ops: 'sdpa,softmax': expected comma-separated ops"),
+        ("attention_sweep", ["--families", "fused,bogus"], "--families: 'fused,bogus'"),
+        ("kernels", ["--only", "nope"], "no case matches --only 'nope'"),
+        ("kernels", ["--cases", "1x1x1"], "no case matches"),
+        ("kernels", ["--budget", "0"], "--budget: '0': at least 1"),
+        ("kernels", ["--strategy", "bogus"], "--strategy: invalid choice"),
+        ("read_patterns", ["--mb", "0"], "--mb: '0': from 1"),
+        ("read_patterns", ["--mb", "1e6"], "--mb: '1e6': from 1"),
+        ("read_patterns", ["--reps", "-1"], "--reps: '-1': at least 1"),
+        ("forward", ["--repeats", "0"], "--repeats: '0': at least 1"),
+        ("forward", ["--out", "/nonexistent-kernelmill/forward.json"], "--out: no folder"),
+        ("load", ["--lookup-rps", "0"], "--lookup-rps: '0': above 0"),
+        ("load", ["--connections", "0"], "--connections: '0': at least 1"),
+        ("load", ["--lookup-rps", "0.01"], "each phase must send a request"),
+        ("load", ["--out", "/nonexistent-kernelmill/load.json"], "--out: no folder"),
+    ],
+)
+def test_bad_arguments_are_a_one_line_usage_error(script, argv, reason, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    _no_gpu(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        load_benchmark(script).main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and reason in err.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("attention_sweep", ["--shapes", "1x2x64x64"]),
+        ("kernels", ["--only", "softmax"]),
+        ("read_patterns", []),
+        ("search", ["collect", "--db", "sqlite:///search.db"]),
+    ],
+)
+def test_without_a_gpu_it_says_so_in_one_line_and_leaves_no_database(script, argv, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    _no_gpu(monkeypatch)
+    assert load_benchmark(script).main(argv) == 3
+    err = capsys.readouterr().err.strip()
+    assert "needs a CUDA GPU: no CUDA device is visible" in err and "\n" not in err
+    assert list(tmp_path.iterdir()) == []  # kernels.py and search.py collect opened no store
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "reason"),
+    [("sqlite:////nonexistent-kernelmill/x.db", 3, "cannot open the database"), ("foo://x", 2, "database URL")],
+)
+def test_search_replay_on_a_bad_database_is_one_line(url, code, reason, capsys):
+    assert load_benchmark("search").main(["replay", "--db", url]) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"search.py: {reason}") and "\n" not in err
+
+
+def test_search_replay_json_states_date_and_command(monkeypatch, tmp_path, capsys):
+    search = load_benchmark("search")
+    result = {"measured_on": ["NVIDIA H200"], "rows": [], "median_pct_of_space": {}, "seeds": 5, "within": 0.05}
+    monkeypatch.setattr(search, "run_replay", lambda db: dict(result))
+    monkeypatch.setattr(search, "print_table", lambda result: None)
+    out = tmp_path / "search.json"
+    assert search.main(["replay", "--db", "sqlite:///s.db", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["command"] == f"python benchmarks/search.py replay --db sqlite:///s.db --json {out}"
+    assert written["date"].endswith("+00:00") and written["measured_on"] == ["NVIDIA H200"]
+
+
+def test_load_report_states_its_command(monkeypatch, tmp_path, capsys):
+    load = load_benchmark("load")
+
+    async def run(args):
+        return {"started": "2026-11-30T00:00:00Z", "submissions": {"missing": [], "changed": [], "errors": 0},
+                "lookups": {"errors": 0}}  # fmt: skip
+
+    monkeypatch.setattr(load, "run", run)
+    monkeypatch.setattr(load, "print_table", lambda report: None)
+    out = tmp_path / "load.json"
+    assert load.main(["--lookup-s", "1", "--submit-s", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"] == f"python benchmarks/load.py --lookup-s 1 --submit-s 1 --out {out}"
+    assert report["started"]
