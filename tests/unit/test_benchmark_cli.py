@@ -103,3 +103,27 @@ def test_load_report_states_its_command(monkeypatch, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["command"] == f"python benchmarks/load.py --lookup-s 1 --submit-s 1 --out {out}"
     assert report["started"]
+
+
+def test_read_patterns_compiles_for_the_gpu_it_runs_on(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from kernelmill.kernels import compile as compile_mod
+    from kernelmill.kernels import device
+
+    fake = SimpleNamespace(
+        info=SimpleNamespace(name="NVIDIA A100", sm_count=2, arch="sm_80"),
+        alloc=lambda nbytes: object(),
+        copy_in=lambda buf, array: None,
+    )
+    monkeypatch.setattr(device, "get_device", lambda ordinal=0: fake)
+    archs = []
+
+    def compile_(self, source, arch, **kwargs):
+        archs.append(arch)
+        raise RuntimeError("stop after the first compile")
+
+    monkeypatch.setattr(compile_mod.Compiler, "compile", compile_)
+    with pytest.raises(RuntimeError, match="stop after"):
+        load_benchmark("read_patterns").main(["--mb", "1"])
+    assert archs == ["sm_80"]
