@@ -66,6 +66,7 @@ class Server:
     ids: dict[str, int]
     process: subprocess.Popen
     log: Path
+    db: str  # its database URL
 
 
 def _start(tmp: Path, env_extra: dict[str, str] | None = None, seed: bool = True) -> Server:
@@ -103,7 +104,7 @@ def _start(tmp: Path, env_extra: dict[str, str] | None = None, seed: bool = True
             raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(f"{base}/api/health", timeout=1).status_code == 200:
-                return Server(base, ids, proc, log)
+                return Server(base, ids, proc, log, url)
         except httpx.HTTPError:
             pass
         time.sleep(0.1)

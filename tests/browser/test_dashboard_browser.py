@@ -134,3 +134,23 @@ def test_empty_states_point_to_the_next_step(empty_server, page, shots):
     for name, path in {"empty-compare": "/compare", "empty-jobs": "/jobs"}.items():
         _visit(page, empty_server.url + path, shots, name)
         assert page.locator(".empty a[href='/jobs/new']").count() == 1
+
+
+def test_a_long_job_error_keeps_its_lines_and_the_page_its_width(server, page, shots):
+    from kernelmill.service.db.store import Store
+
+    path = "/opt/" + "a_folder_name_without_any_spaces_" * 12 + "kernel.cu"
+    error = "Traceback (most recent call last):\n" + "\n".join(f'  File "{path}", line {i}' for i in range(20))
+    store = Store(server.db)
+    try:
+        job = store.create_job(
+            op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random", budget_trials=8,
+            budget_seconds=60, state="failed", error=error,
+        )  # fmt: skip
+    finally:
+        store.close()
+    for url, name in ((f"/jobs/{job.id}", "job-long-error"), ("/jobs?state=failed", "jobs-failed")):
+        _visit(page, server.url + url, shots, name)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1360, url
+    _visit(page, server.url + f"/jobs/{job.id}", shots, "job-long-error")
+    assert page.inner_text(".job-error").count("\n") == 20  # the traceback's lines, not one run-on line

@@ -244,6 +244,22 @@ def test_failed_job_shows_its_error(seeded):
     assert "The job failed:" in text and "the worker died three times in a row" in text
 
 
+def test_jobs_list_says_why_a_job_failed(seeded):
+    job = _add_job(seeded, state="failed", error="\nRuntimeError: nvcc died\n" + "  detail line\n" * 50)
+    html = seeded.get("/jobs?state=failed").text
+    row = re.search(rf'<tr>\s*<td><a class="strong" href="/jobs/{job.id}">.*?</tr>', html, re.S).group(0)
+    assert '<span class="reason" title="' in row and ">RuntimeError: nvcc died</span>" in row
+    first = re.search(rf'href="/jobs/{seeded.ids["failed"]}">.*?</tr>', html, re.S).group(0)
+    assert ">RuntimeError: the worker died three times in a row</span>" in first
+
+
+def test_first_line_filter():
+    from kernelmill.service.web.filters import first_line
+
+    assert first_line("\n  boom  \nmore") == "boom" and first_line(None) == "" and first_line("   ") == ""
+    assert first_line("x" * 300) == "x" * 197 + "..."
+
+
 def test_text_from_the_store_is_escaped(seeded):
     job = _add_job(seeded, state="failed", error="<script>alert(1)</script>")
     html = seeded.get(f"/jobs/{job.id}").text
