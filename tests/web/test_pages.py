@@ -116,6 +116,14 @@ def test_overview_shows_workers_jobs_and_best_speedups(seeded):
     assert "No jobs yet" not in text
 
 
+def test_progress_bars_have_an_accessible_name_and_value(seeded):
+    for path in ("/", "/jobs", f"/jobs/{seeded.ids['failed']}"):
+        bars = re.findall(r'<div [^>]*role="progressbar"[^>]*>', seeded.get(path).text)
+        assert bars, path
+        for bar in bars:
+            assert 'aria-label="trials"' in bar and re.search(r'aria-valuetext="\d+ of \d+ trials', bar), bar
+
+
 def test_empty_states_say_what_to_do_next(empty):
     text = _text(empty.get("/").text)
     assert "No jobs yet — submit one" in text
