@@ -18,9 +18,11 @@ sequence, at -30000: a padding mask like BERT's). Verification always runs on ra
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 PADDED = -30000.0  # the "padding" mask of padded keys
 SHAPES = "8x12x128x64,1x12x128x64,1x16x1024x64,4x16x512x128,2x8x2048x64"
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     except GpuUnavailable as exc:
         print(f"attention_sweep.py needs a CUDA GPU: {exc}", file=sys.stderr)
         return 3
+    command = shlex.join(["python3", "benchmarks/attention_sweep.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{device.info.name}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {command}", flush=True)
     compiler = Compiler()
     flusher = L2Flusher(device)
     cache = ReferenceCache()

@@ -14,7 +14,9 @@ Blocks of 1024 threads, one per SM. Informs templates/mlp_stack/persistent.cu.j2
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -121,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     n16 = int(args.mb * 1e6) // 16 // (sms * 64) * (sms * 64)  # whole slices and 64-word strips
     buf, out = device.alloc(n16 * 16), device.alloc(4)
     device.copy_in(buf, np.random.default_rng(0).integers(0, 2**32, n16 * 4, dtype=np.uint32))  # like weights
-    print(f"{device.info.name}, {sms} SMs, {n16 * 16 / 1e6:.0f} MB, blocks of 1024 threads, one per SM")
+    command = shlex.join(["python3", "benchmarks/read_patterns.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{device.info.name}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {command}")
+    print(f"{sms} SMs, {n16 * 16 / 1e6:.0f} MB, blocks of 1024 threads, one per SM")
 
     def time_us(kernel, args_) -> float:
         for _ in range(2):

@@ -2,6 +2,7 @@
 or database a one-line message (exit 3), before any work; their JSON states the date and the command."""
 
 import json
+import re
 
 import pytest
 
@@ -127,3 +128,27 @@ def test_read_patterns_compiles_for_the_gpu_it_runs_on(monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="stop after"):
         load_benchmark("read_patterns").main(["--mb", "1"])
     assert archs == ["sm_80"]
+    head = capsys.readouterr().out.splitlines()[0]  # what the output is, where and when: device, date, command
+    assert re.fullmatch(r"NVIDIA A100, \d{4}-\d\d-\d\d \d\d:\d\d UTC: python3 benchmarks/read_patterns.py --mb 1", head)
+
+
+def test_attention_sweep_states_device_date_and_command_first(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from kernelmill.kernels import bench, device
+
+    monkeypatch.setattr(
+        device, "get_device", lambda ordinal=0: SimpleNamespace(info=SimpleNamespace(name="NVIDIA H200"))
+    )
+
+    def no_flusher(device):
+        raise RuntimeError("stop before any GPU work")
+
+    monkeypatch.setattr(bench, "L2Flusher", no_flusher)
+    with pytest.raises(RuntimeError, match="stop before"):
+        load_benchmark("attention_sweep").main(["--ops", "sdpa", "--mask", "zero"])
+    head = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(
+        r"NVIDIA H200, \d{4}-\d\d-\d\d \d\d:\d\d UTC: python3 benchmarks/attention_sweep.py --ops sdpa --mask zero",
+        head,
+    )
