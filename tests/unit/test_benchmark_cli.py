@@ -152,3 +152,40 @@ def test_attention_sweep_states_device_date_and_command_first(monkeypatch, capsy
         r"NVIDIA H200, \d{4}-\d\d-\d\d \d\d:\d\d UTC: python3 benchmarks/attention_sweep.py --ops sdpa --mask zero",
         head,
     )
+
+
+def test_forward_json_states_device_date_and_command(monkeypatch, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    forward = load_benchmark("forward")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    for name in ("mlp_cases", "bert_cases"):  # no forward runs: what is timed is not the point here
+        monkeypatch.setattr(forward, name, lambda *a: [])
+    for name in ("print_table", "print_power"):
+        monkeypatch.setattr(forward, name, lambda rows: None)
+    monkeypatch.setattr(forward, "targets", lambda rows: [])
+    out = tmp_path / "forward.json"
+    assert forward.main(["--out", str(out), "--only", "mlp"]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "NVIDIA H200" and result["date"].endswith("+00:00")
+    assert result["command"] == f"python benchmarks/forward.py --out {out} --only mlp"
+
+
+def test_kernels_json_states_device_date_and_command(monkeypatch, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from kernelmill.agents import evaluator
+
+    bench = load_benchmark("kernels")
+    ceilings = SimpleNamespace(copy_gbps=4000.0, matrix_tflops={"float16": 700.0})
+    fake = SimpleNamespace(device=SimpleNamespace(info=SimpleNamespace(name="NVIDIA H200")), ceilings=lambda: ceilings)
+    monkeypatch.setattr(evaluator, "LocalEvaluator", lambda *a, **k: fake)
+    monkeypatch.setattr(bench, "tune", lambda *a, **k: 7)  # no tuning or timing: the JSON's header is the point
+    monkeypatch.setattr(bench, "measure", lambda case, *a: {"case": case.name, "status": "no verified kernel"})
+    out = tmp_path / "kernels.json"
+    argv = ["--db", f"sqlite:///{tmp_path}/k.db", "--cases", "softmax 1x32000 float16", "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "NVIDIA H200" and result["date"].endswith("+00:00")
+    assert result["command"] == "python benchmarks/kernels.py " + " ".join(f"'{a}'" if " " in a else a for a in argv)
+    assert [r["case"] for r in result["rows"]] == ["softmax 1x32000 float16"]
