@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import format_shape
@@ -239,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-seconds", type=_count(1), default=1800, help="time budget of each tuning job")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # found now, not after the run
+        parser.error(f"argument --json: no folder {str(Path(args.json).parent)!r} to write {args.json!r} in")
     cases = selected(_cases(), args.only, args.cases)
     if not cases:
         ops = sorted({c.op for c in _cases()})

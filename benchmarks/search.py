@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", default="sqlite:///search.db")
     parser.add_argument("--json", help="write the replay table here")
     args = parser.parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # found now, not after the run
+        parser.error(f"argument --json: no folder {str(Path(args.json).parent)!r} to write {args.json!r} in")
     command = shlex.join(["python", "benchmarks/search.py", *(sys.argv[1:] if argv is None else argv)])
     try:
         if args.mode == "collect":

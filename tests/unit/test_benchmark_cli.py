@@ -28,6 +28,8 @@ def _no_gpu(monkeypatch):
         ("kernels", ["--cases", "1x1x1"], "no case matches"),
         ("kernels", ["--budget", "0"], "--budget: '0': at least 1"),
         ("kernels", ["--strategy", "bogus"], "--strategy: invalid choice"),
+        ("kernels", ["--json", "/nonexistent-kernelmill/kernels.json"], "--json: no folder"),
+        ("search", ["replay", "--json", "/nonexistent-kernelmill/search.json"], "--json: no folder"),
         ("read_patterns", ["--mb", "0"], "--mb: '0': from 1"),
         ("read_patterns", ["--mb", "1e6"], "--mb: '1e6': from 1"),
         ("read_patterns", ["--reps", "-1"], "--reps: '-1': at least 1"),
