@@ -18,18 +18,49 @@ sequence, at -30000: a padding mask like BERT's). Verification always runs on ra
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 PADDED = -30000.0  # the "padding" mask of padded keys
 SHAPES = "8x12x128x64,1x12x128x64,1x16x1024x64,4x16x512x128,2x8x2048x64"
+
+
+OPS = ("sdpa", "attention")
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
     from kernelmill.kernels.ops import get_op
 
     return [get_op("sdpa").parse_shape(s) for s in text.split(",") if s]
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    """--shapes as an argparse type: a malformed shape is a one-line usage error."""
+    from kernelmill.kernels.ops.base import SpecError
+
+    try:
+        shapes = parse_shapes(text)
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not shapes:
+        raise argparse.ArgumentTypeError("expected comma-separated shapes, e.g. 8x12x128x64")
+    return shapes
+
+
+def _names(known: tuple[str, ...], what: str):
+    """An argparse type: comma-separated names, each one of ``known``."""
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what} of {', '.join(known)}")
+        return names
+
+    return parse
 
 
 def timing_inputs(spec, shape, dtype: str, mask: str) -> dict:
@@ -49,33 +80,40 @@ def timing_inputs(spec, shape, dtype: str, mask: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
-    parser.add_argument("--ops", default="sdpa,attention")
-    parser.add_argument("--shapes", default=SHAPES, help="comma-separated batch x heads x seq x head_dim")
+    parser.add_argument("--ops", default="sdpa,attention", type=_names(OPS, "ops"))
+    parser.add_argument("--shapes", default=SHAPES, type=_shapes, help="comma-separated batch x heads x seq x head_dim")
     parser.add_argument("--mask", default="random", choices=("random", "zero", "padding"), help="the timed mask")
-    parser.add_argument("--families", default="mma,wgmma", help="the families whose whole spaces are swept")
+    parser.add_argument(
+        "--families", default="mma,wgmma", type=_names(("mma", "wgmma"), "families"),
+        help="the families whose whole spaces are swept",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    shapes = parse_shapes(args.shapes)
+    shapes = args.shapes
 
     from kernelmill.kernels.bench import L2Flusher, time_it, time_torch
     from kernelmill.kernels.compile import Compiler
     from kernelmill.kernels.defaults import default_params
-    from kernelmill.kernels.device import get_device
+    from kernelmill.kernels.device import GpuUnavailable, get_device
     from kernelmill.kernels.evaluate import evaluate
     from kernelmill.kernels.ops import get_op
     from kernelmill.kernels.variant import BoundVariant, Variant
     from kernelmill.kernels.verify import ReferenceCache, fresh_seeds
 
     dtype = args.dtype
-    device = get_device()
+    try:
+        device = get_device()
+    except GpuUnavailable as exc:
+        print(f"attention_sweep.py needs a CUDA GPU: {exc}", file=sys.stderr)
+        return 3
+    command = shlex.join(["python3", "benchmarks/attention_sweep.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{device.info.name}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {command}", flush=True)
     compiler = Compiler()
     flusher = L2Flusher(device)
     cache = ReferenceCache()
-    for opname in args.ops.split(","):
+    for opname in args.ops:
         spec = get_op(opname)
         variants = [
-            Variant.create(opname, name, dtype, p)
-            for name in args.families.split(",")
-            for p in spec.family(name).space(dtype)
+            Variant.create(opname, name, dtype, p) for name in args.families for p in spec.family(name).space(dtype)
         ]
         fused = Variant.create(opname, "fused", dtype, spec.family("fused").defaults(dtype))  # its defaults
         start = time.time()
@@ -104,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((timing.median_ms * 1e3, v))
             rows.sort(key=lambda r: r[0])
             head = f"{opname} {shape} {dtype} {args.mask} mask: torch {torch_us:.1f} us"
-            for name in ("fused", *args.families.split(",")):  # each family's shape defaults, where they ran
+            for name in ("fused", *args.families):  # each family's shape defaults, where they ran
                 chosen = default_params(spec, spec.family(name), shape, dtype, device.info.sm_count)
                 us = next((us for us, v in rows if v.family.name == name and v.params == chosen), None)
                 head += f", {name} defaults " + ("-" if us is None else f"{us:.1f} us")

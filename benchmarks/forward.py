@@ -28,11 +28,13 @@ import argparse
 import json
 import logging
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 #: nvidia-smi's sampling period (ms) in --sustained turns; the first third of a turn's samples is left out
@@ -402,6 +404,21 @@ def _batches(text: str) -> tuple[int, ...]:
     return batches
 
 
+def _count(least: int):
+    """An argparse type: an integer of at least ``least``, with a one-line reason otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least {least}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="forward.json", help="JSON results")
@@ -417,15 +434,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mlp-batches", type=_batches, default=(1, 16, 256), help="comma-separated MLP batch sizes (default 1,16,256)"
     )
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20, help="calls a turn at least (default 20)")
+    parser.add_argument("--warmup", type=_count(0), default=5)
+    parser.add_argument("--iters", type=_count(1), default=20, help="calls a turn at least (default 20)")
     parser.add_argument(
         "--turn-ms",
         type=_turn_ms,
         default=100.0,
         help="milliseconds a turn lasts at least (default 100; 0: exactly --iters calls)",
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=_count(1), default=5)
     parser.add_argument(
         "--sustained",
         type=_seconds,
@@ -435,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         "forward (the power-capped steady state of compute-bound batches); 0 (default): off",
     )
     args = parser.parse_args(argv)
+    if not Path(args.out).resolve().parent.is_dir():  # found now, not after minutes of GPU time
+        parser.error(f"argument --out: no folder {str(Path(args.out).parent)!r} to write {args.out!r} in")
+    command = shlex.join(["python", "benchmarks/forward.py", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     import torch
@@ -457,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets (issue 4, medians of this run):\n" + "\n".join(f"  {line}" for line in verdicts))
     result = {
         "device": torch.cuda.get_device_name(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "dtype": "float16",

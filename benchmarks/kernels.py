@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import format_shape
@@ -195,36 +199,74 @@ def _met(met: bool | None) -> str:
     return "-" if met is None else ("yes" if met else "no")
 
 
-def main() -> None:
+def _count(least: int):
+    """An argparse type: an integer of at least ``least``, with a one-line reason otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least {least}")
+        return value
+
+    return parse
+
+
+def selected(cases: list[Case], only: str, names: str) -> list[Case]:
+    """The cases of the ops in ``only`` whose names contain one of ``names`` (comma-separated; empty: all)."""
+    ops = {o for o in only.split(",") if o}
+    subs = [c for c in names.split(",") if c]
+    return [c for c in cases if (not ops or c.op in ops) and (not subs or any(n in c.name for n in subs))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernelmill.agents.strategies import STRATEGIES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", default="sqlite:///kernels.db")
-    parser.add_argument("--budget", type=int, default=32, help="trials per tuning job")
-    parser.add_argument("--strategy", default="guided")
+    parser.add_argument("--budget", type=_count(1), default=32, help="trials per tuning job")
+    parser.add_argument("--strategy", default="guided", choices=sorted(STRATEGIES))
     parser.add_argument("--only", default="", help="comma-separated ops")
     parser.add_argument(
         "--cases", default="", help="comma-separated substrings of case names, e.g. '8192x8192 float16'"
     )
     parser.add_argument("--reuse", action="store_true", help="time the store's latest job per case, no tuning")
     parser.add_argument("--no-compile", default="", help="comma-separated ops for which torch.compile is skipped")
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=_count(1), default=50)
     parser.add_argument("--tune-only", action="store_true", help="run the tuning jobs, time nothing")
-    parser.add_argument("--profile-top-k", type=int, default=1, help="ncu profiles of each job's fastest kernels")
-    parser.add_argument("--job-seconds", type=int, default=1800, help="time budget of each tuning job")
+    parser.add_argument("--profile-top-k", type=_count(0), default=1, help="ncu profiles of each job's fastest kernels")
+    parser.add_argument("--job-seconds", type=_count(1), default=1800, help="time budget of each tuning job")
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # found now, not after the run
+        parser.error(f"argument --json: no folder {str(Path(args.json).parent)!r} to write {args.json!r} in")
+    cases = selected(_cases(), args.only, args.cases)
+    if not cases:
+        ops = sorted({c.op for c in _cases()})
+        parser.error(f"no case matches --only {args.only!r} --cases {args.cases!r} (ops: {', '.join(ops)})")
+    command = shlex.join(["python", "benchmarks/kernels.py", *(sys.argv[1:] if argv is None else argv)])
 
     from kernelmill.agents.evaluator import LocalEvaluator
-    from kernelmill.service.db.store import Store
+    from kernelmill.kernels.device import GpuUnavailable
+    from kernelmill.service.db.store import DatabaseError, Store
 
-    store = Store(args.db)
-    evaluator = LocalEvaluator(0, seeds=2, reps=30)
-    only = {o for o in args.only.split(",") if o}
+    try:  # the GPU first: without one, no database file is left behind
+        evaluator = LocalEvaluator(0, seeds=2, reps=30)
+    except GpuUnavailable as exc:
+        print(f"kernels.py needs a CUDA GPU: {exc}", file=sys.stderr)
+        return 3
+    try:
+        store = Store(args.db)
+    except DatabaseError as exc:
+        print(f"kernels.py: {exc}", file=sys.stderr)
+        return 3 if exc.unreachable else 2
     rows: list[dict] = []
     ceil = evaluator.ceilings()
     device = evaluator.device.info.name
-    for case in _cases():
-        if (only and case.op not in only) or (args.cases and not any(c in case.name for c in args.cases.split(","))):
-            continue
+    date = datetime.now(UTC).isoformat(timespec="seconds")
+    for case in cases:
         start = time.monotonic()
         try:
             job_id = latest_job(store, case) if args.reuse else None
@@ -242,11 +284,12 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
         if args.json:  # after every case: a run cut short keeps what it measured
             with open(args.json, "w") as fh:
-                json.dump({"device": device, "copy_gbps": ceil.copy_gbps,
+                json.dump({"device": device, "date": date, "command": command, "copy_gbps": ceil.copy_gbps,
                            "matrix_tflops": ceil.matrix_tflops, "rows": rows}, fh, indent=2)  # fmt: skip
     if not args.tune_only:
         print_table(rows, device, ceil)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,6 +30,7 @@ import os
 import platform
 import random
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -505,25 +506,52 @@ def print_table(report: dict) -> None:
     )
 
 
-def main() -> int:
+def _number(kind: type, least: float, strict: bool = False):
+    """An argparse type: a ``kind`` (int or float) of at least ``least`` (above it when ``strict``)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}") from None
+        if value < least or (strict and value == least) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {'above' if strict else 'at least'} {least:g}")
+        return value
+
+    return parse
+
+
+_positive = _number(float, 0, strict=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lookup-rps", type=float, default=200.0)
-    parser.add_argument("--lookup-s", type=float, default=20.0)
-    parser.add_argument("--submit-rps", type=float, default=20.0)
-    parser.add_argument("--submit-s", type=float, default=10.0)
-    parser.add_argument("--connections", type=int, default=8, help="HTTP keep-alive connections (in flight at most)")
-    parser.add_argument("--timeout-s", type=float, default=2.0, help="per request")
-    parser.add_argument("--max-s", type=float, default=60.0, help="deadline for the whole run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--procs", type=int, default=2, help="load-generating processes for the lookups")
+    parser.add_argument("--lookup-rps", type=_positive, default=200.0)
+    parser.add_argument("--lookup-s", type=_positive, default=20.0)
+    parser.add_argument("--submit-rps", type=_positive, default=20.0)
+    parser.add_argument("--submit-s", type=_positive, default=10.0)
     parser.add_argument(
-        "--untuned-shapes", type=int, default=64, help="distinct untuned shapes asked for (0: a new one each time)"
+        "--connections", type=_number(int, 1), default=8, help="HTTP keep-alive connections (in flight at most)"
     )
+    parser.add_argument("--timeout-s", type=_positive, default=2.0, help="per request")
+    parser.add_argument("--max-s", type=_positive, default=60.0, help="deadline for the whole run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--procs", type=_number(int, 1), default=2, help="load-generating processes for the lookups")
+    parser.add_argument(
+        "--untuned-shapes", type=_number(int, 0), default=64,
+        help="distinct untuned shapes asked for (0: a new one each time)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: a temporary file)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.lookup_s + args.submit_s > args.max_s - 10:
         parser.error("the phases must leave 10 s of the deadline for start-up and checks")
-    report = asyncio.run(run(args))
+    if int(args.lookup_rps * args.lookup_s) < 1 or int(args.submit_rps * args.submit_s) < 1:
+        parser.error("each phase must send a request at least (rate x seconds >= 1)")
+    if args.out is not None and not args.out.resolve().parent.is_dir():  # found now, not after the run
+        parser.error(f"argument --out: no folder {str(args.out.parent)!r} to write {str(args.out)!r} in")
+    command = shlex.join(["python", "benchmarks/load.py", *(sys.argv[1:] if argv is None else argv)])
+    report = {"command": command, **asyncio.run(run(args))}
     print_table(report)
     out = args.out or Path(tempfile.mkdtemp(prefix="kernelmill-load-report-")) / "load.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

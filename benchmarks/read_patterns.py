@@ -14,6 +14,9 @@ Blocks of 1024 threads, one per SM. Informs templates/mlp_stack/persistent.cu.j2
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -79,21 +82,50 @@ extern "C" __global__ void strip(const uint4* __restrict__ p, int rows, int row1
 """
 
 
-def main() -> None:
+MAX_MB = 16_000  # the kernels index 16-byte words with an int: under 2**31 of them
+
+
+def _mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size in MB, e.g. 721") from None
+    if not 1 <= value <= MAX_MB:
+        raise argparse.ArgumentTypeError(f"{text!r}: from 1 to {MAX_MB} MB")
+    return value
+
+
+def _reps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=float, default=4 * 2 * 4096 * 11008 * 2 / 1e6, help="buffer size, MB")
-    parser.add_argument("--reps", type=int, default=10)
-    args = parser.parse_args()
+    parser.add_argument("--mb", type=_mb, default=4 * 2 * 4096 * 11008 * 2 / 1e6, help="buffer size, MB")
+    parser.add_argument("--reps", type=_reps, default=10)
+    args = parser.parse_args(argv)
 
     from kernelmill.kernels.compile import Compiler
-    from kernelmill.kernels.device import get_device
+    from kernelmill.kernels.device import GpuUnavailable, get_device
 
-    device = get_device()
+    try:
+        device = get_device()
+    except GpuUnavailable as exc:
+        print(f"read_patterns.py needs a CUDA GPU: {exc}", file=sys.stderr)
+        return 3
     sms = device.info.sm_count
     n16 = int(args.mb * 1e6) // 16 // (sms * 64) * (sms * 64)  # whole slices and 64-word strips
     buf, out = device.alloc(n16 * 16), device.alloc(4)
     device.copy_in(buf, np.random.default_rng(0).integers(0, 2**32, n16 * 4, dtype=np.uint32))  # like weights
-    print(f"{device.info.name}, {sms} SMs, {n16 * 16 / 1e6:.0f} MB, blocks of 1024 threads, one per SM")
+    command = shlex.join(["python3", "benchmarks/read_patterns.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{device.info.name}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {command}")
+    print(f"{sms} SMs, {n16 * 16 / 1e6:.0f} MB, blocks of 1024 threads, one per SM")
 
     def time_us(kernel, args_) -> float:
         for _ in range(2):
@@ -112,12 +144,13 @@ def main() -> None:
         cases.append((f"strip {w16 * 16} B", "strip", [buf, rows, sms * w16, w16, out], rows * sms * w16))
     print(f"{'pattern':34s} {'us':>8s} {'GB/s':>7s}")
     for unroll in (4, 8):
-        compiled = Compiler().compile(SOURCE, "sm_90", extra_flags=(f"-DUNROLL={unroll}",))
+        compiled = Compiler().compile(SOURCE, device.info.arch, extra_flags=(f"-DUNROLL={unroll}",))
         module = device.load(compiled.cubin, compiled.key)
         for name, entry, kargs, words in cases:
             t = time_us(module.kernel(entry), kargs)
             print(f"{name + f' (unroll {unroll})':34s} {t:8.1f} {words * 16 / t / 1e3:7.0f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 
 from kernelmill.agents.space import Candidate, Observation, Space
 from kernelmill.agents.strategies import get_strategy
@@ -59,8 +62,8 @@ def collect(db: str, cases: list[Case]) -> None:
     from kernelmill.service.db.store import Store
     from kernelmill.service.jobs import StoreRecorder
 
+    evaluator = LocalEvaluator(0, seeds=2, reps=20)  # the GPU first: without one, no database file is left
     store = Store(db)
-    evaluator = LocalEvaluator(0, seeds=2, reps=20)
     facts = evaluator.facts()
     for case in cases:
         size = len(Space(get_op(case.op), case.dtype, case.families))
@@ -80,8 +83,9 @@ def collect(db: str, cases: list[Case]) -> None:
         print(f"{case.key}: {size} trials in {minutes:.2f} min = {size / minutes:.0f} trials/min", flush=True)
 
 
-def load_cases(db: str) -> dict[Case, dict[str, Observation]]:
-    """Recorded exhaustive trials per case: candidate key -> what the strategy may see."""
+def load_cases(db: str, devices: set[str] | None = None) -> dict[Case, dict[str, Observation]]:
+    """Recorded exhaustive trials per case: candidate key -> what the strategy may see. ``devices`` gets the
+    GPU models they were measured on."""
     from kernelmill.service.db.store import Store
     from kernelmill.service.jobs import _facts
 
@@ -90,6 +94,8 @@ def load_cases(db: str) -> dict[Case, dict[str, Observation]]:
     for job in store.jobs_in_state("done"):
         if job.strategy != "exhaustive":
             continue
+        if devices is not None:
+            devices.add(job.device_name or "unknown")
         for shape in job.shapes:
             trials = store.trials(job.id, "x".join(map(str, shape)))
             families = tuple(sorted({t.family for t in trials}))
@@ -143,7 +149,8 @@ def replay(case: Case, trials: dict[str, Observation], strategy_name: str, seed:
 
 
 def run_replay(db: str) -> dict:
-    recorded = load_cases(db)
+    devices: set[str] = set()
+    recorded = load_cases(db, devices)
     if not recorded:
         sys.exit(f"no exhaustive jobs in {db}: run `python benchmarks/search.py collect --db {db}` on a GPU first")
     rows = []
@@ -157,7 +164,10 @@ def run_replay(db: str) -> dict:
             row[f"{name}_pct"] = 100.0 * statistics.median(evals) / size
         rows.append(row)
     summary = {name: statistics.median(r[f"{name}_pct"] for r in rows) for name in STRATEGIES}
-    return {"rows": rows, "median_pct_of_space": summary, "seeds": len(SEEDS), "within": 0.05}
+    return {
+        "measured_on": sorted(devices), "rows": rows, "median_pct_of_space": summary, "seeds": len(SEEDS),
+        "within": 0.05,
+    }  # fmt: skip
 
 
 def print_table(result: dict) -> None:
@@ -171,21 +181,36 @@ def print_table(result: dict) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    from kernelmill.kernels.device import GpuUnavailable
+    from kernelmill.service.db.store import DatabaseError
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["collect", "replay"])
     parser.add_argument("--db", default="sqlite:///search.db")
     parser.add_argument("--json", help="write the replay table here")
-    args = parser.parse_args()
-    if args.mode == "collect":
-        collect(args.db, CASES)
-        return
-    result = run_replay(args.db)
+    args = parser.parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # found now, not after the run
+        parser.error(f"argument --json: no folder {str(Path(args.json).parent)!r} to write {args.json!r} in")
+    command = shlex.join(["python", "benchmarks/search.py", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        if args.mode == "collect":
+            collect(args.db, CASES)
+            return 0
+        result = run_replay(args.db)
+    except GpuUnavailable as exc:
+        print(f"search.py collect needs a CUDA GPU: {exc}", file=sys.stderr)
+        return 3
+    except DatabaseError as exc:
+        print(f"search.py: {exc}", file=sys.stderr)
+        return 3 if exc.unreachable else 2
     print_table(result)
     if args.json:
+        result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "command": command, **result}
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

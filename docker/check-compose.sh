@@ -31,15 +31,17 @@ else
 fi
 echo "check-compose: $("${compose[@]}" version 2>/dev/null | head -n 1)"
 
-# 1. Every variable the compose file reads is documented in .env.example.
+# 1. Every variable the compose file reads, ${VAR} or $VAR, is documented in .env.example ($$ is a literal '$',
+#    so $${VAR} is the container shell's own variable, not one compose reads).
 missing=0
-# shellcheck disable=SC2016 # the pattern matches a literal '${'
 while read -r var; do
     if ! grep -q "^${var}=" "$example"; then
-        echo "check-compose: compose.yaml reads \${$var} but docker/.env.example does not set it" >&2
+        echo "check-compose: compose.yaml reads \$$var but docker/.env.example does not set it" >&2
         missing=1
     fi
-done < <(grep -o '\${[A-Za-z_][A-Za-z0-9_]*' "$file" | cut -c3- | sort -u)
+done < <(grep -oE '[$]+[{]?[A-Za-z_][A-Za-z0-9_]*' "$file" |
+    awk '{ n = match($0, /[^$]/) - 1; if (n % 2 == 1) { v = substr($0, n + 1); sub(/^[{]/, "", v); print v } }' |
+    sort -u)
 [ "$missing" = 0 ]
 
 # Run compose with only the variables of an env file: none inherited from this shell.

@@ -101,6 +101,12 @@ def query(params: dict[str, Any], **changes: Any) -> str:
     return "?" + urlencode({k: v for k, v in merged.items() if v is not None and v != ""})
 
 
+def first_line(text: str | None, limit: int = 200) -> str:
+    """The first non-empty line of a message (a job's error), cut at ``limit`` characters."""
+    line = next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def css_name(value: str | None) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in (value or "none"))
 
@@ -118,5 +124,6 @@ def register(env: Environment) -> None:
         shape=shape_label,
         speedup_style=speedup_style,
         css=css_name,
+        first_line=first_line,
     )
     env.globals.update(query=query)

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kernelmill.agents.strategies import STRATEGIES
 from kernelmill.kernels.ops import DTYPES, OPS
+from kernelmill.kernels.ops.base import SpecError
 from kernelmill.service.api.deps import from_another_site
 from kernelmill.service.api.schemas import Budget, JobCreate
 from kernelmill.service.db.models import Job
@@ -73,7 +74,7 @@ class JobForm:
             if name in data:
                 setattr(form, name, str(data[name]).strip()[:4000])
         form.shapes = form.shapes.replace(";", "\n")
-        form.attrs = {k: str(v).strip() for k, v in data.items() if k.startswith("attr.")}
+        form.attrs = {k: _attr_option(k, str(v).strip()[:4000]) for k, v in data.items() if k.startswith("attr.")}
         return form
 
     def shape_list(self) -> list[str]:
@@ -87,6 +88,19 @@ class JobForm:
         """The attributes given for the chosen op (empty values mean the op's default)."""
         prefix = f"attr.{self.op}."
         return {k[len(prefix) :]: v for k, v in self.attrs.items() if k.startswith(prefix) and v}
+
+
+def _attr_option(key: str, value: str) -> str:
+    """An attribute field's value as its select's option reads where it is one ("1e-5" is the option "1e-05",
+    "RELU" is "relu"), so a pre-filled link selects it; else as given, to show next to its error."""
+    _, op, name = (key.split(".", 2) + ["", ""])[:3]
+    param = next((a for a in OPS[op].attributes if a.name == name), None) if op in OPS else None
+    if param is None or not value:
+        return value
+    try:
+        return str(param.coerce(value, "attribute"))
+    except SpecError:
+        return value
 
 
 @dataclass

@@ -25,6 +25,7 @@ from tests.web.seed import seed_demo
 
 CHROMIUM = os.environ.get("KERNELMILL_CHROMIUM", "/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "browser-test-token"
 
 
 def pytest_configure(config):
@@ -66,6 +67,7 @@ class Server:
     ids: dict[str, int]
     process: subprocess.Popen
     log: Path
+    db: str  # its database URL
 
 
 def _start(tmp: Path, env_extra: dict[str, str] | None = None, seed: bool = True) -> Server:
@@ -84,9 +86,9 @@ def _start(tmp: Path, env_extra: dict[str, str] | None = None, seed: bool = True
         "KERNELMILL_FAKE_WORKERS": "2",
         "KERNELMILL_FAKE_DELAY_S": "0.1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-        **(env_extra or {}),
     }
-    env.pop("KERNELMILL_API_TOKEN", None)
+    env.pop("KERNELMILL_API_TOKEN", None)  # only where env_extra sets one
+    env.update(env_extra or {})
     log = tmp / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -103,7 +105,7 @@ def _start(tmp: Path, env_extra: dict[str, str] | None = None, seed: bool = True
             raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(f"{base}/api/health", timeout=1).status_code == 200:
-                return Server(base, ids, proc, log)
+                return Server(base, ids, proc, log, url)
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
@@ -132,6 +134,18 @@ def server(tmp_path_factory) -> Iterator[Server]:
 def empty_server(tmp_path_factory) -> Iterator[Server]:
     """A fresh database and no GPU worker: the empty states."""
     srv = _start(tmp_path_factory.mktemp("browser-empty"), {"KERNELMILL_FAKE_WORKERS": "0"}, seed=False)
+    yield srv
+    _stop(srv)
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory) -> Iterator[Server]:
+    """A fresh database, one fake GPU (0.1 s per trial), writes needing the API token TOKEN (as compose sets)."""
+    srv = _start(
+        tmp_path_factory.mktemp("browser-token"),
+        {"KERNELMILL_API_TOKEN": TOKEN, "KERNELMILL_FAKE_WORKERS": "1"},
+        seed=False,
+    )
     yield srv
     _stop(srv)
 

@@ -134,3 +134,48 @@ def test_empty_states_point_to_the_next_step(empty_server, page, shots):
     for name, path in {"empty-compare": "/compare", "empty-jobs": "/jobs"}.items():
         _visit(page, empty_server.url + path, shots, name)
         assert page.locator(".empty a[href='/jobs/new']").count() == 1
+
+
+def test_a_long_job_error_keeps_its_lines_and_the_page_its_width(server, page, shots):
+    from kernelmill.service.db.store import Store
+
+    path = "/opt/" + "a_folder_name_without_any_spaces_" * 12 + "kernel.cu"
+    error = "Traceback (most recent call last):\n" + "\n".join(f'  File "{path}", line {i}' for i in range(20))
+    store = Store(server.db)
+    try:
+        job = store.create_job(
+            op="softmax", shapes=[[64, 64]], dtype="float16", attrs={}, strategy="random", budget_trials=8,
+            budget_seconds=60, state="failed", error=error,
+        )  # fmt: skip
+    finally:
+        store.close()
+    for url, name in ((f"/jobs/{job.id}", "job-long-error"), ("/jobs?state=failed", "jobs-failed")):
+        _visit(page, server.url + url, shots, name)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1360, url
+    _visit(page, server.url + f"/jobs/{job.id}", shots, "job-long-error")
+    assert page.inner_text(".job-error").count("\n") == 20  # the traceback's lines, not one run-on line
+
+
+def test_the_live_page_keeps_a_token_being_typed_into_its_cancel_form(token_server, page):
+    from tests.browser.conftest import TOKEN
+
+    body = {"op": "softmax", "shapes": [[1024, 1024]], "dtype": "float16", "budget": {"trials": 400, "seconds": 600}}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    job = httpx.post(f"{token_server.url}/api/jobs", json=body, headers=auth, timeout=10).json()
+    live = "document.querySelector('[data-live]').getAttribute('data-version')"
+    try:
+        page.goto(f"{token_server.url}/jobs/{job['id']}", wait_until="networkidle")
+        page.wait_for_function(f"() => /^running:[1-9]/.test({live})", timeout=30_000)
+        page.fill("input[name=token]", "half-typed")
+        polls = f"/api/jobs/{job['id']}"
+        for _ in range(2):  # two polls of a running job: the first would have swapped the part in before the second
+            with page.expect_request(lambda r: r.url.endswith(polls), timeout=15_000):
+                pass
+        assert page.input_value("input[name=token]") == "half-typed"
+        before = page.evaluate(f"() => {live}")
+        page.fill("input[name=token]", "")
+        page.locator("h1").click()  # done with the form: the page follows the job again
+        page.wait_for_function(f"() => {live} !== {before!r}", timeout=15_000)
+    finally:
+        httpx.post(f"{token_server.url}/api/jobs/{job['id']}/cancel", headers=auth, timeout=10)
+    assert page.console.errors == []

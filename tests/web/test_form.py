@@ -43,6 +43,21 @@ def test_query_string_prefills_the_form(empty):
     assert '<option value="bfloat16" selected>' in html and '<option value="gelu_erf" selected>' in html
 
 
+def test_prefilled_attribute_selects_its_option_as_the_api_reads_it(empty):
+    # The API takes eps=1e-5 as 1e-05; the form's select must show that option, not fall back to the first one.
+    html = empty.get("/jobs/new?op=layernorm&shapes=4096x1024&attr.layernorm.eps=1e-5&attr.linear.act=RELU").text
+    assert '<option value="1e-05" selected>' in html and '<option value="relu" selected>' in html
+    assert html.count(" selected>") == 4  # op, eps, act and dtype: nothing else, no second eps option
+
+
+def test_an_attribute_value_no_option_has_is_kept_next_to_its_error(empty):
+    data = {**VALID, "op": "layernorm", "shapes": "4096x1024", "attr.layernorm.eps": "0.001"}
+    resp = _post(empty, data)
+    assert resp.status_code == 422 and "not allowed" in unescape(field_error(resp.text, "attr-layernorm-eps"))
+    select = re.search(r'name="attr.layernorm.eps"[^>]*>(.*?)</select>', resp.text, re.S).group(1)
+    assert re.findall(r'<option value="([^"]*)" selected', select) == ["0.001"]
+
+
 def test_valid_submission_creates_the_job_and_redirects(empty):
     resp = _post(empty, {**VALID, "attr.fused_mlp.act": "gelu_erf"})  # another op's attribute is ignored
     assert resp.status_code == 303, resp.text[:2000]

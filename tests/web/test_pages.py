@@ -116,6 +116,14 @@ def test_overview_shows_workers_jobs_and_best_speedups(seeded):
     assert "No jobs yet" not in text
 
 
+def test_progress_bars_have_an_accessible_name_and_value(seeded):
+    for path in ("/", "/jobs", f"/jobs/{seeded.ids['failed']}"):
+        bars = re.findall(r'<div [^>]*role="progressbar"[^>]*>', seeded.get(path).text)
+        assert bars, path
+        for bar in bars:
+            assert 'aria-label="trials"' in bar and re.search(r'aria-valuetext="\d+ of \d+ trials', bar), bar
+
+
 def test_empty_states_say_what_to_do_next(empty):
     text = _text(empty.get("/").text)
     assert "No jobs yet — submit one" in text
@@ -242,6 +250,22 @@ def test_live_partial_is_the_dynamic_part_only(seeded):
 def test_failed_job_shows_its_error(seeded):
     text = _text(seeded.get(f"/jobs/{seeded.ids['failed']}").text)
     assert "The job failed:" in text and "the worker died three times in a row" in text
+
+
+def test_jobs_list_says_why_a_job_failed(seeded):
+    job = _add_job(seeded, state="failed", error="\nRuntimeError: nvcc died\n" + "  detail line\n" * 50)
+    html = seeded.get("/jobs?state=failed").text
+    row = re.search(rf'<tr>\s*<td><a class="strong" href="/jobs/{job.id}">.*?</tr>', html, re.S).group(0)
+    assert '<span class="reason" title="' in row and ">RuntimeError: nvcc died</span>" in row
+    first = re.search(rf'href="/jobs/{seeded.ids["failed"]}">.*?</tr>', html, re.S).group(0)
+    assert ">RuntimeError: the worker died three times in a row</span>" in first
+
+
+def test_first_line_filter():
+    from kernelmill.service.web.filters import first_line
+
+    assert first_line("\n  boom  \nmore") == "boom" and first_line(None) == "" and first_line("   ") == ""
+    assert first_line("x" * 300) == "x" * 197 + "..."
 
 
 def test_text_from_the_store_is_escaped(seeded):

@@ -14,13 +14,23 @@
 
     function schedule() { window.setTimeout(tick, delay); }
 
+    // Someone is using a form of the live part (typing the API token into the cancel form): swapping the part
+    // in would wipe what they typed, so the swap waits until they are done.
+    function inUse() {
+      var focused = document.activeElement;
+      if (focused && focused.form && root.contains(focused)) return true;
+      return Array.prototype.some.call(root.querySelectorAll("input:not([type=hidden])"), function (el) {
+        return el.value !== "";
+      });
+    }
+
     function tick() {
       fetch(api, { headers: { Accept: "application/json" }, cache: "no-store" })
         .then(function (r) { return r.ok ? r.json() : null; })
         .then(function (job) {
           if (!job) { delay = Math.min(delay * 2, 30000); return schedule(); }
           var now = job.state + ":" + job.trials_done;
-          if (now === version) return schedule();
+          if (now === version || inUse()) return schedule();
           var started = Date.now();
           return fetch(partial, { headers: { Accept: "text/html" }, cache: "no-store" })
             .then(function (r) { return r.ok ? r.text() : null; })
