@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response,
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kernelmill.kernels.compile import normalize_arch
+from kernelmill.kernels.compile import base_arch, normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
 from kernelmill.service.api.deps import get_store, op_filter
@@ -27,6 +27,9 @@ from kernelmill.service.db.store import Store, attrs_key, nearest_shape
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/api/kernels", tags=["kernels"])
+
+#: The most digits of a GPU's compute capability (sm_120: 3); a query's arch with more names no GPU.
+MAX_ARCH_DIGITS = 4
 
 
 def _kernel_out(store: Store, kernel_id: int, kernel: Kernel | None = None) -> KernelOut:
@@ -40,13 +43,19 @@ def _kernel_out(store: Store, kernel_id: int, kernel: Kernel | None = None) -> K
 def _query_arch(arch: str | None) -> str | None:
     """A query's arch as kernels are served under it ("90" -> "sm_90"; "sm_90a" stays: wgmma kernels are
     served as sm_90a); None where none is given, or it is empty (as the dashboard's "any arch" sends it);
-    SpecError where it is no arch at all, which could only match nothing."""
+    SpecError where it is no arch at all, which could only match nothing: malformed, or a number of more digits
+    than any GPU's (a GPU newer than this version knows is still asked for)."""
     if arch is None or not arch.strip():
         return None
     try:
-        return normalize_arch(arch)
+        normalized = normalize_arch(arch)
     except ValueError as exc:
         raise SpecError(f"arch: {exc}") from None
+    digits = base_arch(normalized).removeprefix("sm_")
+    if len(digits) > MAX_ARCH_DIGITS:
+        shown = normalized if len(normalized) <= 24 else f"{normalized[:16]}... ({len(normalized)} characters)"
+        raise SpecError(f"arch: {shown} is no GPU: compute capabilities have at most {MAX_ARCH_DIGITS} digits")
+    return normalized
 
 
 @router.get("", responses=problems(422))

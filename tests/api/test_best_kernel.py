@@ -253,3 +253,16 @@ def test_an_arch_is_read_as_kernels_are_served_under_it_and_garbage_is_422(clien
     assert client.get("/api/kernels?arch=").json()["total"] == client.get("/api/kernels").json()["total"] == 2
     empty_act = best(client, "op=linear&shape=64x64x64&act=")  # read as "not given": act=none's 404
     assert empty_act.status_code == 422 and "act='' is not allowed" in empty_act.json()["detail"]
+
+
+@pytest.mark.parametrize("arch", ["9" * 400, "sm_" + "9" * 400, "sm_99999", "sm_99999a"])
+def test_an_arch_of_more_digits_than_any_gpu_is_422(client, arch):
+    """They answered an empty 200 (and /best a 404 that echoed all 400 digits), as if nothing were tuned for a
+    GPU that cannot exist; an arch newer than this version knows (sm_130) is still asked for."""
+    for url in (f"/api/kernels?arch={arch}", f"{BEST}?op=softmax&shape=64x64&arch={arch}"):
+        resp = client.get(url)
+        detail = resp.json()["detail"]
+        assert resp.status_code == 422 and detail.startswith("arch: ") and "at most 4 digits" in detail, url
+        assert len(detail) < 200, url
+    assert client.get("/api/kernels?arch=sm_130").status_code == 200
+    assert best(client, "op=softmax&shape=64x64&arch=sm_130").status_code == 404
