@@ -318,6 +318,26 @@ def test_leases_are_set_and_read_by_the_database_server_s_clock(store, monkeypat
     assert created.id not in [j.id for j in store.lapsed_jobs()]
 
 
+def test_reading_leases_takes_one_statement(store):
+    """The poll asks which workers other services hold whenever jobs wait (every 0.5 s): on PostgreSQL it read
+    the server's clock in a statement of its own first, two round trips where one compares with it."""
+    from sqlalchemy import event
+
+    job = new_job(store)
+    store.start_job(job.id, "w0", "GPU", runner="a", lease_s=60)
+    statements: list[str] = []
+    listener = lambda conn, cursor, statement, *rest: statements.append(statement)  # noqa: E731
+    event.listen(store.engine, "before_cursor_execute", listener)
+    try:
+        assert store.workers_held("b") == {"w0"} and store.workers_held("a") == set()
+        assert store.lapsed_jobs() == []
+    finally:
+        event.remove(store.engine, "before_cursor_execute", listener)
+    assert len(statements) == 3, statements
+    store.renew_leases("a", [job.id], lease_s=-1)
+    assert store.workers_held("b") == set() and [j.id for j in store.lapsed_jobs()] == [job.id]
+
+
 def test_a_device_row_inserted_by_another_service_meanwhile_is_updated(store, monkeypatch):
     """Two services meeting the same new worker both inserted its row: the loser's IntegrityError failed a
     job it had not even started."""
