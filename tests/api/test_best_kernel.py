@@ -266,3 +266,19 @@ def test_an_arch_of_more_digits_than_any_gpu_is_422(client, arch):
         assert len(detail) < 200, url
     assert client.get("/api/kernels?arch=sm_130").status_code == 200
     assert best(client, "op=softmax&shape=64x64&arch=sm_130").status_code == 404
+
+
+def test_a_served_kernel_says_what_code_its_cubin_was_built_from(client):
+    """The runtime took the served source for what the cubin was built from; the digest is now served with it
+    (null where it was never recorded: the fake evaluator's trials, kernels published before migration 0010)."""
+    from kernelmill.kernels.render import code_digest
+
+    store = client.app.state.store
+    job = new_job(store, shapes=[(512, 512)], state="done")
+    trial = store.record_trials(job.id, "512x512", [row("rowwise", ms=0.5)])[0]
+    fields = stored_kernel("// kernelmill variant: x\nthe code")
+    kernel = store.publish(job, trial, {**fields, "code_sha256": code_digest(fields["source"])})
+    for url in (f"/api/kernels/{kernel.id}", f"{BEST}?op=softmax&shape=512x512"):
+        assert client.get(url).json()["code_sha256"] == code_digest(fields["source"]), url
+    tune(client, "softmax", [256, 256])
+    assert best(client, "op=softmax&shape=256x256").json()["code_sha256"] is None

@@ -504,6 +504,45 @@ def test_a_best_trial_this_version_cannot_build_is_passed_over_for_the_next(stor
     assert caplog.text.count("not served: this version cannot build it") == 2
 
 
+def test_a_best_trial_built_from_code_this_version_no_longer_renders_is_passed_over(store, caplog):
+    """A job resumed past an upgrade that changed a family's template but not its knobs: its fastest trial's
+    cubin, built before, was served beside the source this version renders, and the runtime, finding that source
+    its own, launched the old cubin with the new template's geometry. The served kernel now says what its cubin
+    was built from."""
+    from kernelmill.agents.evaluator import TrialResult
+    from kernelmill.agents.loop import served_fields
+    from kernelmill.kernels.render import code_digest
+    from kernelmill.service.jobs import StoreRecorder
+
+    build = served_fields("softmax", (1024, 1024), "float16", {})
+    fast, slow = ({"BLOCK": 1}, {"BLOCK": 2})  # the fake served_fields below renders any params
+    fields = {"source": "// kernelmill variant: x\nnew code", "launches": [], "workspace": {}}
+    now = code_digest(fields["source"])
+
+    def trial(params, ms, code, cubin):
+        return TrialResult(
+            "warp_row", params, "ok", None, "sm_90", "vk", code_sha256=code, median_ms=ms, cubin=cubin
+        ).row()
+
+    job = store.create_job(**_JOB)
+    before = code_digest("// kernelmill variant: x\nold code")
+    store.record_trials(job.id, "1024x1024", [trial(fast, 0.010, before, b"old"), trial(slow, 0.020, now, b"new")])
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        StoreRecorder(store, job.id).publish_best("1024x1024", lambda family, params: dict(fields))
+    (kernel,), _ = store.list_kernels()
+    served = store.kernel(kernel.id, with_cubin=True)
+    assert (served.params, served.cubin, served.code_sha256) == (slow, b"new", now)
+    assert "not served: its cubin was built from code this version's template no longer renders" in caplog.text
+    # The knobs comment is no code: a trial recorded with other knobs in it (a parameter added since) is served.
+    again = store.create_job(**{**_JOB, "shapes": [[2048, 2048]]})
+    current = get_op("softmax").family("warp_row").resolve({}, "float16")
+    source = build("warp_row", current)["source"]
+    other_knobs = code_digest("// kernelmill variant: older knobs\n" + source.partition("\n")[2])
+    store.record_trials(again.id, "2048x2048", [trial(current, 0.010, other_knobs, b"kept")])
+    StoreRecorder(store, again.id).publish_best("2048x2048", build)
+    assert store.best_kernel("softmax", (2048, 2048), "float16", None)[0].code_sha256 == other_knobs
+
+
 def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):
     """Other jobs' best parameters: the same dtype and a close shape first, another dtype after, nothing
     tuned on another arch, and a candidate two jobs found best once."""
