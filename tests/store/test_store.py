@@ -148,6 +148,43 @@ def test_a_downgrade_and_upgrade_keep_the_rows(store):
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
 
 
+def test_every_revision_steps_down_and_up_again_with_rows_and_upgrades_to_the_models(store):
+    """From head down to the first revision, each one step down and up again with rows in every table; then up
+    to head from the first: the rows kept and the schema the models'."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
+    from alembic.migration import MigrationContext
+
+    from kernelmill.service.db.models import Base
+
+    job = new_job(store)
+    store.start_job(job.id, "w0", "NVIDIA H200", runner="a", lease_s=60)
+    store.record_baseline(job.id, "1024x1024", 2.0, "NVIDIA H200")
+    publish(store, job, (1024, 1024), 1.0)
+    store.add_job_seconds(job.id, 1.0, "a")
+
+    def counts() -> dict[str, int]:
+        with store.engine.connect() as conn:
+            names = ("jobs", "trials", "baselines", "kernels")
+            return {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar() for t in names}
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    revisions = [r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()]  # head first
+    before = counts()
+    for revision, below in zip(revisions, revisions[1:], strict=False):
+        downgrade(store.engine, below)
+        assert counts() == before, below
+        migrate(store.engine, revision)
+        assert alembic_version(store) == [revision] and counts() == before, revision
+        downgrade(store.engine, below)
+    migrate(store.engine)
+    assert alembic_version(store) == [head_revision()] and counts() == before
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    assert store.get_job(job.id).op == "softmax" and store.best_kernel("softmax", (1024, 1024), "float16", None)
+
+
 def test_a_database_newer_than_this_kernelmill_is_one_line(tmp_path):
     from kernelmill.service.db.store import DatabaseError
 
