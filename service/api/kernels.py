@@ -76,6 +76,9 @@ def list_kernels(
     precisions = (*DTYPES, "tf32")  # a dtype computed in itself, or float32 on TF32 tensor cores
     if precision is not None and precision not in precisions:
         raise HTTPException(422, f"unknown precision {precision!r}: one of {', '.join(precisions)}")
+    computed_in = (dtype, "tf32") if dtype == "float32" else (dtype,)  # only float32 also runs as TF32
+    if dtype is not None and precision is not None and precision not in computed_in:
+        raise HTTPException(422, f"precision {precision!r}: {dtype} is computed in {' or '.join(computed_in)} only")
     try:
         arch = _query_arch(arch)
     except SpecError as exc:

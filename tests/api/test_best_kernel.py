@@ -226,7 +226,20 @@ def test_the_kernel_list_refuses_a_dtype_or_precision_that_matches_nothing(clien
     for query, word in (("dtype=float64", "dtype"), ("precision=bogus", "precision")):
         resp = client.get(f"/api/kernels?{query}")
         assert resp.status_code == 422 and word in resp.json()["detail"], query
-    for query in ("dtype=bfloat16", "precision=tf32", "dtype=float32&precision=float32"):
+    # A precision no kernel of the dtype computes in (only float32 runs as TF32) can match nothing either.
+    for query in (
+        "dtype=float16&precision=tf32",
+        "dtype=bfloat16&precision=float32",
+        "dtype=float32&precision=float16",
+    ):
+        resp = client.get(f"/api/kernels?{query}")
+        assert resp.status_code == 422 and "is computed in" in resp.json()["detail"], query
+    for query in (
+        "dtype=bfloat16",
+        "precision=tf32",
+        "dtype=float32&precision=float32",
+        "dtype=float32&precision=tf32",
+    ):
         assert client.get(f"/api/kernels?{query}").status_code == 200, query
 
 
