@@ -48,7 +48,10 @@ class JobError(ValueError):
 
 
 def _within(low: float, high: float | None) -> str:
-    return f"in {low:g}..{high:g}" if high is not None else f"at least {low:g}"
+    def shown(limit: float) -> str:  # a trial count in full: 2147483647, not 2.14748e+09
+        return str(limit) if isinstance(limit, int) else f"{limit:g}"
+
+    return f"in {shown(low)}..{shown(high)}" if high is not None else f"at least {shown(low)}"
 
 
 def validate_submission(
