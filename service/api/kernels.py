@@ -101,7 +101,8 @@ class BestCache:
     Three levels, each bounded (least recently used goes first):
 
     - ``answers``: the JSON of found kernels (never a 404 or 422) by raw query string, which
-      ``BestKernelFastPath`` serves before FastAPI routes the request;
+      ``BestKernelFastPath`` serves before FastAPI routes the request; bounded in bytes too, since every
+      variation of a query string is an answer of its own, each holding a kernel's source (up to ~100 KB);
     - ``problems``: the served (id, shape) pairs of a problem (op, dtype, arch, attributes), so that a new
       shape of a known problem finds its nearest tuned shape without the database;
     - ``kernels``: a served kernel's fields by id.
@@ -115,6 +116,7 @@ class BestCache:
 
     ttl_s = 1.0
     max_answers = 4096
+    max_answer_bytes = 64 * 2**20
     max_problems = 1024
     max_kernels = 1024
 
@@ -122,6 +124,7 @@ class BestCache:
         self.answers: OrderedDict[bytes, bytes] = OrderedDict()
         self.problems: OrderedDict[tuple, list[tuple[int, list[int]]]] = OrderedDict()
         self.kernels: OrderedDict[int, KernelOut] = OrderedDict()
+        self.answer_bytes = 0  # the bodies in ``answers``
         self.generation = 0  # bumped whenever everything is dropped
         self._served_version: int | None = None
         self._fingerprint: int | None = None
@@ -150,11 +153,18 @@ class BestCache:
         self._follow_local(store)
         if generation != self.generation:
             return
+        answers = level is self.answers
+        if answers:
+            self.answer_bytes += len(value) - len(level.get(key, b""))
         level[key] = value
         level.move_to_end(key)
         limit = {id(self.answers): self.max_answers, id(self.problems): self.max_problems}.get(id(level))
-        while len(level) > (limit or self.max_kernels):
-            level.popitem(last=False)
+        while len(level) > (limit or self.max_kernels) or (
+            answers and self.answer_bytes > self.max_answer_bytes and len(level) > 1
+        ):
+            _, dropped = level.popitem(last=False)
+            if answers:
+                self.answer_bytes -= len(dropped)
 
     def _follow_local(self, store: Store) -> None:
         if store.served_version != self._served_version:
@@ -178,6 +188,7 @@ class BestCache:
 
     def _drop(self) -> None:
         self.answers.clear()
+        self.answer_bytes = 0
         self.problems.clear()
         self.kernels.clear()
         self.generation += 1

@@ -295,3 +295,23 @@ def test_a_served_kernel_says_what_code_its_cubin_was_built_from(client):
         assert client.get(url).json()["code_sha256"] == code_digest(fields["source"]), url
     tune(client, "softmax", [256, 256])
     assert best(client, "op=softmax&shape=256x256").json()["code_sha256"] is None
+
+
+def test_the_cached_answers_are_bounded_in_bytes():
+    """Each variation of a query string (another device=, shape or parameter order) is an answer of its own,
+    holding a kernel's source: 4096 of them could hold about 400 MB for anyone who may read."""
+    from types import SimpleNamespace
+
+    cache, store = kernels.BestCache(), SimpleNamespace(served_version=0)
+    cache.max_answer_bytes = 100
+    for i in range(3):
+        cache.put(store, cache.generation, cache.answers, f"q{i}".encode(), b"x" * 40)
+    assert list(cache.answers) == [b"q1", b"q2"] and cache.answer_bytes == 80  # the least recent went
+    cache.put(store, cache.generation, cache.answers, b"q2", b"y" * 50)  # replaced: counted once
+    assert list(cache.answers) == [b"q1", b"q2"] and cache.answer_bytes == 90
+    cache.put(store, cache.generation, cache.answers, b"big", b"z" * 500)  # alone over the bound: the newest stays
+    assert list(cache.answers) == [b"big"] and cache.answer_bytes == 500
+    read_in = cache.generation
+    store.served_version += 1  # a publish drops everything, and what was read before it is not kept
+    cache.put(store, read_in, cache.answers, b"q3", b"x" * 10)
+    assert list(cache.answers) == [] and cache.answer_bytes == 0
