@@ -151,7 +151,8 @@ class Kernel(Base):
     family: Mapped[str] = mapped_column(String(64))
     params: Mapped[dict[str, Any]] = mapped_column()
     source: Mapped[str] = mapped_column(Text)
-    #: ``code_digest(source)``: the code its cubin was built from (None: published before migration 0010)
+    #: ``code_digest(source)``, the code its cubin was built from, as its trial recorded it (None: not known, a
+    #: kernel published before migration 0010 or from a trial that did not record it)
     code_sha256: Mapped[str | None] = mapped_column(String(64))
     cubin: Mapped[bytes] = deferred(mapped_column(LargeBinary))
     launches: Mapped[list[Any]] = mapped_column()
