@@ -374,9 +374,17 @@ class JobRunner:
             log.warning("job runner: %s still running %.1f s after stop", ", ".join(alive), timeout_s)
 
     def _poll(self) -> None:
+        unavailable = False  # said once an outage: a poll every half second logged a traceback each
         while not self._stop.is_set():
             try:
                 self._assign()
+                if unavailable:
+                    log.info("job runner: the database answers again")
+                unavailable = False
+            except OperationalError as exc:  # its server gone or restarting: polled again until it answers
+                if not unavailable:
+                    log.warning("job runner: the database is unavailable (%s); polling on", exc.orig or exc)
+                unavailable = True
             except Exception:  # noqa: BLE001 - the runner must outlive any one bad poll
                 log.exception("job runner poll failed")
             self._stop.wait(self.poll_s)

@@ -44,6 +44,31 @@ def wait_for(predicate, timeout_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def test_a_database_outage_is_said_once_not_a_traceback_a_poll(store, monkeypatch, caplog):
+    """The poll (every 0.5 s) logged a traceback each time while a database server was away: 120 a minute."""
+    from sqlalchemy.exc import OperationalError
+
+    runner = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url), poll_s=0.01)
+    polls, answering = [], store.jobs_in_state
+
+    def away(*states):
+        polls.append(states)
+        raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(store, "jobs_in_state", away)
+    with caplog.at_level(logging.INFO, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: len(polls) >= 5)
+            monkeypatch.setattr(store, "jobs_in_state", answering)
+            wait_for(lambda: "answers again" in caplog.text)
+        finally:
+            runner.stop()
+    said = [r for r in caplog.records if "database" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "INFO"] and not any(r.exc_info for r in said)
+    assert "unavailable (server closed the connection unexpectedly)" in said[0].getMessage()
+
+
 def test_stop_joins_job_threads_and_queues_their_jobs_again(store, tmp_path):
     settings = Settings(database_url=store.url, batch_size=2)
     runner = JobRunner(store, FakeExecutor(1, delay_s=0.02), settings, poll_s=0.05)
