@@ -30,6 +30,8 @@ class TrialResult:
     reason: str | None = None
     arch: str | None = None
     variant_key: str | None = None
+    #: ``kernels.render.code_digest`` of the source its cubin was built from (None: not built, or a fake's)
+    code_sha256: str | None = None
     ptxas: dict[str, Any] | None = None
     max_rel_err: float | None = None
     verify: dict[str, Any] | None = None
@@ -212,7 +214,7 @@ class LocalEvaluator:
             except CompileError as exc:  # pragma: no cover - evaluate() already turns these into data
                 results.append(TrialResult(cand.family, cand.params, "compile_error", str(exc)))
                 continue
-            res = _result(cand, ev)
+            res = _result(cand, ev, variant)
             if res.median_ms:
                 floor_ms = self.ceilings().floor_ms(variant.op, shape, dtype, variant.precision)
                 res.roofline_pct = 100.0 * floor_ms / res.median_ms
@@ -221,10 +223,13 @@ class LocalEvaluator:
         return results
 
 
-def _result(cand: Candidate, ev) -> TrialResult:
+def _result(cand: Candidate, ev, variant) -> TrialResult:
+    from kernelmill.kernels.render import code_digest
+
     res = TrialResult(cand.family, cand.params, ev.status, ev.reason, poisoned=ev.poisoned)
     if ev.compiled is not None:
         res.arch, res.variant_key = ev.compiled.arch, ev.compiled.key
+        res.code_sha256 = code_digest(variant.source)  # what was compiled: it rendered
         res.ptxas = ev.compiled.report()["kernels"]
     if ev.verification is not None:
         res.max_rel_err = ev.verification.max_rel_err if ev.verification.checks else None

@@ -100,7 +100,8 @@ class Settings(BaseSettings):
     executor: str = Field("dask", pattern="^(dask|fake)$", description="'fake' runs synthetic GPUs (tests only)")
     fake_workers: int = Field(2, ge=0, description="fake GPUs when executor=fake")
     fake_delay_s: float = Field(0.0, ge=0, description="seconds per fake trial")
-    max_budget_trials: int = Field(4096, ge=1)
+    # jobs.budget_trials is an INTEGER (32 bits on PostgreSQL): a larger job failed its insert (500).
+    max_budget_trials: int = Field(4096, ge=1, le=2**31 - 1)
     max_budget_seconds: float = Field(6 * 3600.0, gt=0)
     max_shapes: int = Field(32, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="request bodies larger than this get 413")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
@@ -41,4 +42,15 @@ def render(family: Family, params: Mapping[str, Any], dtype: str, attrs: Mapping
     except jinja2.TemplateError as exc:
         raise RenderError(f"{family.template}: {exc}") from exc
     knobs = ", ".join(f"{k}={v}" for k, v in sorted({**attrs, **params}.items()))
-    return f"// kernelmill variant: {family.template} dtype={dtype} {knobs}\n{body}"
+    return f"{KNOBS_PREFIX} {family.template} dtype={dtype} {knobs}\n{body}"
+
+
+#: The first line of every rendered variant: its knobs, not its code.
+KNOBS_PREFIX = "// kernelmill variant:"
+
+
+def code_digest(source: str) -> str:
+    """sha256 of a variant's code: its rendered source without the knobs comment (the first line), which names
+    a parameter the kernel predates without changing its code. Equal digests: the same kernel code."""
+    first, _, body = source.partition("\n")
+    return hashlib.sha256((body if first.startswith(KNOBS_PREFIX) else source).encode()).hexdigest()

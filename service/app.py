@@ -8,7 +8,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy.exc import OperationalError
 
 from kernelmill import __version__
 from kernelmill.service import web
@@ -62,6 +63,18 @@ def create_app(
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         body = {"detail": "; ".join(problems), "errors": exc.errors()}
         return JSONResponse(jsonable(body), status_code=422)
+
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(request: Request, exc: OperationalError):
+        # The database server gone or restarting, SQLite busy past its timeout: the request may succeed again,
+        # so 503 (clients and monitors retry 5xx), saying why, and never the bare 500 of a bug.
+        said = str(exc.orig or exc).strip()
+        why = said.splitlines()[0] if said else type(exc).__name__
+        log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path, why)
+        detail = f"the database is unavailable: {why}"
+        if not request.url.path.startswith("/api/"):
+            return PlainTextResponse(detail, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(jsonable({"detail": detail}), status_code=503, headers={"Retry-After": "5"})
 
     app.include_router(jobs.router)
     app.include_router(kernels.router)

@@ -29,7 +29,7 @@ from kernelmill.kernels.compile import NvccMissing, base_arch, normalize_arch, t
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import SpecError, format_shape
-from kernelmill.kernels.render import RenderError
+from kernelmill.kernels.render import RenderError, code_digest
 from kernelmill.service.db.models import Job
 from kernelmill.service.db.store import Store
 from kernelmill.service.executor import Executor
@@ -48,7 +48,10 @@ class JobError(ValueError):
 
 
 def _within(low: float, high: float | None) -> str:
-    return f"in {low:g}..{high:g}" if high is not None else f"at least {low:g}"
+    def shown(limit: float) -> str:  # a trial count in full: 2147483647, not 2.14748e+09
+        return str(limit) if isinstance(limit, int) else f"{limit:g}"
+
+    return f"in {shown(low)}..{shown(high)}" if high is not None else f"at least {shown(low)}"
 
 
 def validate_submission(
@@ -264,22 +267,32 @@ class StoreRecorder:
         self.store.set_trial_profile(self.job_id, shape, candidate.family, candidate.params_json, profile)
 
     def publish_best(self, shape: str, served_fields: Callable[[str, dict[str, Any]], dict[str, Any]]) -> None:
-        """Serve the fastest verified trial whose parameters this version's family still builds: one recorded
-        before an upgrade that changed its knobs (a value dropped, a family renamed) is passed over, not the
-        job's end (building what to serve raised KeyError, and the job failed at its last step)."""
+        """Serve the fastest verified trial whose parameters this version's family still builds, into the code its
+        cubin was built from. One recorded before an upgrade is passed over, not the job's end, where the upgrade
+        changed its knobs (a value dropped, a family renamed: building what to serve raised KeyError, and the
+        job failed at its last step) or its template (its cubin would be served beside source it was not built
+        from, whose launches it may not match; a trial recorded without its code's digest is served as before)."""
         passed_over: list[int] = []
         while (best := self.store.best_trial(self.job_id, shape, self.device, passed_over)) is not None:
             try:
                 fields = served_fields(best.family, best.params)
-                break
             except (KeyError, SpecError, RenderError) as exc:
                 log.warning("job %s %s: trial %s (%s %s) not served: this version cannot build it (%s: %s)",
                             self.job_id, shape, best.id, best.family, best.params, type(exc).__name__, exc)  # fmt: skip
                 passed_over.append(best.id)
+                continue
+            if best.code_sha256 is None or code_digest(fields["source"]) == best.code_sha256:
+                break
+            log.warning("job %s %s: trial %s (%s %s) not served: its cubin was built from code this version's "
+                        "template no longer renders", self.job_id, shape, best.id, best.family,
+                        best.params)  # fmt: skip
+            passed_over.append(best.id)
         if best is None:
             log.info("job %s %s: no verified trial to serve", self.job_id, shape)
             return
-        fields.update(cubin=best.cubin, baseline_ms=self.store.baseline(self.job_id, shape))
+        fields.update(
+            cubin=best.cubin, code_sha256=best.code_sha256, baseline_ms=self.store.baseline(self.job_id, shape)
+        )
         self.store.publish(self.store.get_job(self.job_id), best, fields)
 
 
@@ -361,9 +374,17 @@ class JobRunner:
             log.warning("job runner: %s still running %.1f s after stop", ", ".join(alive), timeout_s)
 
     def _poll(self) -> None:
+        unavailable = False  # said once an outage: a poll every half second logged a traceback each
         while not self._stop.is_set():
             try:
                 self._assign()
+                if unavailable:
+                    log.info("job runner: the database answers again")
+                unavailable = False
+            except OperationalError as exc:  # its server gone or restarting: polled again until it answers
+                if not unavailable:
+                    log.warning("job runner: the database is unavailable (%s); polling on", exc.orig or exc)
+                unavailable = True
             except Exception:  # noqa: BLE001 - the runner must outlive any one bad poll
                 log.exception("job runner poll failed")
             self._stop.wait(self.poll_s)

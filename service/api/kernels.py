@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response,
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kernelmill.kernels.compile import normalize_arch
+from kernelmill.kernels.compile import base_arch, normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
 from kernelmill.service.api.deps import get_store, op_filter
@@ -27,6 +27,9 @@ from kernelmill.service.db.store import Store, attrs_key, nearest_shape
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/api/kernels", tags=["kernels"])
+
+#: The most digits of a GPU's compute capability (sm_120: 3); a query's arch with more names no GPU.
+MAX_ARCH_DIGITS = 4
 
 
 def _kernel_out(store: Store, kernel_id: int, kernel: Kernel | None = None) -> KernelOut:
@@ -40,13 +43,19 @@ def _kernel_out(store: Store, kernel_id: int, kernel: Kernel | None = None) -> K
 def _query_arch(arch: str | None) -> str | None:
     """A query's arch as kernels are served under it ("90" -> "sm_90"; "sm_90a" stays: wgmma kernels are
     served as sm_90a); None where none is given, or it is empty (as the dashboard's "any arch" sends it);
-    SpecError where it is no arch at all, which could only match nothing."""
+    SpecError where it is no arch at all, which could only match nothing: malformed, or a number of more digits
+    than any GPU's (a GPU newer than this version knows is still asked for)."""
     if arch is None or not arch.strip():
         return None
     try:
-        return normalize_arch(arch)
+        normalized = normalize_arch(arch)
     except ValueError as exc:
         raise SpecError(f"arch: {exc}") from None
+    digits = base_arch(normalized).removeprefix("sm_")
+    if len(digits) > MAX_ARCH_DIGITS:
+        shown = normalized if len(normalized) <= 24 else f"{normalized[:16]}... ({len(normalized)} characters)"
+        raise SpecError(f"arch: {shown} is no GPU: compute capabilities have at most {MAX_ARCH_DIGITS} digits")
+    return normalized
 
 
 @router.get("", responses=problems(422))
@@ -67,6 +76,9 @@ def list_kernels(
     precisions = (*DTYPES, "tf32")  # a dtype computed in itself, or float32 on TF32 tensor cores
     if precision is not None and precision not in precisions:
         raise HTTPException(422, f"unknown precision {precision!r}: one of {', '.join(precisions)}")
+    computed_in = (dtype, "tf32") if dtype == "float32" else (dtype,)  # only float32 also runs as TF32
+    if dtype is not None and precision is not None and precision not in computed_in:
+        raise HTTPException(422, f"precision {precision!r}: {dtype} is computed in {' or '.join(computed_in)} only")
     try:
         arch = _query_arch(arch)
     except SpecError as exc:
@@ -89,7 +101,8 @@ class BestCache:
     Three levels, each bounded (least recently used goes first):
 
     - ``answers``: the JSON of found kernels (never a 404 or 422) by raw query string, which
-      ``BestKernelFastPath`` serves before FastAPI routes the request;
+      ``BestKernelFastPath`` serves before FastAPI routes the request; bounded in bytes too, since every
+      variation of a query string is an answer of its own, each holding a kernel's source (up to ~100 KB);
     - ``problems``: the served (id, shape) pairs of a problem (op, dtype, arch, attributes), so that a new
       shape of a known problem finds its nearest tuned shape without the database;
     - ``kernels``: a served kernel's fields by id.
@@ -103,6 +116,7 @@ class BestCache:
 
     ttl_s = 1.0
     max_answers = 4096
+    max_answer_bytes = 64 * 2**20
     max_problems = 1024
     max_kernels = 1024
 
@@ -110,6 +124,7 @@ class BestCache:
         self.answers: OrderedDict[bytes, bytes] = OrderedDict()
         self.problems: OrderedDict[tuple, list[tuple[int, list[int]]]] = OrderedDict()
         self.kernels: OrderedDict[int, KernelOut] = OrderedDict()
+        self.answer_bytes = 0  # the bodies in ``answers``
         self.generation = 0  # bumped whenever everything is dropped
         self._served_version: int | None = None
         self._fingerprint: int | None = None
@@ -138,11 +153,18 @@ class BestCache:
         self._follow_local(store)
         if generation != self.generation:
             return
+        answers = level is self.answers
+        if answers:
+            self.answer_bytes += len(value) - len(level.get(key, b""))
         level[key] = value
         level.move_to_end(key)
         limit = {id(self.answers): self.max_answers, id(self.problems): self.max_problems}.get(id(level))
-        while len(level) > (limit or self.max_kernels):
-            level.popitem(last=False)
+        while len(level) > (limit or self.max_kernels) or (
+            answers and self.answer_bytes > self.max_answer_bytes and len(level) > 1
+        ):
+            _, dropped = level.popitem(last=False)
+            if answers:
+                self.answer_bytes -= len(dropped)
 
     def _follow_local(self, store: Store) -> None:
         if store.served_version != self._served_version:
@@ -166,6 +188,7 @@ class BestCache:
 
     def _drop(self) -> None:
         self.answers.clear()
+        self.answer_bytes = 0
         self.problems.clear()
         self.kernels.clear()
         self.generation += 1

@@ -177,6 +177,11 @@ class KernelSummary(BaseModel):
 
 class KernelOut(KernelSummary):
     source: str
+    code_sha256: str | None = Field(
+        None,
+        description="sha256 of the code the cubin was built from (the source without its first line, the knobs "
+        "comment: kernels.render.code_digest); null for kernels published before it was recorded",
+    )
     launches: list[dict[str, Any]]
     workspace: dict[str, int]
     ptxas: dict[str, Any] | None

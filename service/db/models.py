@@ -98,6 +98,8 @@ class Trial(Base):
     arch: Mapped[str | None] = mapped_column(String(16))
     device_name: Mapped[str | None] = mapped_column(String(128))  # the GPU model it was timed on (migration 0009)
     variant_key: Mapped[str | None] = mapped_column(String(64))
+    #: The digest of the code its cubin was built from (kernels.render.code_digest; migration 0010)
+    code_sha256: Mapped[str | None] = mapped_column(String(64))
     ptxas: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     max_rel_err: Mapped[float | None] = mapped_column(Float)
     verify: Mapped[dict[str, Any] | None] = mapped_column(JSON)
@@ -149,6 +151,9 @@ class Kernel(Base):
     family: Mapped[str] = mapped_column(String(64))
     params: Mapped[dict[str, Any]] = mapped_column()
     source: Mapped[str] = mapped_column(Text)
+    #: ``code_digest(source)``, the code its cubin was built from, as its trial recorded it (None: not known, a
+    #: kernel published before migration 0010 or from a trial that did not record it)
+    code_sha256: Mapped[str | None] = mapped_column(String(64))
     cubin: Mapped[bytes] = deferred(mapped_column(LargeBinary))
     launches: Mapped[list[Any]] = mapped_column()
     workspace: Mapped[dict[str, Any]] = mapped_column(default=dict)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from alembic.util import CommandError
-from sqlalchemy import DateTime, Engine, create_engine, event, func, or_, select, text, update
+from sqlalchemy import DateTime, Engine, create_engine, event, func, literal, or_, select, text, update
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer, sessionmaker, undefer
 
@@ -390,16 +390,23 @@ class Store:
         (PostgreSQL), so runners on hosts whose clocks differ agree on when a lease lapses; for SQLite this
         host's, which every process opening its file shares."""
         if self.engine.dialect.name == "postgresql":
-            return s.scalar(select(func.timezone("UTC", func.clock_timestamp(), type_=DateTime)))
+            return s.scalar(select(self._now_sql()))
         return utcnow()
 
-    def _lapsed(self, now: datetime):
+    def _now_sql(self):
+        """``_now`` as an expression a query compares with, so a read of leases is one round trip: the server's
+        clock where it has one (PostgreSQL), this host's otherwise."""
+        if self.engine.dialect.name == "postgresql":
+            return func.timezone("UTC", func.clock_timestamp(), type_=DateTime)
+        return literal(utcnow(), DateTime)
+
+    def _lapsed(self, now):
         """Running jobs whose runner died: the lease lapsed, or there was none (rows older than leases)."""
         return (Job.state == "running") & (Job.lease_until.is_(None) | (Job.lease_until < now))
 
     def lapsed_jobs(self) -> list[Job]:
         with self.session() as s:
-            return list(s.scalars(select(Job).where(self._lapsed(self._now(s))).order_by(Job.id)).all())
+            return list(s.scalars(select(Job).where(self._lapsed(self._now_sql())).order_by(Job.id)).all())
 
     def recover_lapsed(self, job_id: int) -> str | None:
         """A running job whose lease lapsed: ended ``cancelled`` where a cancel was asked, else queued again.
@@ -418,7 +425,7 @@ class Store:
     def workers_held(self, runner: str) -> set[str]:
         """The GPU workers running a job for another runner whose lease holds (not to be given a job here)."""
         with self.session() as s:
-            held = (Job.state == "running") & (Job.runner != runner) & (Job.lease_until >= self._now(s))
+            held = (Job.state == "running") & (Job.runner != runner) & (Job.lease_until >= self._now_sql())
             rows = s.scalars(select(Job.worker).where(held, Job.worker.is_not(None)))
             return set(rows.all())
 

@@ -226,7 +226,20 @@ def test_the_kernel_list_refuses_a_dtype_or_precision_that_matches_nothing(clien
     for query, word in (("dtype=float64", "dtype"), ("precision=bogus", "precision")):
         resp = client.get(f"/api/kernels?{query}")
         assert resp.status_code == 422 and word in resp.json()["detail"], query
-    for query in ("dtype=bfloat16", "precision=tf32", "dtype=float32&precision=float32"):
+    # A precision no kernel of the dtype computes in (only float32 runs as TF32) can match nothing either.
+    for query in (
+        "dtype=float16&precision=tf32",
+        "dtype=bfloat16&precision=float32",
+        "dtype=float32&precision=float16",
+    ):
+        resp = client.get(f"/api/kernels?{query}")
+        assert resp.status_code == 422 and "is computed in" in resp.json()["detail"], query
+    for query in (
+        "dtype=bfloat16",
+        "precision=tf32",
+        "dtype=float32&precision=float32",
+        "dtype=float32&precision=tf32",
+    ):
         assert client.get(f"/api/kernels?{query}").status_code == 200, query
 
 
@@ -253,3 +266,52 @@ def test_an_arch_is_read_as_kernels_are_served_under_it_and_garbage_is_422(clien
     assert client.get("/api/kernels?arch=").json()["total"] == client.get("/api/kernels").json()["total"] == 2
     empty_act = best(client, "op=linear&shape=64x64x64&act=")  # read as "not given": act=none's 404
     assert empty_act.status_code == 422 and "act='' is not allowed" in empty_act.json()["detail"]
+
+
+@pytest.mark.parametrize("arch", ["9" * 400, "sm_" + "9" * 400, "sm_99999", "sm_99999a"])
+def test_an_arch_of_more_digits_than_any_gpu_is_422(client, arch):
+    """They answered an empty 200 (and /best a 404 that echoed all 400 digits), as if nothing were tuned for a
+    GPU that cannot exist; an arch newer than this version knows (sm_130) is still asked for."""
+    for url in (f"/api/kernels?arch={arch}", f"{BEST}?op=softmax&shape=64x64&arch={arch}"):
+        resp = client.get(url)
+        detail = resp.json()["detail"]
+        assert resp.status_code == 422 and detail.startswith("arch: ") and "at most 4 digits" in detail, url
+        assert len(detail) < 200, url
+    assert client.get("/api/kernels?arch=sm_130").status_code == 200
+    assert best(client, "op=softmax&shape=64x64&arch=sm_130").status_code == 404
+
+
+def test_a_served_kernel_says_what_code_its_cubin_was_built_from(client):
+    """The runtime took the served source for what the cubin was built from; the digest is now served with it
+    (null where it was never recorded: the fake evaluator's trials, kernels published before migration 0010)."""
+    from kernelmill.kernels.render import code_digest
+
+    store = client.app.state.store
+    job = new_job(store, shapes=[(512, 512)], state="done")
+    trial = store.record_trials(job.id, "512x512", [row("rowwise", ms=0.5)])[0]
+    fields = stored_kernel("// kernelmill variant: x\nthe code")
+    kernel = store.publish(job, trial, {**fields, "code_sha256": code_digest(fields["source"])})
+    for url in (f"/api/kernels/{kernel.id}", f"{BEST}?op=softmax&shape=512x512"):
+        assert client.get(url).json()["code_sha256"] == code_digest(fields["source"]), url
+    tune(client, "softmax", [256, 256])
+    assert best(client, "op=softmax&shape=256x256").json()["code_sha256"] is None
+
+
+def test_the_cached_answers_are_bounded_in_bytes():
+    """Each variation of a query string (another device=, shape or parameter order) is an answer of its own,
+    holding a kernel's source: 4096 of them could hold about 400 MB for anyone who may read."""
+    from types import SimpleNamespace
+
+    cache, store = kernels.BestCache(), SimpleNamespace(served_version=0)
+    cache.max_answer_bytes = 100
+    for i in range(3):
+        cache.put(store, cache.generation, cache.answers, f"q{i}".encode(), b"x" * 40)
+    assert list(cache.answers) == [b"q1", b"q2"] and cache.answer_bytes == 80  # the least recent went
+    cache.put(store, cache.generation, cache.answers, b"q2", b"y" * 50)  # replaced: counted once
+    assert list(cache.answers) == [b"q1", b"q2"] and cache.answer_bytes == 90
+    cache.put(store, cache.generation, cache.answers, b"big", b"z" * 500)  # alone over the bound: the newest stays
+    assert list(cache.answers) == [b"big"] and cache.answer_bytes == 500
+    read_in = cache.generation
+    store.served_version += 1  # a publish drops everything, and what was read before it is not kept
+    cache.put(store, read_in, cache.answers, b"q3", b"x" * 10)
+    assert list(cache.answers) == [] and cache.answer_bytes == 0

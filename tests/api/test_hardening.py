@@ -233,3 +233,21 @@ def test_head_is_answered_as_get_without_a_body(client):
         assert head.status_code == got.status_code == 200 and head.content == b"", url
         assert head.headers["content-type"] == got.headers["content-type"], url
     assert client.head("/api/jobs/999").status_code == 404
+
+
+def test_a_database_that_fails_is_a_503_saying_so_not_a_bare_500(client, monkeypatch):
+    """A PostgreSQL server gone (or restarting) answered every route with a plain-text 500 "Internal Server
+    Error", health checks included: now a 503 (retried by clients and monitors) with the database's reason."""
+    from sqlalchemy.exc import OperationalError
+
+    store = client.app.state.store
+
+    def gone(*args, **kwargs):
+        raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly\nmore"))
+
+    for name in ("list_jobs", "get_job", "served_shapes", "served_fingerprint", "summaries"):
+        monkeypatch.setattr(store, name, gone)
+    for url in ("/api/health", "/api/jobs", "/api/jobs/1", "/api/kernels/best?op=layernorm&shape=8x8"):
+        resp = client.get(url)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", (url, resp.text)
+        assert resp.json() == {"detail": "the database is unavailable: server closed the connection unexpectedly"}

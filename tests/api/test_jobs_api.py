@@ -274,6 +274,17 @@ def test_a_budget_of_infinite_seconds_is_422_under_any_limit(tmp_path, seconds):
         assert client.get("/api/jobs").json()["total"] == 0
 
 
+def test_a_trial_limit_past_the_trials_column_is_refused_in_the_settings(tmp_path):
+    """With KERNELMILL_MAX_BUDGET_TRIALS over 2^31 - 1, a job of more trials passed validation and failed its
+    insert into the 32-bit column on PostgreSQL: a 500."""
+    with pytest.raises(ValueError, match="max_budget_trials\n  Input should be less than or equal to 2147483647"):
+        Settings(max_budget_trials=2**31)
+    with make_client(tmp_path, max_budget_trials=2**31 - 1) as client:
+        body = {"op": "softmax", "shapes": [[8, 8]], "budget": {"trials": 2**31, "seconds": 60}}
+        r = client.post("/api/jobs", json=body)
+        assert r.status_code == 422 and r.json()["detail"].startswith("budget.trials must be in 1..2147483647"), r.text
+
+
 LIMITS = Settings(max_shapes=32, max_budget_trials=4096, max_budget_seconds=6 * 3600.0)
 
 

@@ -44,6 +44,31 @@ def wait_for(predicate, timeout_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def test_a_database_outage_is_said_once_not_a_traceback_a_poll(store, monkeypatch, caplog):
+    """The poll (every 0.5 s) logged a traceback each time while a database server was away: 120 a minute."""
+    from sqlalchemy.exc import OperationalError
+
+    runner = JobRunner(store, FakeExecutor(1), Settings(database_url=store.url), poll_s=0.01)
+    polls, answering = [], store.jobs_in_state
+
+    def away(*states):
+        polls.append(states)
+        raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(store, "jobs_in_state", away)
+    with caplog.at_level(logging.INFO, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: len(polls) >= 5)
+            monkeypatch.setattr(store, "jobs_in_state", answering)
+            wait_for(lambda: "answers again" in caplog.text)
+        finally:
+            runner.stop()
+    said = [r for r in caplog.records if "database" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "INFO"] and not any(r.exc_info for r in said)
+    assert "unavailable (server closed the connection unexpectedly)" in said[0].getMessage()
+
+
 def test_stop_joins_job_threads_and_queues_their_jobs_again(store, tmp_path):
     settings = Settings(database_url=store.url, batch_size=2)
     runner = JobRunner(store, FakeExecutor(1, delay_s=0.02), settings, poll_s=0.05)
@@ -502,6 +527,45 @@ def test_a_best_trial_this_version_cannot_build_is_passed_over_for_the_next(stor
     (kernel,), _ = store.list_kernels()
     assert (kernel.family, kernel.params, kernel.median_ms) == ("warp_row", current, 0.020)
     assert caplog.text.count("not served: this version cannot build it") == 2
+
+
+def test_a_best_trial_built_from_code_this_version_no_longer_renders_is_passed_over(store, caplog):
+    """A job resumed past an upgrade that changed a family's template but not its knobs: its fastest trial's
+    cubin, built before, was served beside the source this version renders, and the runtime, finding that source
+    its own, launched the old cubin with the new template's geometry. The served kernel now says what its cubin
+    was built from."""
+    from kernelmill.agents.evaluator import TrialResult
+    from kernelmill.agents.loop import served_fields
+    from kernelmill.kernels.render import code_digest
+    from kernelmill.service.jobs import StoreRecorder
+
+    build = served_fields("softmax", (1024, 1024), "float16", {})
+    fast, slow = ({"BLOCK": 1}, {"BLOCK": 2})  # the fake served_fields below renders any params
+    fields = {"source": "// kernelmill variant: x\nnew code", "launches": [], "workspace": {}}
+    now = code_digest(fields["source"])
+
+    def trial(params, ms, code, cubin):
+        return TrialResult(
+            "warp_row", params, "ok", None, "sm_90", "vk", code_sha256=code, median_ms=ms, cubin=cubin
+        ).row()
+
+    job = store.create_job(**_JOB)
+    before = code_digest("// kernelmill variant: x\nold code")
+    store.record_trials(job.id, "1024x1024", [trial(fast, 0.010, before, b"old"), trial(slow, 0.020, now, b"new")])
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        StoreRecorder(store, job.id).publish_best("1024x1024", lambda family, params: dict(fields))
+    (kernel,), _ = store.list_kernels()
+    served = store.kernel(kernel.id, with_cubin=True)
+    assert (served.params, served.cubin, served.code_sha256) == (slow, b"new", now)
+    assert "not served: its cubin was built from code this version's template no longer renders" in caplog.text
+    # The knobs comment is no code: a trial recorded with other knobs in it (a parameter added since) is served.
+    again = store.create_job(**{**_JOB, "shapes": [[2048, 2048]]})
+    current = get_op("softmax").family("warp_row").resolve({}, "float16")
+    source = build("warp_row", current)["source"]
+    other_knobs = code_digest("// kernelmill variant: older knobs\n" + source.partition("\n")[2])
+    store.record_trials(again.id, "2048x2048", [trial(current, 0.010, other_knobs, b"kept")])
+    StoreRecorder(store, again.id).publish_best("2048x2048", build)
+    assert store.best_kernel("softmax", (2048, 2048), "float16", None)[0].code_sha256 == other_knobs
 
 
 def test_warm_starts_come_nearest_problem_first_from_this_arch_each_once(store):

@@ -148,6 +148,43 @@ def test_a_downgrade_and_upgrade_keep_the_rows(store):
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
 
 
+def test_every_revision_steps_down_and_up_again_with_rows_and_upgrades_to_the_models(store):
+    """From head down to the first revision, each one step down and up again with rows in every table; then up
+    to head from the first: the rows kept and the schema the models'."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
+    from alembic.migration import MigrationContext
+
+    from kernelmill.service.db.models import Base
+
+    job = new_job(store)
+    store.start_job(job.id, "w0", "NVIDIA H200", runner="a", lease_s=60)
+    store.record_baseline(job.id, "1024x1024", 2.0, "NVIDIA H200")
+    publish(store, job, (1024, 1024), 1.0)
+    store.add_job_seconds(job.id, 1.0, "a")
+
+    def counts() -> dict[str, int]:
+        with store.engine.connect() as conn:
+            names = ("jobs", "trials", "baselines", "kernels")
+            return {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar() for t in names}
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    revisions = [r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()]  # head first
+    before = counts()
+    for revision, below in zip(revisions, revisions[1:], strict=False):
+        downgrade(store.engine, below)
+        assert counts() == before, below
+        migrate(store.engine, revision)
+        assert alembic_version(store) == [revision] and counts() == before, revision
+        downgrade(store.engine, below)
+    migrate(store.engine)
+    assert alembic_version(store) == [head_revision()] and counts() == before
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    assert store.get_job(job.id).op == "softmax" and store.best_kernel("softmax", (1024, 1024), "float16", None)
+
+
 def test_a_database_newer_than_this_kernelmill_is_one_line(tmp_path):
     from kernelmill.service.db.store import DatabaseError
 
@@ -316,6 +353,26 @@ def test_leases_are_set_and_read_by_the_database_server_s_clock(store, monkeypat
     created = store.create_running_job("embedded", "GPU", "tune@a", 30.0, **new_job_fields())
     assert created.lease_until > created.started_at and store.holds(created.id, "tune@a")
     assert created.id not in [j.id for j in store.lapsed_jobs()]
+
+
+def test_reading_leases_takes_one_statement(store):
+    """The poll asks which workers other services hold whenever jobs wait (every 0.5 s): on PostgreSQL it read
+    the server's clock in a statement of its own first, two round trips where one compares with it."""
+    from sqlalchemy import event
+
+    job = new_job(store)
+    store.start_job(job.id, "w0", "GPU", runner="a", lease_s=60)
+    statements: list[str] = []
+    listener = lambda conn, cursor, statement, *rest: statements.append(statement)  # noqa: E731
+    event.listen(store.engine, "before_cursor_execute", listener)
+    try:
+        assert store.workers_held("b") == {"w0"} and store.workers_held("a") == set()
+        assert store.lapsed_jobs() == []
+    finally:
+        event.remove(store.engine, "before_cursor_execute", listener)
+    assert len(statements) == 3, statements
+    store.renew_leases("a", [job.id], lease_s=-1)
+    assert store.workers_held("b") == set() and [j.id for j in store.lapsed_jobs()] == [job.id]
 
 
 def test_a_device_row_inserted_by_another_service_meanwhile_is_updated(store, monkeypatch):

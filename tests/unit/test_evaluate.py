@@ -51,3 +51,27 @@ def test_a_batch_holding_a_variant_that_does_not_render_records_it_as_data(broke
     params = broken.resolve({"vec": 8}, "float16")
     [result] = evaluator.evaluate("softmax", (256, 256), "float16", {}, [Candidate.of("broken", params)])
     assert result.status == COMPILE_ERROR and "'not_a_knob' is undefined" in result.reason
+
+
+def test_a_compiled_trial_records_the_digest_of_the_code_its_cubin_was_built_from():
+    """What a served kernel's cubin was built from is checked against what the version that publishes it renders
+    (service.jobs.StoreRecorder.publish_best): the trial has to say it."""
+    from kernelmill.agents.evaluator import _result
+    from kernelmill.kernels.render import code_digest
+
+    spec = get_op("softmax")
+    family = spec.family("warp_row")
+    variant = Variant(spec, family, family.resolve({}, "float16"), "float16", spec.resolve_attrs({}))
+    compiled = SimpleNamespace(arch="sm_90", key="k", report=lambda: {"kernels": {}})
+    ev = SimpleNamespace(status="ok", reason=None, poisoned=False, compiled=compiled, verification=None, timing=None)
+    result = _result(Candidate.of("warp_row", variant.params), ev, variant)
+    assert result.code_sha256 == code_digest(variant.source) and result.row()["code_sha256"] == result.code_sha256
+    unbuilt = _result(Candidate.of("warp_row", variant.params), SimpleNamespace(**{**vars(ev), "compiled": None}), None)
+    assert unbuilt.code_sha256 is None
+    # The knobs comment is not code: a parameter added since (named there) leaves the digest as it was.
+    body = variant.source.partition("\n")[2]
+    assert code_digest("// kernelmill variant: other knobs\n" + body) == code_digest(variant.source)
+    assert code_digest(variant.source) != code_digest(variant.source + "// changed\n")
+    from kernelmill.runtime.registry import code_digest as runtime_digest  # its own copy, until it imports this
+
+    assert runtime_digest(variant.source) == code_digest(variant.source)
