@@ -212,7 +212,13 @@ class DaskEvaluator:
         self.executor, self.worker = executor, worker
 
     def _result(self, fn, *args, timeout: float) -> Any:
-        return self.executor.run_on(self.worker, fn, *args, timeout=timeout)
+        try:
+            return self.executor.run_on(self.worker, fn, *args, timeout=timeout)
+        except WorkerGone:  # the service lost the worker or its scheduler: nothing known of the process
+            raise
+        except GpuUnavailable:  # raised in the worker (a poisoned CUDA context): benched, it stayed so for good
+            self.executor.restart(self.worker)
+            raise
 
     def facts(self) -> DeviceFacts:
         data = self.executor.facts(self.worker)
@@ -231,6 +237,9 @@ class DaskEvaluator:
             raise WorkerGone(why) from None
 
     def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
+        from distributed import KilledWorker
+
+        timeout = self.executor.settings.worker_answer_timeout_s
         try:
             return self._result(
                 task_profile,
@@ -240,8 +249,12 @@ class DaskEvaluator:
                 dict(attrs),
                 candidate.family,
                 candidate.params_json,
-                timeout=self.executor.settings.worker_answer_timeout_s,
+                timeout=timeout,
             )
+        except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung or dead: replaced, as after a batch
+            self.executor.restart(self.worker)
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)"}
         except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
             return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 

@@ -10,7 +10,14 @@ import pytest
 from kernelmill.agents.space import Candidate, Space
 from kernelmill.kernels.ops import get_op
 from kernelmill.service.db.store import Store
-from kernelmill.service.executor import DaskEvaluator, DaskExecutor, FakeExecutor, task_baseline, task_evaluate
+from kernelmill.service.executor import (
+    DaskEvaluator,
+    DaskExecutor,
+    FakeExecutor,
+    WorkerDied,
+    task_baseline,
+    task_evaluate,
+)
 from kernelmill.service.jobs import JobRunner
 from kernelmill.settings import Settings
 
@@ -381,6 +388,63 @@ def test_a_worker_lost_while_timing_the_baseline_queues_the_job_again(tmp_path, 
     final = store.get_job(job.id)
     assert (final.state, final.error) == ("done", None)
     assert executor.restarted == ["fake-gpu0"]
+
+
+class _Raises(FakeExecutor):
+    """One fake GPU worker whose every Dask call raises ``exc``; its evaluator is the Dask one."""
+
+    def __init__(self, exc: Exception, settings: Settings) -> None:
+        super().__init__(1)
+        self.exc, self.settings, self.restarted = exc, settings, []
+
+    def evaluator(self, worker):
+        return DaskEvaluator(self, worker)
+
+    def run_on(self, worker, fn, *args, timeout, gpu=True):
+        raise self.exc
+
+    def restart(self, worker):
+        self.restarted.append(worker)
+
+
+_SOFTMAX = ("softmax", (64, 64), "float16", {})
+
+
+@pytest.mark.parametrize(
+    ("exc", "said", "restarted"),
+    [
+        (TimeoutError("GPU worker fake-gpu0 did not answer within 60 s"), "did not answer within 60 s", True),
+        (WorkerDied("GPU worker fake-gpu0 died while running a task"), "died (it was replaced)", True),
+        (RuntimeError("ncu is not installed"), "RuntimeError: ncu is not installed", False),
+    ],
+)
+def test_a_worker_that_hangs_or_dies_while_profiling_is_replaced(tmp_path, exc, said, restarted):
+    """A profile's task past worker_answer_timeout_s left the worker's one thread busy with it, and the worker was
+    not restarted (a batch's timeout restarts it): every later task of the job queued behind the hung one."""
+    executor = _Raises(exc, Settings(database_url=f"sqlite:///{tmp_path}/p.db", worker_answer_timeout_s=60))
+    candidate = Space(get_op("softmax"), "float16").candidates[0]
+    profile = executor.evaluator("fake-gpu0").profile(*_SOFTMAX, candidate)
+    assert said in profile["error"]  # a profile is optional: its failure is data, not the job's end
+    assert executor.restarted == (["fake-gpu0"] if restarted else [])
+
+
+@pytest.mark.parametrize("call", ["evaluate", "baseline_ms"])
+def test_a_gpu_unavailable_in_the_worker_restarts_it(tmp_path, call):
+    """GpuUnavailable raised in the worker (its CUDA context poisoned) sent the job back to the queue and benched the
+    worker, but left its process as it was: after the bench it failed every job it took, the same way."""
+    from kernelmill.kernels.device import GpuUnavailable
+    from kernelmill.service.executor import WorkerGone
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/g.db")
+    args = [Space(get_op("softmax"), "float16").candidates[:2]] if call == "evaluate" else []
+    poisoned = _Raises(GpuUnavailable("a kernel faulted and left this process's CUDA context unusable"), settings)
+    with pytest.raises(GpuUnavailable, match="context unusable"):  # the job still goes back to the queue
+        getattr(poisoned.evaluator("fake-gpu0"), call)(*_SOFTMAX, *args)
+    assert poisoned.restarted == ["fake-gpu0"]
+    lost = _Raises(WorkerGone("lost the scheduler while GPU worker fake-gpu0 ran a task"), settings)
+    with pytest.raises(WorkerGone):  # the service's own verdict: no process of the worker is known to be at fault
+        getattr(lost.evaluator("fake-gpu0"), call)(*_SOFTMAX, *args)
+    assert lost.restarted == []
 
 
 def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retries(executor, crash_family_key):
