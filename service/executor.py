@@ -43,6 +43,11 @@ _SCHEDULER_ANSWER_S = 10.0
 _REJOIN_S = 2.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
+#: Restarts of one GPU worker allowed within _RESTART_WINDOW_S seconds. One more is not made (a worker that fails on
+#: every start was restarted for ever, its job bouncing on it): the worker takes no job, and a task for it is
+#: WorkerGone (its job goes back to the queue), until the window allows the restart it is owed.
+_MAX_RESTARTS = 5
+_RESTART_WINDOW_S = 600.0
 
 
 class WorkerDied(Exception):
@@ -294,6 +299,8 @@ class DaskExecutor(_Busy):
         self._pending_facts: dict[str, Any] = {}
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
+        self._restarts: dict[str, list[float]] = {}  # when restart() restarted each worker, within _RESTART_WINDOW_S
+        self._owed: set[str] = set()  # workers whose restart _MAX_RESTARTS refused
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
         self._closed = False  # close() was called: the service stops, and no call connects again
         self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not
@@ -420,6 +427,10 @@ class DaskExecutor(_Busy):
         would retry it (its allowed-failures above 0), WorkerDied."""
         from concurrent.futures import CancelledError
 
+        if worker in self._owed:  # a restart was refused: its process may be hung or poisoned, never given a task
+            if why := self._restart_refused(worker):
+                raise WorkerGone(why)
+            self.restart(worker)
         deadline = time.monotonic() + timeout
         address, future = self._submit_or_gone(worker, fn, *args, timeout=timeout, gpu=gpu)
         done = _done_event(future)
@@ -529,6 +540,8 @@ class DaskExecutor(_Busy):
                 self._revive(name)
         out = []
         for name in self.worker_names():
+            if name in self._owed and self._restart_refused(name):  # no job until it may be restarted again
+                continue
             if name not in self._facts:  # asked once in the background; never blocks this listing
                 future = self._facts_future(name)
                 if future is not None and future.done() and future.status == "finished":
@@ -544,16 +557,38 @@ class DaskExecutor(_Busy):
         if self._silent is not None:  # the listing just asked, and was not answered: not asked again
             return self._silent
         try:
-            if self.worker_names():
-                return None
+            names = self.worker_names()
         except WorkerGone as exc:
             return str(exc)
+        if names:
+            withheld = [why for name in names if name in self._owed and (why := self._restart_refused(name))]
+            return "; ".join(withheld) if len(withheld) == len(names) else None
         return self._why or "no GPU worker has joined the scheduler (start one with `kernelmill worker`)"
 
     def evaluator(self, worker: str) -> Evaluator:
         return DaskEvaluator(self, worker)
 
+    def _restart_refused(self, worker: str) -> str | None:
+        """Why ``worker`` may not be restarted now (_MAX_RESTARTS within _RESTART_WINDOW_S), else None."""
+        now = time.monotonic()
+        recent = [at for at in self._restarts.get(worker, ()) if now - at < _RESTART_WINDOW_S]
+        if len(recent) < _MAX_RESTARTS:
+            return None
+        wait_s = recent[0] + _RESTART_WINDOW_S - now
+        return (
+            f"GPU worker {worker} was restarted {len(recent)} times within {_RESTART_WINDOW_S:.0f} s: it takes no "
+            f"job for {wait_s:.0f} s, then it is restarted"
+        )
+
     def restart(self, worker: str) -> None:
+        if why := self._restart_refused(worker):
+            if worker not in self._owed:  # once a refusal, not at each call that finds it owed
+                self._owed.add(worker)
+                log.error("%s", why)
+            return
+        self._owed.discard(worker)
+        now = time.monotonic()
+        self._restarts[worker] = [at for at in self._restarts.get(worker, ()) if now - at < _RESTART_WINDOW_S] + [now]
         log.warning("restarting worker %s (fresh CUDA context)", worker)
         self._facts.pop(worker, None)
         self._pending_facts.pop(worker, None)

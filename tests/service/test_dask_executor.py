@@ -235,6 +235,43 @@ def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, firs
     assert executor.worker_names() == ["gpu0", "gpu1"]
 
 
+def test_a_worker_restarted_too_often_takes_no_job_until_it_may_be_restarted_again(executor, monkeypatch, caplog):
+    """restart() had no limit: a worker failing on every start (its GPU gone, each fresh process's context unusable)
+    was restarted for ever, its job bouncing on it. Past _MAX_RESTARTS within the window it is not restarted, takes
+    no job, and a task for it sends its job back to the queue, until the window allows the restart it is owed."""
+    import logging
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_MAX_RESTARTS", 1)
+    restarted, real_restart = [], executor.client.restart_workers
+
+    def restart_workers(workers, timeout):  # made only past the first two, which the test needs not wait for
+        restarted.extend(workers)
+        if len(restarted) > 2:
+            real_restart(workers, timeout=timeout)
+
+    monkeypatch.setattr(executor.client, "restart_workers", restart_workers)
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
+        for worker in ("gpu0", "gpu0", "gpu1", "gpu1", "gpu1"):
+            executor.restart(worker)
+    assert restarted == ["gpu0", "gpu1"]
+    refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert refused == [  # said once a refusal, not at each call
+        f"GPU worker {w} was restarted 1 times within 600 s: it takes no job for 600 s, then it is restarted"
+        for w in ("gpu0", "gpu1")
+    ]
+    assert executor.workers() == []
+    assert executor.why_none() == "; ".join(refused)
+    with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu1 was restarted 1 times within 600 s"):
+        executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)
+    assert restarted == ["gpu0", "gpu1"]
+    executor._restarts["gpu1"] = [time.monotonic() - 600]  # the window has passed for gpu1
+    assert [w.name for w in executor.workers()] == ["gpu1"]
+    assert executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)["name"] == "FakeGPU 1"
+    assert restarted == ["gpu0", "gpu1", "gpu1"]  # the restart it was owed, before its task
+
+
 def test_two_local_clusters_on_one_host_do_not_fight_over_port_8787():
     """The built-in scheduler's HTTP server took Dask's default :8787, so a second `serve` on the host warned
     "Port 8787 is already in use" (and neither port was documented)."""
