@@ -303,7 +303,7 @@ class DaskExecutor(_Busy):
         self._owed: set[str] = set()  # workers whose restart _MAX_RESTARTS refused
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
         self._closed = False  # close() was called: the service stops, and no call connects again
-        self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not
+        self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not (logged once)
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -332,12 +332,18 @@ class DaskExecutor(_Busy):
             result = answer.result(timeout=_SCHEDULER_ANSWER_S)
         except TimeoutError:
             answer.cancel()
-            where = self.settings.scheduler or "of the local cluster"
-            self._silent = f"the scheduler at {where} did not answer within {_SCHEDULER_ANSWER_S:g} s"
-            log.warning("%s", self._silent)
-            raise WorkerGone(self._silent) from None
-        self._silent = None
+            why = f"the scheduler at {self._where()} did not answer within {_SCHEDULER_ANSWER_S:g} s"
+            if self._silent is None:  # once an outage: every poll and health check asks
+                log.warning("%s; said once until it answers again", why)
+            self._silent = why
+            raise WorkerGone(why) from None
+        if self._silent is not None:
+            log.warning("the scheduler at %s answers again", self._where())
+            self._silent = None
         return result
+
+    def _where(self) -> str:
+        return self.settings.scheduler or "of the local cluster"
 
     def _connected(self) -> bool:
         """Whether the client is connected, connecting again where its connection to a scheduler of its own
@@ -355,9 +361,13 @@ class DaskExecutor(_Busy):
         try:
             self.client = Client(self.settings.scheduler, timeout="5s")
         except OSError as exc:  # TimeoutError too
-            log.warning("scheduler %s unreachable (%s); next try in %.0f s", self.settings.scheduler, exc, _RECONNECT_S)
+            why = f"the scheduler at {self.settings.scheduler} is unreachable ({exc})"
+            if self._silent is None:  # once an outage, not at every try
+                log.warning("%s; trying again every %.0f s, said once until it is back", why, _RECONNECT_S)
+            self._silent = why
             return False
         log.warning("connected again to the scheduler at %s", self.settings.scheduler)
+        self._silent = None
         return True
 
     def _processes(self, worker: str) -> set[str]:

@@ -179,6 +179,49 @@ def test_a_closed_connection_to_the_scheduler_is_opened_again(executor):
     assert executor.client.status == "running"
 
 
+def test_a_scheduler_outage_is_logged_once_and_its_end_once(executor, monkeypatch, caplog):
+    """Each question the silent scheduler left unanswered (the job runner's poll, every /api/health) logged its own
+    warning, and each failed attempt to connect again another, every 10 s, for as long as the outage lasted."""
+    import asyncio
+    import logging
+
+    import distributed
+
+    from kernelmill.service import executor as executor_module
+
+    async def never(**kwargs):  # a frozen scheduler: the connection stays open, no answer comes
+        await asyncio.sleep(60)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Timed out trying to connect")
+
+    monkeypatch.setattr(executor_module, "_SCHEDULER_ANSWER_S", 0.1)
+    monkeypatch.setattr(executor_module, "_RECONNECT_S", 0.0)
+    address = executor.cluster.scheduler_address
+    executor.settings = executor.settings.model_copy(update={"scheduler": address})
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
+        for _ in range(3):
+            with pytest.raises(executor_module.WorkerGone, match="did not answer within 0.1 s"):
+                executor._ask_scheduler(never)
+        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+        executor.client.close()  # then gone: the connection closed, and connecting again fails
+        with monkeypatch.context() as refused:
+            refused.setattr(distributed, "Client", unreachable)
+            for _ in range(3):
+                assert executor.workers() == []
+            assert executor.why_none().startswith(f"the scheduler at {address} ")
+        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+    said = [r.getMessage() for r in caplog.records if r.name == "kernelmill.service.executor"]
+    assert said == [
+        f"the scheduler at {address} did not answer within 0.1 s; said once until it answers again",
+        f"the scheduler at {address} answers again",
+        f"the scheduler at {address} is unreachable (Timed out trying to connect); trying again every 0 s, said once"
+        " until it is back",
+        f"connected again to the scheduler at {address}",
+    ]
+
+
 def _linger_at_exit(seconds: float) -> None:
     """Make this worker process slow to leave, as one whose kernel hangs was seen to be on the GPU: it does not exit
     on its own, and the nanny kills it after its grace period."""
