@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kernelmill.agents.evaluator import DeviceFacts, Evaluator, FakeEvaluator, TrialResult
+from kernelmill.agents.evaluator import SKIPPED, DeviceFacts, Evaluator, FakeEvaluator, TrialResult
 from kernelmill.agents.space import Candidate
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.settings import Settings
@@ -43,9 +43,10 @@ _SCHEDULER_ANSWER_S = 10.0
 _REJOIN_S = 2.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
-#: Restarts of one GPU worker allowed within _RESTART_WINDOW_S seconds. One more is not made (a worker that fails on
-#: every start was restarted for ever, its job bouncing on it): the worker takes no job, and a task for it is
-#: WorkerGone (its job goes back to the queue), until the window allows the restart it is owed.
+#: Restarts of one GPU worker allowed within _RESTART_WINDOW_S seconds with no GPU task of it answered in between
+#: (a search whose kernels fault restarts it often, each time to good use). One more is not made (a worker that
+#: fails on every start was restarted for ever, its job bouncing on it): the worker takes no job, and a task for it
+#: is WorkerGone (its job goes back to the queue), until the window allows the restart it is owed.
 _MAX_RESTARTS = 5
 _RESTART_WINDOW_S = 600.0
 
@@ -274,7 +275,17 @@ class DaskEvaluator:
             self.executor.restart(self.worker)
             if len(candidates) > 1:  # which one killed it is not known: each again on its own, on a fresh process
                 log.warning("worker %s died on a batch of %d: each again alone", self.worker, len(candidates))
-                return [r for c in candidates for r in self.evaluate(op, shape, dtype, attrs, [c])]
+                results = []
+                for c in candidates:
+                    try:
+                        results += self.evaluate(op, shape, dtype, attrs, [c])
+                    except WorkerGone:  # restarted too often, say: what was found is kept, the rest runs later
+                        if not results:
+                            raise
+                        why = f"GPU worker {self.worker} was lost before this candidate ran"
+                        rest = candidates[len(results) :]
+                        return results + [TrialResult(o.family, o.params, SKIPPED, why) for o in rest]
+                return results
             why = "the worker process died while evaluating this candidate (it was replaced)"
             return [TrialResult(c.family, c.params, "fault", why) for c in candidates]
         except TimeoutError:
@@ -299,7 +310,7 @@ class DaskExecutor(_Busy):
         self._pending_facts: dict[str, Any] = {}
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
-        self._restarts: dict[str, list[float]] = {}  # when restart() restarted each worker, within _RESTART_WINDOW_S
+        self._restarts: dict[str, list[float]] = {}  # when restart() restarted each worker since a GPU task answered
         self._owed: set[str] = set()  # workers whose restart _MAX_RESTARTS refused
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
         self._closed = False  # close() was called: the service stops, and no call connects again
@@ -453,7 +464,10 @@ class DaskExecutor(_Busy):
                 raise self._closing(worker)
             try:
                 if finished:
-                    return self._fetch(worker, future)
+                    result = self._fetch(worker, future)
+                    if gpu:  # its process runs kernels again: its restarts did their work
+                        self._restarts.pop(worker, None)
+                    return result
                 left = (future.status == "pending" and not self.alive(address)) and not self._closed
                 if left and self._died_under(future):
                     # A scheduler that retries a task whose worker died (allowed-failures above 0, Dask's default)
@@ -579,15 +593,16 @@ class DaskExecutor(_Busy):
         return DaskEvaluator(self, worker)
 
     def _restart_refused(self, worker: str) -> str | None:
-        """Why ``worker`` may not be restarted now (_MAX_RESTARTS within _RESTART_WINDOW_S), else None."""
+        """Why ``worker`` may not be restarted now (_MAX_RESTARTS within _RESTART_WINDOW_S, no GPU task of it answered
+        since), else None."""
         now = time.monotonic()
         recent = [at for at in self._restarts.get(worker, ()) if now - at < _RESTART_WINDOW_S]
         if len(recent) < _MAX_RESTARTS:
             return None
         wait_s = recent[0] + _RESTART_WINDOW_S - now
         return (
-            f"GPU worker {worker} was restarted {len(recent)} times within {_RESTART_WINDOW_S:.0f} s: it takes no "
-            f"job for {wait_s:.0f} s, then it is restarted"
+            f"GPU worker {worker} was restarted {len(recent)} times within {_RESTART_WINDOW_S:.0f} s, and answered no "
+            f"task in between: it takes no job for {wait_s:.0f} s, then it is restarted"
         )
 
     def restart(self, worker: str) -> None:

@@ -289,39 +289,42 @@ def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, firs
 
 def test_a_worker_restarted_too_often_takes_no_job_until_it_may_be_restarted_again(executor, monkeypatch, caplog):
     """restart() had no limit: a worker failing on every start (its GPU gone, each fresh process's context unusable)
-    was restarted for ever, its job bouncing on it. Past _MAX_RESTARTS within the window it is not restarted, takes
-    no job, and a task for it sends its job back to the queue, until the window allows the restart it is owed."""
+    was restarted for ever, its job bouncing on it. Past _MAX_RESTARTS within the window, with no GPU task answered in
+    between, it is not restarted, takes no job, and a task for it sends its job back to the queue, until the window
+    allows the restart it is owed."""
     import logging
 
     from kernelmill.service import executor as executor_module
 
     monkeypatch.setattr(executor_module, "_MAX_RESTARTS", 1)
-    restarted, real_restart = [], executor.client.restart_workers
+    restarted = []
 
-    def restart_workers(workers, timeout):  # made only past the first two, which the test needs not wait for
+    def restart_workers(workers, timeout):  # as if each process were replaced in place: no wait for real restarts
         restarted.extend(workers)
-        if len(restarted) > 2:
-            real_restart(workers, timeout=timeout)
+        executor._replaced.clear()
 
     monkeypatch.setattr(executor.client, "restart_workers", restart_workers)
     with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
+        executor.restart("gpu1")
+        executor.run_on("gpu1", time.sleep, 0, timeout=30)  # a GPU task answered: that restart did its work
         for worker in ("gpu0", "gpu0", "gpu1", "gpu1", "gpu1"):
             executor.restart(worker)
-    assert restarted == ["gpu0", "gpu1"]
+    assert restarted == ["gpu1", "gpu0", "gpu1"]
     refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert refused == [  # said once a refusal, not at each call
-        f"GPU worker {w} was restarted 1 times within 600 s: it takes no job for 600 s, then it is restarted"
+        f"GPU worker {w} was restarted 1 times within 600 s, and answered no task in between: it takes no job for"
+        " 600 s, then it is restarted"
         for w in ("gpu0", "gpu1")
     ]
     assert executor.workers() == []
     assert executor.why_none() == "; ".join(refused)
     with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu1 was restarted 1 times within 600 s"):
-        executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)
-    assert restarted == ["gpu0", "gpu1"]
+        executor.run_on("gpu1", time.sleep, 0, timeout=30)
+    assert restarted == ["gpu1", "gpu0", "gpu1"]
     executor._restarts["gpu1"] = [time.monotonic() - 600]  # the window has passed for gpu1
     assert [w.name for w in executor.workers()] == ["gpu1"]
     assert executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)["name"] == "FakeGPU 1"
-    assert restarted == ["gpu0", "gpu1", "gpu1"]  # the restart it was owed, before its task
+    assert restarted == ["gpu1", "gpu0", "gpu1", "gpu1"]  # the restart it was owed, before its task
 
 
 def test_two_local_clusters_on_one_host_do_not_fight_over_port_8787():
@@ -534,6 +537,45 @@ def test_a_gpu_unavailable_in_the_worker_restarts_it(tmp_path, call):
     with pytest.raises(WorkerGone):  # the service's own verdict: no process of the worker is known to be at fault
         getattr(lost.evaluator("fake-gpu0"), call)(*_SOFTMAX, *args)
     assert lost.restarted == []
+
+
+class _Scripted(_Raises):
+    """One fake GPU worker whose Dask calls raise, or run on the fake GPU (None), in turn."""
+
+    def __init__(self, outcomes: list, settings: Settings) -> None:
+        super().__init__(RuntimeError("not scripted"), settings)
+        self.outcomes = outcomes
+
+    def run_on(self, worker, fn, *args, timeout, gpu=True):
+        outcome = self.outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        candidates = [Candidate(family, params) for family, params in args[4]]
+        return self._evaluators[worker].evaluate(*args[:4], candidates)
+
+
+def test_a_worker_lost_while_a_killed_batch_runs_again_alone_keeps_what_was_found(tmp_path):
+    """A batch that killed its worker runs again one candidate at a time; a worker lost meanwhile (the restart limit
+    reached, the scheduler gone) raised out of the whole batch: the faults found were never recorded, and the
+    candidate that kills its process ran again, and killed again, wherever the job resumed."""
+    from types import SimpleNamespace
+
+    from distributed import KilledWorker
+
+    from kernelmill.agents.evaluator import SKIPPED
+    from kernelmill.service.executor import WorkerGone
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/k.db")
+    batch = Space(get_op("softmax"), "float16").candidates[:3]
+    killed = KilledWorker("task_evaluate-1", SimpleNamespace(address="tcp://127.0.0.1:9"), 0)
+    executor = _Scripted([killed, killed, WorkerGone("GPU worker fake-gpu0 was restarted 5 times")], settings)
+    results = executor.evaluator("fake-gpu0").evaluate(*_SOFTMAX, batch)
+    assert [r.status for r in results] == ["fault", SKIPPED, SKIPPED]  # the loop runs the skipped ones later
+    assert [(r.family, r.params) for r in results] == [(c.family, c.params) for c in batch]
+    assert results[1].reason == "GPU worker fake-gpu0 was lost before this candidate ran"
+    executor = _Scripted([killed, WorkerGone("lost the scheduler")], settings)
+    with pytest.raises(WorkerGone, match="lost the scheduler"):  # nothing found: the job goes back to the queue
+        executor.evaluator("fake-gpu0").evaluate(*_SOFTMAX, batch)
 
 
 def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retries(executor, crash_family_key):
