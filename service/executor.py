@@ -227,7 +227,15 @@ class DaskEvaluator:
             raise
 
     def facts(self) -> DeviceFacts:
-        data = self.executor.facts(self.worker)
+        from distributed import KilledWorker
+
+        try:
+            data = self.executor.facts(self.worker)
+        except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung (a task before it) or dead: benched
+            # alone, it stayed so, and failed each job it was given after the bench the same way
+            self.executor.restart(self.worker)
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else "did not answer"
+            raise WorkerGone(f"GPU worker {self.worker} {how} while telling its GPU (it was replaced)") from None
         return DeviceFacts(data["name"], data["arch"], data.get("extra", {}))
 
     def baseline_ms(self, op, shape, dtype, attrs, precision=None):

@@ -495,6 +495,9 @@ class _Raises(FakeExecutor):
     def run_on(self, worker, fn, *args, timeout, gpu=True):
         raise self.exc
 
+    def facts(self, worker):  # DaskExecutor.facts: a Dask call too
+        return self.run_on(worker, None, timeout=120, gpu=False)
+
     def restart(self, worker):
         self.restarted.append(worker)
 
@@ -537,6 +540,24 @@ def test_a_gpu_unavailable_in_the_worker_restarts_it(tmp_path, call):
     with pytest.raises(WorkerGone):  # the service's own verdict: no process of the worker is known to be at fault
         getattr(lost.evaluator("fake-gpu0"), call)(*_SOFTMAX, *args)
     assert lost.restarted == []
+
+
+@pytest.mark.parametrize(
+    ("exc", "said"),
+    [
+        (TimeoutError("GPU worker fake-gpu0 did not answer within 120 s"), "did not answer"),
+        (WorkerDied("GPU worker fake-gpu0 died while running a task"), "died"),
+    ],
+)
+def test_a_worker_that_hangs_or_dies_while_telling_its_gpu_is_replaced(tmp_path, exc, said):
+    """A worker whose process was stuck in a task before (one the service, restarted, no longer waits for) did not
+    answer the facts of the next job: benched without a restart, it failed every job it was given, one a bench."""
+    from kernelmill.service.executor import WorkerGone
+
+    executor = _Raises(exc, Settings(database_url=f"sqlite:///{tmp_path}/f.db"))
+    with pytest.raises(WorkerGone, match=f"GPU worker fake-gpu0 {said} while telling its GPU"):
+        executor.evaluator("fake-gpu0").facts()
+    assert executor.restarted == ["fake-gpu0"]
 
 
 class _Scripted(_Raises):
