@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kernelmill.agents.evaluator import DeviceFacts, Evaluator, FakeEvaluator, TrialResult
+from kernelmill.agents.evaluator import SKIPPED, DeviceFacts, Evaluator, FakeEvaluator, TrialResult
 from kernelmill.agents.space import Candidate
 from kernelmill.kernels.device import GpuUnavailable
 from kernelmill.settings import Settings
@@ -43,6 +43,12 @@ _SCHEDULER_ANSWER_S = 10.0
 _REJOIN_S = 2.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
+#: Restarts of one GPU worker allowed within _RESTART_WINDOW_S seconds with no GPU task of it answered in between
+#: (a search whose kernels fault restarts it often, each time to good use). One more is not made (a worker that
+#: fails on every start was restarted for ever, its job bouncing on it): the worker takes no job, and a task for it
+#: is WorkerGone (its job goes back to the queue), until the window allows the restart it is owed.
+_MAX_RESTARTS = 5
+_RESTART_WINDOW_S = 600.0
 
 
 class WorkerDied(Exception):
@@ -212,10 +218,24 @@ class DaskEvaluator:
         self.executor, self.worker = executor, worker
 
     def _result(self, fn, *args, timeout: float) -> Any:
-        return self.executor.run_on(self.worker, fn, *args, timeout=timeout)
+        try:
+            return self.executor.run_on(self.worker, fn, *args, timeout=timeout)
+        except WorkerGone:  # the service lost the worker or its scheduler: nothing known of the process
+            raise
+        except GpuUnavailable:  # raised in the worker (a poisoned CUDA context): benched, it stayed so for good
+            self.executor.restart(self.worker)
+            raise
 
     def facts(self) -> DeviceFacts:
-        data = self.executor.facts(self.worker)
+        from distributed import KilledWorker
+
+        try:
+            data = self.executor.facts(self.worker)
+        except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung (a task before it) or dead: benched
+            # alone, it stayed so, and failed each job it was given after the bench the same way
+            self.executor.restart(self.worker)
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else "did not answer"
+            raise WorkerGone(f"GPU worker {self.worker} {how} while telling its GPU (it was replaced)") from None
         return DeviceFacts(data["name"], data["arch"], data.get("extra", {}))
 
     def baseline_ms(self, op, shape, dtype, attrs, precision=None):
@@ -231,6 +251,9 @@ class DaskEvaluator:
             raise WorkerGone(why) from None
 
     def profile(self, op, shape, dtype, attrs, candidate: Candidate) -> dict[str, Any]:
+        from distributed import KilledWorker
+
+        timeout = self.executor.settings.worker_answer_timeout_s
         try:
             return self._result(
                 task_profile,
@@ -240,8 +263,12 @@ class DaskEvaluator:
                 dict(attrs),
                 candidate.family,
                 candidate.params_json,
-                timeout=self.executor.settings.worker_answer_timeout_s,
+                timeout=timeout,
             )
+        except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung or dead: replaced, as after a batch
+            self.executor.restart(self.worker)
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)"}
         except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
             return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 
@@ -256,7 +283,17 @@ class DaskEvaluator:
             self.executor.restart(self.worker)
             if len(candidates) > 1:  # which one killed it is not known: each again on its own, on a fresh process
                 log.warning("worker %s died on a batch of %d: each again alone", self.worker, len(candidates))
-                return [r for c in candidates for r in self.evaluate(op, shape, dtype, attrs, [c])]
+                results = []
+                for c in candidates:
+                    try:
+                        results += self.evaluate(op, shape, dtype, attrs, [c])
+                    except WorkerGone:  # restarted too often, say: what was found is kept, the rest runs later
+                        if not results:
+                            raise
+                        why = f"GPU worker {self.worker} was lost before this candidate ran"
+                        rest = candidates[len(results) :]
+                        return results + [TrialResult(o.family, o.params, SKIPPED, why) for o in rest]
+                return results
             why = "the worker process died while evaluating this candidate (it was replaced)"
             return [TrialResult(c.family, c.params, "fault", why) for c in candidates]
         except TimeoutError:
@@ -281,9 +318,11 @@ class DaskExecutor(_Busy):
         self._pending_facts: dict[str, Any] = {}
         self._replaced: set[str] = set()  # addresses of worker processes restart() replaced
         self._revived: dict[str, float] = {}  # when _revive last started a worker's nanny
+        self._restarts: dict[str, list[float]] = {}  # when restart() restarted each worker since a GPU task answered
+        self._owed: set[str] = set()  # workers whose restart _MAX_RESTARTS refused
         self._reconnect_at = 0.0  # the earliest next attempt to connect again to a lost scheduler
         self._closed = False  # close() was called: the service stops, and no call connects again
-        self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not
+        self._silent: str | None = None  # why the scheduler's last answer did not come, while it has not (logged once)
         if settings.scheduler:
             self.client = Client(settings.scheduler, timeout="20s")
             return
@@ -312,12 +351,18 @@ class DaskExecutor(_Busy):
             result = answer.result(timeout=_SCHEDULER_ANSWER_S)
         except TimeoutError:
             answer.cancel()
-            where = self.settings.scheduler or "of the local cluster"
-            self._silent = f"the scheduler at {where} did not answer within {_SCHEDULER_ANSWER_S:g} s"
-            log.warning("%s", self._silent)
-            raise WorkerGone(self._silent) from None
-        self._silent = None
+            why = f"the scheduler at {self._where()} did not answer within {_SCHEDULER_ANSWER_S:g} s"
+            if self._silent is None:  # once an outage: every poll and health check asks
+                log.warning("%s; said once until it answers again", why)
+            self._silent = why
+            raise WorkerGone(why) from None
+        if self._silent is not None:
+            log.warning("the scheduler at %s answers again", self._where())
+            self._silent = None
         return result
+
+    def _where(self) -> str:
+        return self.settings.scheduler or "of the local cluster"
 
     def _connected(self) -> bool:
         """Whether the client is connected, connecting again where its connection to a scheduler of its own
@@ -335,9 +380,13 @@ class DaskExecutor(_Busy):
         try:
             self.client = Client(self.settings.scheduler, timeout="5s")
         except OSError as exc:  # TimeoutError too
-            log.warning("scheduler %s unreachable (%s); next try in %.0f s", self.settings.scheduler, exc, _RECONNECT_S)
+            why = f"the scheduler at {self.settings.scheduler} is unreachable ({exc})"
+            if self._silent is None:  # once an outage, not at every try
+                log.warning("%s; trying again every %.0f s, said once until it is back", why, _RECONNECT_S)
+            self._silent = why
             return False
         log.warning("connected again to the scheduler at %s", self.settings.scheduler)
+        self._silent = None
         return True
 
     def _processes(self, worker: str) -> set[str]:
@@ -407,6 +456,10 @@ class DaskExecutor(_Busy):
         would retry it (its allowed-failures above 0), WorkerDied."""
         from concurrent.futures import CancelledError
 
+        if worker in self._owed:  # a restart was refused: its process may be hung or poisoned, never given a task
+            if why := self._restart_refused(worker):
+                raise WorkerGone(why)
+            self.restart(worker)
         deadline = time.monotonic() + timeout
         address, future = self._submit_or_gone(worker, fn, *args, timeout=timeout, gpu=gpu)
         done = _done_event(future)
@@ -419,7 +472,10 @@ class DaskExecutor(_Busy):
                 raise self._closing(worker)
             try:
                 if finished:
-                    return self._fetch(worker, future)
+                    result = self._fetch(worker, future)
+                    if gpu:  # its process runs kernels again: its restarts did their work
+                        self._restarts.pop(worker, None)
+                    return result
                 left = (future.status == "pending" and not self.alive(address)) and not self._closed
                 if left and self._died_under(future):
                     # A scheduler that retries a task whose worker died (allowed-failures above 0, Dask's default)
@@ -516,6 +572,8 @@ class DaskExecutor(_Busy):
                 self._revive(name)
         out = []
         for name in self.worker_names():
+            if name in self._owed and self._restart_refused(name):  # no job until it may be restarted again
+                continue
             if name not in self._facts:  # asked once in the background; never blocks this listing
                 future = self._facts_future(name)
                 if future is not None and future.done() and future.status == "finished":
@@ -531,16 +589,39 @@ class DaskExecutor(_Busy):
         if self._silent is not None:  # the listing just asked, and was not answered: not asked again
             return self._silent
         try:
-            if self.worker_names():
-                return None
+            names = self.worker_names()
         except WorkerGone as exc:
             return str(exc)
+        if names:
+            withheld = [why for name in names if name in self._owed and (why := self._restart_refused(name))]
+            return "; ".join(withheld) if len(withheld) == len(names) else None
         return self._why or "no GPU worker has joined the scheduler (start one with `kernelmill worker`)"
 
     def evaluator(self, worker: str) -> Evaluator:
         return DaskEvaluator(self, worker)
 
+    def _restart_refused(self, worker: str) -> str | None:
+        """Why ``worker`` may not be restarted now (_MAX_RESTARTS within _RESTART_WINDOW_S, no GPU task of it answered
+        since), else None."""
+        now = time.monotonic()
+        recent = [at for at in self._restarts.get(worker, ()) if now - at < _RESTART_WINDOW_S]
+        if len(recent) < _MAX_RESTARTS:
+            return None
+        wait_s = recent[0] + _RESTART_WINDOW_S - now
+        return (
+            f"GPU worker {worker} was restarted {len(recent)} times within {_RESTART_WINDOW_S:.0f} s, and answered no "
+            f"task in between: it takes no job for {wait_s:.0f} s, then it is restarted"
+        )
+
     def restart(self, worker: str) -> None:
+        if why := self._restart_refused(worker):
+            if worker not in self._owed:  # once a refusal, not at each call that finds it owed
+                self._owed.add(worker)
+                log.error("%s", why)
+            return
+        self._owed.discard(worker)
+        now = time.monotonic()
+        self._restarts[worker] = [at for at in self._restarts.get(worker, ()) if now - at < _RESTART_WINDOW_S] + [now]
         log.warning("restarting worker %s (fresh CUDA context)", worker)
         self._facts.pop(worker, None)
         self._pending_facts.pop(worker, None)

@@ -10,7 +10,14 @@ import pytest
 from kernelmill.agents.space import Candidate, Space
 from kernelmill.kernels.ops import get_op
 from kernelmill.service.db.store import Store
-from kernelmill.service.executor import DaskEvaluator, DaskExecutor, FakeExecutor, task_baseline, task_evaluate
+from kernelmill.service.executor import (
+    DaskEvaluator,
+    DaskExecutor,
+    FakeExecutor,
+    WorkerDied,
+    task_baseline,
+    task_evaluate,
+)
 from kernelmill.service.jobs import JobRunner
 from kernelmill.settings import Settings
 
@@ -172,6 +179,49 @@ def test_a_closed_connection_to_the_scheduler_is_opened_again(executor):
     assert executor.client.status == "running"
 
 
+def test_a_scheduler_outage_is_logged_once_and_its_end_once(executor, monkeypatch, caplog):
+    """Each question the silent scheduler left unanswered (the job runner's poll, every /api/health) logged its own
+    warning, and each failed attempt to connect again another, every 10 s, for as long as the outage lasted."""
+    import asyncio
+    import logging
+
+    import distributed
+
+    from kernelmill.service import executor as executor_module
+
+    async def never(**kwargs):  # a frozen scheduler: the connection stays open, no answer comes
+        await asyncio.sleep(60)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Timed out trying to connect")
+
+    monkeypatch.setattr(executor_module, "_SCHEDULER_ANSWER_S", 0.1)
+    monkeypatch.setattr(executor_module, "_RECONNECT_S", 0.0)
+    address = executor.cluster.scheduler_address
+    executor.settings = executor.settings.model_copy(update={"scheduler": address})
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
+        for _ in range(3):
+            with pytest.raises(executor_module.WorkerGone, match="did not answer within 0.1 s"):
+                executor._ask_scheduler(never)
+        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+        executor.client.close()  # then gone: the connection closed, and connecting again fails
+        with monkeypatch.context() as refused:
+            refused.setattr(distributed, "Client", unreachable)
+            for _ in range(3):
+                assert executor.workers() == []
+            assert executor.why_none().startswith(f"the scheduler at {address} ")
+        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+    said = [r.getMessage() for r in caplog.records if r.name == "kernelmill.service.executor"]
+    assert said == [
+        f"the scheduler at {address} did not answer within 0.1 s; said once until it answers again",
+        f"the scheduler at {address} answers again",
+        f"the scheduler at {address} is unreachable (Timed out trying to connect); trying again every 0 s, said once"
+        " until it is back",
+        f"connected again to the scheduler at {address}",
+    ]
+
+
 def _linger_at_exit(seconds: float) -> None:
     """Make this worker process slow to leave, as one whose kernel hangs was seen to be on the GPU: it does not exit
     on its own, and the nanny kills it after its grace period."""
@@ -180,25 +230,34 @@ def _linger_at_exit(seconds: float) -> None:
     atexit.register(time.sleep, seconds)
 
 
-def test_two_restarts_in_a_row_keep_the_workers_nanny(executor):
+def test_two_restarts_in_a_row_keep_the_workers_nanny(tmp_path):
     """A restart soon after another, of a process slow to leave (a hung kernel): the GPU worker stays absent for
     seconds, past the moment the local cluster checks on the worker removed by the first restart. The cluster must
     not close the worker's nanny then (seen on the GPU: the worker never came back and its job hung)."""
+    import dask
+
     from kernelmill.service import executor as executor_module
 
-    nanny = executor.cluster.workers["gpu1"]
-    executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu1")])
-    start = time.monotonic()
-    executor.restart("gpu1")  # returns once the new process has joined
-    executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu1", timeout=60)])
-    check_at = 15.0  # distributed.deploy.lost-worker-timeout's default, counted from the first removal
-    time.sleep(max(0.0, check_at - 4.0 - (time.monotonic() - start)))
-    executor.restart("gpu1")  # the old process lingers ~4 s (then killed), the new one takes seconds to join
-    assert time.monotonic() - start > check_at, "the second restart ended before the check it is meant to straddle"
-    facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
-    assert facts["name"] == "FakeGPU 1"
-    assert executor.cluster.workers["gpu1"] is nanny  # the same nanny throughout, not one started again
-    assert executor.worker_names() == ["gpu0", "gpu1"]
+    # Dask's distributed.deploy.lost-worker-timeout (15 s by default), cut short as the cluster starts: the
+    # executor's own value must replace it, or the check falls while the lingering worker is away.
+    check_at = 3.0
+    with contextlib.ExitStack() as stack:  # the whole test in it: leaving it restores the value from before it
+        stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": f"{check_at:g}s"}))
+        executor = DaskExecutor(Settings(database_url=f"sqlite:///{tmp_path}/r.db"), gpus=1, fake_device=True)
+        stack.callback(executor.close)
+        nanny = executor.cluster.workers["gpu0"]
+        executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu0", timeout=60)])
+        start = time.monotonic()
+        executor.restart("gpu0")  # returns once the new process has joined; the old one lingers ~4 s (then killed)
+        assert time.monotonic() - start > check_at, "the first restart ended before the check it is meant to straddle"
+        executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu0", timeout=60)])
+        start = time.monotonic()
+        executor.restart("gpu0")  # right after the first: its check falls while this one's process is away too
+        assert time.monotonic() - start > check_at, "the second restart ended before the check it is meant to straddle"
+        facts = executor.run_on("gpu0", executor_module.task_facts, timeout=60, gpu=False)
+        assert facts["name"] == "FakeGPU 0"
+        assert executor.cluster.workers["gpu0"] is nanny  # the same nanny throughout, not one started again
+        assert executor.worker_names() == ["gpu0"]
 
 
 @pytest.mark.parametrize("first", ["task", "restart", "listing"])
@@ -226,6 +285,46 @@ def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, firs
     assert facts["name"] == "FakeGPU 1"
     assert "the nanny of GPU worker gpu1 had closed; starting it again" in caplog.text
     assert executor.worker_names() == ["gpu0", "gpu1"]
+
+
+def test_a_worker_restarted_too_often_takes_no_job_until_it_may_be_restarted_again(executor, monkeypatch, caplog):
+    """restart() had no limit: a worker failing on every start (its GPU gone, each fresh process's context unusable)
+    was restarted for ever, its job bouncing on it. Past _MAX_RESTARTS within the window, with no GPU task answered in
+    between, it is not restarted, takes no job, and a task for it sends its job back to the queue, until the window
+    allows the restart it is owed."""
+    import logging
+
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_MAX_RESTARTS", 1)
+    restarted = []
+
+    def restart_workers(workers, timeout):  # as if each process were replaced in place: no wait for real restarts
+        restarted.extend(workers)
+        executor._replaced.clear()
+
+    monkeypatch.setattr(executor.client, "restart_workers", restart_workers)
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
+        executor.restart("gpu1")
+        executor.run_on("gpu1", time.sleep, 0, timeout=30)  # a GPU task answered: that restart did its work
+        for worker in ("gpu0", "gpu0", "gpu1", "gpu1", "gpu1"):
+            executor.restart(worker)
+    assert restarted == ["gpu1", "gpu0", "gpu1"]
+    refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert refused == [  # said once a refusal, not at each call
+        f"GPU worker {w} was restarted 1 times within 600 s, and answered no task in between: it takes no job for"
+        " 600 s, then it is restarted"
+        for w in ("gpu0", "gpu1")
+    ]
+    assert executor.workers() == []
+    assert executor.why_none() == "; ".join(refused)
+    with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu1 was restarted 1 times within 600 s"):
+        executor.run_on("gpu1", time.sleep, 0, timeout=30)
+    assert restarted == ["gpu1", "gpu0", "gpu1"]
+    executor._restarts["gpu1"] = [time.monotonic() - 600]  # the window has passed for gpu1
+    assert [w.name for w in executor.workers()] == ["gpu1"]
+    assert executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)["name"] == "FakeGPU 1"
+    assert restarted == ["gpu1", "gpu0", "gpu1", "gpu1"]  # the restart it was owed, before its task
 
 
 def test_two_local_clusters_on_one_host_do_not_fight_over_port_8787():
@@ -381,6 +480,123 @@ def test_a_worker_lost_while_timing_the_baseline_queues_the_job_again(tmp_path, 
     final = store.get_job(job.id)
     assert (final.state, final.error) == ("done", None)
     assert executor.restarted == ["fake-gpu0"]
+
+
+class _Raises(FakeExecutor):
+    """One fake GPU worker whose every Dask call raises ``exc``; its evaluator is the Dask one."""
+
+    def __init__(self, exc: Exception, settings: Settings) -> None:
+        super().__init__(1)
+        self.exc, self.settings, self.restarted = exc, settings, []
+
+    def evaluator(self, worker):
+        return DaskEvaluator(self, worker)
+
+    def run_on(self, worker, fn, *args, timeout, gpu=True):
+        raise self.exc
+
+    def facts(self, worker):  # DaskExecutor.facts: a Dask call too
+        return self.run_on(worker, None, timeout=120, gpu=False)
+
+    def restart(self, worker):
+        self.restarted.append(worker)
+
+
+_SOFTMAX = ("softmax", (64, 64), "float16", {})
+
+
+@pytest.mark.parametrize(
+    ("exc", "said", "restarted"),
+    [
+        (TimeoutError("GPU worker fake-gpu0 did not answer within 60 s"), "did not answer within 60 s", True),
+        (WorkerDied("GPU worker fake-gpu0 died while running a task"), "died (it was replaced)", True),
+        (RuntimeError("ncu is not installed"), "RuntimeError: ncu is not installed", False),
+    ],
+)
+def test_a_worker_that_hangs_or_dies_while_profiling_is_replaced(tmp_path, exc, said, restarted):
+    """A profile's task past worker_answer_timeout_s left the worker's one thread busy with it, and the worker was
+    not restarted (a batch's timeout restarts it): every later task of the job queued behind the hung one."""
+    executor = _Raises(exc, Settings(database_url=f"sqlite:///{tmp_path}/p.db", worker_answer_timeout_s=60))
+    candidate = Space(get_op("softmax"), "float16").candidates[0]
+    profile = executor.evaluator("fake-gpu0").profile(*_SOFTMAX, candidate)
+    assert said in profile["error"]  # a profile is optional: its failure is data, not the job's end
+    assert executor.restarted == (["fake-gpu0"] if restarted else [])
+
+
+@pytest.mark.parametrize("call", ["evaluate", "baseline_ms"])
+def test_a_gpu_unavailable_in_the_worker_restarts_it(tmp_path, call):
+    """GpuUnavailable raised in the worker (its CUDA context poisoned) sent the job back to the queue and benched the
+    worker, but left its process as it was: after the bench it failed every job it took, the same way."""
+    from kernelmill.kernels.device import GpuUnavailable
+    from kernelmill.service.executor import WorkerGone
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/g.db")
+    args = [Space(get_op("softmax"), "float16").candidates[:2]] if call == "evaluate" else []
+    poisoned = _Raises(GpuUnavailable("a kernel faulted and left this process's CUDA context unusable"), settings)
+    with pytest.raises(GpuUnavailable, match="context unusable"):  # the job still goes back to the queue
+        getattr(poisoned.evaluator("fake-gpu0"), call)(*_SOFTMAX, *args)
+    assert poisoned.restarted == ["fake-gpu0"]
+    lost = _Raises(WorkerGone("lost the scheduler while GPU worker fake-gpu0 ran a task"), settings)
+    with pytest.raises(WorkerGone):  # the service's own verdict: no process of the worker is known to be at fault
+        getattr(lost.evaluator("fake-gpu0"), call)(*_SOFTMAX, *args)
+    assert lost.restarted == []
+
+
+@pytest.mark.parametrize(
+    ("exc", "said"),
+    [
+        (TimeoutError("GPU worker fake-gpu0 did not answer within 120 s"), "did not answer"),
+        (WorkerDied("GPU worker fake-gpu0 died while running a task"), "died"),
+    ],
+)
+def test_a_worker_that_hangs_or_dies_while_telling_its_gpu_is_replaced(tmp_path, exc, said):
+    """A worker whose process was stuck in a task before (one the service, restarted, no longer waits for) did not
+    answer the facts of the next job: benched without a restart, it failed every job it was given, one a bench."""
+    from kernelmill.service.executor import WorkerGone
+
+    executor = _Raises(exc, Settings(database_url=f"sqlite:///{tmp_path}/f.db"))
+    with pytest.raises(WorkerGone, match=f"GPU worker fake-gpu0 {said} while telling its GPU"):
+        executor.evaluator("fake-gpu0").facts()
+    assert executor.restarted == ["fake-gpu0"]
+
+
+class _Scripted(_Raises):
+    """One fake GPU worker whose Dask calls raise, or run on the fake GPU (None), in turn."""
+
+    def __init__(self, outcomes: list, settings: Settings) -> None:
+        super().__init__(RuntimeError("not scripted"), settings)
+        self.outcomes = outcomes
+
+    def run_on(self, worker, fn, *args, timeout, gpu=True):
+        outcome = self.outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        candidates = [Candidate(family, params) for family, params in args[4]]
+        return self._evaluators[worker].evaluate(*args[:4], candidates)
+
+
+def test_a_worker_lost_while_a_killed_batch_runs_again_alone_keeps_what_was_found(tmp_path):
+    """A batch that killed its worker runs again one candidate at a time; a worker lost meanwhile (the restart limit
+    reached, the scheduler gone) raised out of the whole batch: the faults found were never recorded, and the
+    candidate that kills its process ran again, and killed again, wherever the job resumed."""
+    from types import SimpleNamespace
+
+    from distributed import KilledWorker
+
+    from kernelmill.agents.evaluator import SKIPPED
+    from kernelmill.service.executor import WorkerGone
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/k.db")
+    batch = Space(get_op("softmax"), "float16").candidates[:3]
+    killed = KilledWorker("task_evaluate-1", SimpleNamespace(address="tcp://127.0.0.1:9"), 0)
+    executor = _Scripted([killed, killed, WorkerGone("GPU worker fake-gpu0 was restarted 5 times")], settings)
+    results = executor.evaluator("fake-gpu0").evaluate(*_SOFTMAX, batch)
+    assert [r.status for r in results] == ["fault", SKIPPED, SKIPPED]  # the loop runs the skipped ones later
+    assert [(r.family, r.params) for r in results] == [(c.family, c.params) for c in batch]
+    assert results[1].reason == "GPU worker fake-gpu0 was lost before this candidate ran"
+    executor = _Scripted([killed, WorkerGone("lost the scheduler")], settings)
+    with pytest.raises(WorkerGone, match="lost the scheduler"):  # nothing found: the job goes back to the queue
+        executor.evaluator("fake-gpu0").evaluate(*_SOFTMAX, batch)
 
 
 def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retries(executor, crash_family_key):
