@@ -268,7 +268,9 @@ class DaskEvaluator:
         except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung or dead: replaced, as after a batch
             self.executor.restart(self.worker)
             how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
-            return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)"}
+            # This variant's failure (it hung or crashed the process under ncu), not the profiler's: the search
+            # goes on to profile its next leader, on the fresh process.
+            return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)", "unavailable": False}
         except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
             return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 
