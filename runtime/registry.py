@@ -2,8 +2,10 @@
 
 Resolution, once per problem (then kept in memory):
 
-1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
-   (source and cubin), so a machine that once reached the service works offline;
+1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before, so a machine
+   that once reached the service works offline; one JSON record per problem holds the kernel and its cubin, written
+   whole by one rename, so a crash leaves the old record or the new one (an earlier version's record, its cubin in a
+   file beside it, is still read);
 2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``; an answer must
    arrive whole within ``timeout_s``, 2 s; a service that cannot be reached, is too slow, fails (5xx) or is not
    kernelmill (a page that is not JSON, a 404 that is not kernelmill's "nothing tuned": ``kernelmill_answer``) is logged
@@ -37,6 +39,8 @@ timing again.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -583,10 +587,15 @@ class KernelRegistry:
         meta_path, cubin_path = self._local_paths(spec.name, shape, dtype, attrs, precision)
         try:
             meta = json.loads(meta_path.read_text())
-            cubin = cubin_path.read_bytes()
+            wrong = _wrong_fields(meta, _CACHED_FIELDS) or _wrong_cached(meta, shape)
+            if wrong:
+                cubin = b""
+            elif meta.get("cubin") is not None:  # one record: the entry and its cubin, written whole or not at all
+                cubin = base64.b64decode(meta["cubin"], validate=True)
+            else:  # an entry from before the record held its cubin, which lies beside it
+                cubin = cubin_path.read_bytes()
         except (OSError, ValueError):
             return None
-        wrong = _wrong_fields(meta, _CACHED_FIELDS) or _wrong_cached(meta, shape)
         digest = hashlib.sha256(cubin).hexdigest()
         if not wrong and meta.get("cubin_sha256", digest) != digest:  # entries from before the digest: no check
             wrong = f"{cubin_path.name} is not the cubin its entry was written with (sha256 differs)"
@@ -671,12 +680,16 @@ class KernelRegistry:
             "rebuilt": entry.rebuilt,
             "served": entry.served,
             "cubin_sha256": hashlib.sha256(entry.cubin).hexdigest(),
+            # In the record itself: a crash between two files' writes left a cubin under another's entry.
+            "cubin": base64.b64encode(entry.cubin).decode("ascii"),
         }
         try:
-            write_atomically(cubin_path, entry.cubin)
             write_atomically(meta_path, json.dumps(meta).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
             log.warning("runtime: could not write the kernel cache at %s: %s", self.served_dir, exc)
+            return
+        with contextlib.suppress(OSError):  # an earlier version's cubin file, which the record now replaces
+            cubin_path.unlink()
 
     # the service ----------------------------------------------------------------------
 
@@ -1089,7 +1102,7 @@ _SERVED_FIELDS = {"id": int, "op": str, "dtype": str, "arch": str, "family": str
 _CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
 _OPTIONAL_FIELDS = {
     "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
-    "launches": list, "kernel_id": int, "code": str, "served": str, "device_name": str,
+    "launches": list, "kernel_id": int, "code": str, "served": str, "device_name": str, "cubin": str,
 }  # fmt: skip
 
 

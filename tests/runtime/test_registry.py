@@ -3,6 +3,8 @@ cache, offline behaviour, compiled defaults; tune_model submitting jobs."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -342,21 +344,75 @@ def test_a_cached_cubin_that_is_not_the_one_its_entry_was_written_with_is_passed
     client = _mock_service(_fused_kernel(exact=True), [])
     KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
     (meta_path,) = (tmp_path / "served").rglob("*.json")
-    cubin_path = meta_path.with_suffix(".cubin")
-    assert json.loads(meta_path.read_text())["cubin_sha256"] == hashlib.sha256(b"served-cubin").hexdigest()
+    meta = json.loads(meta_path.read_text())
+    assert meta["cubin_sha256"] == hashlib.sha256(b"served-cubin").hexdigest()
+    assert base64.b64decode(meta["cubin"]) == b"served-cubin"  # one record: no cubin file beside it
+    assert sorted(p.name for p in meta_path.parent.iterdir()) == [meta_path.name]
 
-    cubin_path.write_bytes(b"served-cubIn")  # damaged on disk (or replaced by another writer)
+    meta_path.write_text(json.dumps({**meta, "cubin": base64.b64encode(b"served-cubIn").decode()}))  # damaged
     offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_Recompile())
     entry = offline.get(*problem)
     assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
     assert "is not the cubin its entry was written with (sha256 differs)" in entry.note
 
-    # An entry written before the digest was recorded is still read.
-    meta = json.loads(meta_path.read_text())
-    del meta["cubin_sha256"]
-    meta_path.write_text(json.dumps(meta))
+    # An entry of an earlier version, its cubin in a file beside it, is still read, checked by its digest...
+    legacy = {k: v for k, v in meta.items() if k != "cubin"}
+    meta_path.write_text(json.dumps(legacy))
+    cubin_path = meta_path.with_suffix(".cubin")
+    cubin_path.write_bytes(b"served-cubIn")
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_Recompile())
+    assert offline.get(*problem).source == DEFAULT
+    cubin_path.write_bytes(b"served-cubin")
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    assert offline.get(*problem).cubin == b"served-cubin"
+    # ... and one written before the digest was recorded, unchecked.
+    del legacy["cubin_sha256"]
+    meta_path.write_text(json.dumps(legacy))
+    cubin_path.write_bytes(b"served-cubIn")
     offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
     assert offline.get(*problem).cubin == b"served-cubIn"
+    # Replaced by this version, such an entry becomes one record, and its cubin file goes.
+    KernelRegistry(client=_mock_service(_fused_kernel(exact=True, id=8), []), arch="sm_90", cache_dir=tmp_path,
+                   compiler=_NoCompile()).get(*problem)  # fmt: skip
+    assert not cubin_path.exists() and base64.b64decode(json.loads(meta_path.read_text())["cubin"])
+
+
+class _Crash(BaseException):
+    """The process dying between two writes (a BaseException: nothing in the registry catches it)."""
+
+
+def _crashing_writes(monkeypatch, after: int) -> None:
+    """Lets the kernel cache's first ``after`` writes complete, then dies at the next one."""
+    write = registry_module.write_atomically
+    done = []
+
+    def crash_at_the_next(path, data):
+        if len(done) == after:
+            raise _Crash(path)
+        write(path, data)
+        done.append(path)
+
+    monkeypatch.setattr(registry_module, "write_atomically", crash_at_the_next)
+
+
+@pytest.mark.parametrize("after", [0, 1, 2])
+def test_a_crash_while_the_cache_replaces_a_kernel_leaves_the_old_kernel_or_the_new(tmp_path, monkeypatch, after):
+    """The cache wrote the cubin and its entry in two files: a crash between them left the new cubin under the
+    old entry, whose sha256 no longer matched, so the kernel was lost until the service could be reached."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    client = _mock_service(_fused_kernel(exact=True), [])
+    KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
+
+    _crashing_writes(monkeypatch, after)
+    client = _mock_service(_fused_kernel(exact=True, id=8), [], b"newer-cubin")
+    newer = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    with contextlib.suppress(_Crash):
+        assert newer.get(*problem).kernel_id == 8  # no crash: every write was made
+    monkeypatch.undo()
+
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    cached = offline.get(*problem)  # _NoCompile: never the default
+    assert (cached.kernel_id, cached.cubin) in {(7, b"served-cubin"), (8, b"newer-cubin")}
 
 
 class _Recompile:
