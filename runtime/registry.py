@@ -22,8 +22,9 @@ Resolution, once per problem (then kept in memory):
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
    params (tuned with another version) is compiled again from them, so template improvements reach tuned
-   kernels without a re-tune; where that code is not known, a cubin that lacks an entry those launches name
-   (built before its family's launches changed) is not used;
+   kernels without a re-tune, and is not used where this version's code does not render or compile (its cubin
+   does not match the launches this version builds); where that code is not known, a cubin that lacks an entry
+   those launches name (built before its family's launches changed) is not used;
 3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
    problem), compiled with nvcc on first use (the compile cache keeps the cubin); ``prepare`` compiles the
    defaults of a forward's problems together before it runs.
@@ -627,7 +628,11 @@ class KernelRegistry:
             rebuilt=bool(meta.get("rebuilt")),
             served=meta.get("served"),
         )
-        if self._with_current_code(entry):
+        rebuilt, stale = self._with_current_code(entry)
+        if stale:
+            notes.append(f"local cache entry unusable: {stale}")
+            return None
+        if rebuilt:
             self._store_local(entry, meta.get("attrs"))
             return entry
         reason = _missing_entries(entry)
@@ -636,30 +641,30 @@ class KernelRegistry:
             return None
         return entry
 
-    def _with_current_code(self, entry: KernelEntry) -> bool:
+    def _with_current_code(self, entry: KernelEntry) -> tuple[bool, str | None]:
         """Compiles ``entry`` again from this version's template where the code its cubin was built from
-        (``entry.code``) is known and differs; whether it did. A failed compile keeps the cubin it had."""
+        (``entry.code``) is known and differs: (whether it did, None), or (False, why its cubin must not run)
+        where that code does not render or compile here. Such a cubin is not used: the launches this version
+        builds for it (arguments, grid, shared memory) are for other code than it holds."""
         if entry.code is None:
-            return False
+            return False, None
         fam = get_op(entry.op).family(entry.family)
         try:
             source = render(fam, fam.resolve(entry.params, entry.dtype), entry.dtype, entry.attrs)
             code = code_digest(source)
             if code == entry.code:
-                return False
+                return False, None
             compiled = self.compiler.compile(source, self.target_arch + fam.arch_suffix)
         except (RenderError, CompileError) as exc:
-            log.warning(
-                "runtime: %s %s: kept its tuned cubin, this version's code did not render or compile: %s",
-                entry.op,
-                format_shape(entry.shape),
-                exc,
-            )
-            return False
+            error = excerpt(str(exc), 200, quote=False)
+            why = f"built from another template; this version's does not render or compile: {error}"
+            log.warning("runtime: %s %s: %s kernel #%s not used: %s", entry.op, format_shape(entry.shape),
+                        entry.source, entry.kernel_id, why)  # fmt: skip
+            return False, why
         entry.cubin, entry.cubin_key, entry.code, entry.rebuilt = compiled.cubin, compiled.key, code, True
         why = "rebuilt from this version's template (tuned with another)"
         entry.note = f"{entry.note}; {why}" if entry.note else why
-        return True
+        return True, None
 
     def _store_local(self, entry: KernelEntry, served_attrs) -> None:
         precision = get_op(entry.op).family(entry.family).precision(entry.dtype)
@@ -867,7 +872,11 @@ class KernelRegistry:
             served=digest,
         )
         # Rebuilt, it is this version's code and launches: nothing of the served cubin's is left to check.
-        if not self._with_current_code(entry):
+        rebuilt, stale = self._with_current_code(entry)
+        if stale:
+            notes.append(f"served kernel #{served['id']} not used: {stale}")
+            return None
+        if not rebuilt:
             missing = _missing_entries(entry)
             if missing:
                 notes.append(f"served kernel #{served['id']} not used: {missing}")

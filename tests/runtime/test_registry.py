@@ -471,12 +471,42 @@ def test_a_kernel_tuned_with_another_template_is_rebuilt_from_this_one(tmp_path,
     cached = offline.get(*problem)
     assert cached.cubin == b"rebuilt-cubin" and cached.rebuilt  # no compile: the cache holds this version's code
 
-    # A compile that fails keeps the tuned cubin (logged).
-    failing = _Recompile(CompileError("nvcc: not found"))
-    reg = KernelRegistry(client=_mock_service(old, []), arch="sm_90", cache_dir=tmp_path / "d", compiler=failing)
+
+class _FailsFirst(_Recompile):
+    """A compiler whose first compile fails (this version's code of a served kernel), the rest succeed."""
+
+    def compile(self, source, arch):
+        if not self.calls:
+            self.calls.append((source, arch))
+            raise CompileError("ptxas: too much shared data")
+        return super().compile(source, arch)
+
+
+def test_a_kernel_tuned_with_another_template_that_does_not_rebuild_is_not_used(tmp_path, caplog):
+    """Its cubin ran with the launches this version builds for its family, which are for other code (the
+    arguments, grid and shared memory of this version's template): it was kept, and launched, as tuned."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    knobs = _this_versions_source(_fused_kernel()).partition("\n")[0]
+    old = _fused_kernel(exact=True, source=knobs + "\n// an older template\n")
+    reg = KernelRegistry(client=_mock_service(old, []), arch="sm_90", cache_dir=tmp_path, compiler=_FailsFirst())
     with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
-        kept = reg.get(*problem)
-    assert kept.cubin == b"served-cubin" and not kept.rebuilt and "did not render or compile" in caplog.text
+        entry = reg.get(*problem)
+    assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+    why = "built from another template; this version's does not render or compile: ptxas: too much shared data"
+    assert f"served kernel #7 not used: {why}" in entry.note
+    assert f"tuned kernel #7 not used: {why}" in caplog.text
+
+    # The same kernel in the local cache, written by the version it was tuned with (whose code it is): passed over.
+    assert not (tmp_path / "served").exists()  # nor was it cached
+    same = _fused_kernel(exact=True, source=_this_versions_source(_fused_kernel()))
+    writer = KernelRegistry(client=_mock_service(same, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    writer.get(*problem)
+    (meta_path,) = (tmp_path / "served").rglob("*.json")
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "code": registry_module.code_digest(old["source"])}))
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_FailsFirst())
+    entry = offline.get(*problem)
+    assert entry.source == DEFAULT and f"local cache entry unusable: {why}" in entry.note
 
 
 def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):
