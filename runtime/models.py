@@ -302,7 +302,13 @@ class BertModel(Module):
 
         def get(name: str, *fields: str) -> np.ndarray:
             key = key_of(name)
-            arr = np.asarray(sd[key], dtype=np.float32)
+            arr = np.asarray(sd[key])
+            if _not_weights(arr):
+                raise ValueError(
+                    f"checkpoint tensor {key} holds {arr.dtype} values; the model needs floating-point weights "
+                    "(quantized checkpoints are not supported)"
+                )
+            arr = arr.astype(np.float32)
             want = tuple(dims[f][0] for f in fields)
             if arr.shape != want:
                 sources = ", ".join(
@@ -391,21 +397,33 @@ def _key(name: str, leaf: str) -> str:
     return f"{name}.{leaf}" if name else leaf
 
 
+def _not_weights(arr: np.ndarray) -> bool:
+    """Whether an array holds what no layer's weights are: integers or booleans (a quantized checkpoint's, ids,
+    counters), or complex numbers (cast to float, their imaginary parts were dropped)."""
+    return arr.dtype.kind in "biucOSUV" and arr.dtype != numpy_dtype("bfloat16")
+
+
 def _describe(value: Any) -> str:
     shape = getattr(value, "shape", None)
     if shape is not None:
-        return f"shape {tuple(shape)}"
+        if getattr(value, "is_meta", False):
+            return f"shape {tuple(shape)} on the meta device, without values"
+        dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        floating = dtype.startswith(("float", "bfloat", "half", "double"))
+        return f"shape {tuple(shape)}" + ("" if floating or not dtype else f" of {dtype}")
     return "a dict" if isinstance(value, dict) else f"not a tensor: {type(value).__name__}"
 
 
 def _float_array(value: Any) -> np.ndarray | None:
-    """A state_dict entry as a float32 array, or None where it is not an array of numbers."""
-    if isinstance(value, dict | str | bytes) or value is None:
+    """A state_dict entry as a float32 array, or None where it is not an array of floating-point numbers (an
+    integer, boolean or complex tensor, or one on torch's meta device, which holds no values)."""
+    if isinstance(value, dict | str | bytes) or value is None or getattr(value, "is_meta", False):
         return None
     try:
-        return np.asarray(host_array(value), dtype=np.float32)
+        arr = np.asarray(host_array(value))
     except (TypeError, ValueError):
         return None
+    return None if _not_weights(arr) else arr.astype(np.float32)
 
 
 def _sequential_blocks(names: list[str]) -> dict[str, list[str]] | None:
@@ -472,8 +490,8 @@ def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | 
 #: What mlp_from_state_dict reads, for its errors.
 _MLP_LAYOUT = (
     "an MLP state_dict holds Linear layers only, '<name>.weight' (2-D, out x in) and optionally '<name>.bias' "
-    "(1-D), in the order they run (a module's state_dict order); the activation is act= (or an 'act' entry "
-    "next to 'state_dict' in the file), applied after every Linear but the last (of each block)"
+    "(1-D), floating point, in the order they run (a module's state_dict order); the activation is act= (or an "
+    "'act' entry next to 'state_dict' in the file), applied after every Linear but the last (of each block)"
 )
 
 
@@ -1382,7 +1400,7 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
             from safetensors.torch import load_file as load_torch
         except ImportError:
             raise ValueError(f"cannot read {path} with NumPy ({exc}) and torch is not installed") from None
-        return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
+        return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in load_torch(str(path)).items()}
 
 
 def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
@@ -1393,10 +1411,15 @@ def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict of tensors")
-    wrong = [f"{k!r} ({_describe(v)})" for k, v in loaded.items() if not isinstance(k, str) or not hasattr(v, "float")]
+    wrong = [
+        f"{k!r} ({_describe(v)})"
+        for k, v in loaded.items()
+        if not isinstance(k, str) or not hasattr(v, "float") or getattr(v, "is_meta", False)
+    ]
     if wrong:
         raise ValueError(f"{path} holds entries that are not named tensors: {', '.join(wrong[:4])}")
-    return {k: host_array(v.float()) for k, v in loaded.items()}
+    # Integer tensors kept as they are: a weight of them is refused by name, not cast (BertModel.from_state_dict).
+    return {k: host_array(v.float() if v.is_floating_point() else v) for k, v in loaded.items()}
 
 
 #: What _torch_load's callers expect a file to hold, for its error.
