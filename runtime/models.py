@@ -35,7 +35,9 @@ import logging
 import math
 import re
 import statistics
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -776,6 +778,10 @@ class Model:
         self._timing_spread = 0.0  # the widest round-to-round spread of the replays timed for this capture
         self._calls: dict[tuple, int] = {}
         self._planned: set[tuple] = set()  # input signatures whose kernels the registry has resolved
+        # The GPU parameters the graphs were captured with, watched: a graph launches its kernels on their
+        # addresses, so once one is freed (a weight assigned anew, module.to()) the graphs are dropped.
+        self._watched: list[weakref.ref] = []
+        self._parameters_gone = threading.Event()  # set from a weakref callback, which may run on any thread
         self.problems: list[tuple] = []
         self.last_run = "none"  # "graph", "plain" or "cpu": how the last forward ran
 
@@ -899,6 +905,11 @@ class Model:
             self._remember(seen)
             self.last_run = "cpu"
             return out
+        if self._parameters_gone.is_set():
+            log.info(
+                "runtime: the module's parameters were replaced since its CUDA graphs were captured: dropping them"
+            )
+            self.reset_graphs()
         key = self._key(prepared)
         graph = self._graphs.get(key)
         if graph is not None and graph is not _NO_GRAPH:
@@ -933,6 +944,11 @@ class Model:
         from kernelmill.runtime.graph import CapturedForward
 
         shapes = _input_shapes(key)
+        if not self._watched:
+            gone = self._parameters_gone
+            self._watched = [
+                weakref.ref(t, lambda _ref: gone.set()) for _, t in self.module.named_tensors() if t.device == "cuda"
+            ]
         graph, failures = None, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
@@ -1290,11 +1306,16 @@ class Model:
 
     @on_device
     def reset_graphs(self) -> None:
+        """Closes every CUDA graph (their buffers go back to the pool); inputs are captured again after a plain
+        forward. Dropped by the model itself where a parameter it captured was freed; call it after changing
+        parameters in place any other way (a module replaced in a list)."""
         for graph in self._graphs.values():
             if graph is not _NO_GRAPH:
                 graph.close()
         self._graphs.clear()
         self._calls.clear()
+        self._watched = []
+        self._parameters_gone.clear()
 
     def _launch_modes(self) -> dict[int, str]:
         """By kernel entry id, how the model's CUDA graphs launch it: "early" (a programmatic edge, PDL) or
