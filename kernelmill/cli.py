@@ -922,16 +922,30 @@ def tune_model(
     collecting = f"one forward of {spec.model_name} on the CPU to collect its problems"
     if not console.is_terminal:  # rich's status shows only on a terminal: a log would see seconds of nothing
         console.print(collecting + " ...", markup=False, soft_wrap=True)  # a path is neither markup nor wrapped
-    with console.status(Text(collecting)):
+    with console.status(Text(collecting)) as status:
+        ran = 0
+
+        def progress(problem: tuple) -> None:
+            """Each op as the forward reaches it (a BERT-base forward takes tens of seconds on the CPU)."""
+            nonlocal ran
+            ran += 1
+            op, shape, _dtype, attrs = problem
+            knobs = "".join(f" {k}={v}" for k, v in attrs.items())
+            if console.is_terminal:
+                status.update(Text(f"{collecting}: op {ran}, {op} {format_shape(shape)}{knobs}"))
+            else:  # a line each, which tests and logs read as this status (it starts the same way)
+                line = f"one forward of {spec.model_name}: op {ran}, {op} {format_shape(shape)}{knobs}"
+                console.print(line, markup=False, soft_wrap=True)
+
         module = build_module(spec)
         inputs = example_inputs(module, batch, seq)
         cpu_model = Model(module, "cpu")
         if dry_run:
-            problems = model_problems(cpu_model, *inputs)
+            problems = model_problems(cpu_model, *inputs, progress=progress)
         else:
             with httpx.Client(base_url=base, timeout=submit_timeout()) as client:
                 tuning = dict(dtype=dtype, strategy=strategy, trials=budget, seconds=seconds, client=client)
-                jobs = submit(cpu_model, inputs, **tuning)
+                jobs = submit(cpu_model, inputs, progress=progress, **tuning)
     if dry_run:
         table = Table(title=f"problems of one forward ({len(problems)}), as jobs would tune them in {dtype}")
         for col in ("op", "shape", "attrs"):

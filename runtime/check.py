@@ -80,8 +80,9 @@ class Check:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Writes ``data`` to a temporary file beside ``path`` and renames it over ``path`` (readers never see half a
-    file; another process writing the same path replaces it whole). Raises OSError."""
+    """Writes ``data`` to a temporary file beside ``path``, flushes it to disk and renames it over ``path`` (readers
+    never see half a file, even after a crash; another process writing the same path replaces it whole). Raises
+    OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # A name of its own for each write: one named after the process was shared by its threads writing one path.
     # (mkstemp's would be readable by its owner alone: the umask's mode is kept, as for the file it replaces.)
@@ -89,6 +90,8 @@ def write_atomically(path: Path, data: bytes) -> None:
     try:
         with open(tmp, "xb") as fh:
             fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before the rename: a power loss leaves the old file or this one
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # a full disk left it behind for good

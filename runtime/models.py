@@ -35,7 +35,9 @@ import logging
 import math
 import re
 import statistics
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -302,7 +304,13 @@ class BertModel(Module):
 
         def get(name: str, *fields: str) -> np.ndarray:
             key = key_of(name)
-            arr = np.asarray(sd[key], dtype=np.float32)
+            arr = np.asarray(sd[key])
+            if _not_weights(arr):
+                raise ValueError(
+                    f"checkpoint tensor {key} holds {arr.dtype} values; the model needs floating-point weights "
+                    "(quantized checkpoints are not supported)"
+                )
+            arr = arr.astype(np.float32)
             want = tuple(dims[f][0] for f in fields)
             if arr.shape != want:
                 sources = ", ".join(
@@ -391,21 +399,33 @@ def _key(name: str, leaf: str) -> str:
     return f"{name}.{leaf}" if name else leaf
 
 
+def _not_weights(arr: np.ndarray) -> bool:
+    """Whether an array holds what no layer's weights are: integers or booleans (a quantized checkpoint's, ids,
+    counters), or complex numbers (cast to float, their imaginary parts were dropped)."""
+    return arr.dtype.kind in "biucOSUV" and arr.dtype != numpy_dtype("bfloat16")
+
+
 def _describe(value: Any) -> str:
     shape = getattr(value, "shape", None)
     if shape is not None:
-        return f"shape {tuple(shape)}"
+        if getattr(value, "is_meta", False):
+            return f"shape {tuple(shape)} on the meta device, without values"
+        dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        floating = dtype.startswith(("float", "bfloat", "half", "double"))
+        return f"shape {tuple(shape)}" + ("" if floating or not dtype else f" of {dtype}")
     return "a dict" if isinstance(value, dict) else f"not a tensor: {type(value).__name__}"
 
 
 def _float_array(value: Any) -> np.ndarray | None:
-    """A state_dict entry as a float32 array, or None where it is not an array of numbers."""
-    if isinstance(value, dict | str | bytes) or value is None:
+    """A state_dict entry as a float32 array, or None where it is not an array of floating-point numbers (an
+    integer, boolean or complex tensor, or one on torch's meta device, which holds no values)."""
+    if isinstance(value, dict | str | bytes) or value is None or getattr(value, "is_meta", False):
         return None
     try:
-        return np.asarray(host_array(value), dtype=np.float32)
+        arr = np.asarray(host_array(value))
     except (TypeError, ValueError):
         return None
+    return None if _not_weights(arr) else arr.astype(np.float32)
 
 
 def _sequential_blocks(names: list[str]) -> dict[str, list[str]] | None:
@@ -472,8 +492,8 @@ def _refuse_ambiguous_blocks(linears: list[str], blocks: dict[str, list[str]] | 
 #: What mlp_from_state_dict reads, for its errors.
 _MLP_LAYOUT = (
     "an MLP state_dict holds Linear layers only, '<name>.weight' (2-D, out x in) and optionally '<name>.bias' "
-    "(1-D), in the order they run (a module's state_dict order); the activation is act= (or an 'act' entry "
-    "next to 'state_dict' in the file), applied after every Linear but the last (of each block)"
+    "(1-D), floating point, in the order they run (a module's state_dict order); the activation is act= (or an "
+    "'act' entry next to 'state_dict' in the file), applied after every Linear but the last (of each block)"
 )
 
 
@@ -758,6 +778,10 @@ class Model:
         self._timing_spread = 0.0  # the widest round-to-round spread of the replays timed for this capture
         self._calls: dict[tuple, int] = {}
         self._planned: set[tuple] = set()  # input signatures whose kernels the registry has resolved
+        # The GPU parameters the graphs were captured with, watched: a graph launches its kernels on their
+        # addresses, so once one is freed (a weight assigned anew, module.to()) the graphs are dropped.
+        self._watched: list[weakref.ref] = []
+        self._parameters_gone = threading.Event()  # set from a weakref callback, which may run on any thread
         self.problems: list[tuple] = []
         self.last_run = "none"  # "graph", "plain" or "cpu": how the last forward ran
 
@@ -881,6 +905,11 @@ class Model:
             self._remember(seen)
             self.last_run = "cpu"
             return out
+        if self._parameters_gone.is_set():
+            log.info(
+                "runtime: the module's parameters were replaced since its CUDA graphs were captured: dropping them"
+            )
+            self.reset_graphs()
         key = self._key(prepared)
         graph = self._graphs.get(key)
         if graph is not None and graph is not _NO_GRAPH:
@@ -915,6 +944,11 @@ class Model:
         from kernelmill.runtime.graph import CapturedForward
 
         shapes = _input_shapes(key)
+        if not self._watched:
+            gone = self._parameters_gone
+            self._watched = [
+                weakref.ref(t, lambda _ref: gone.set()) for _, t in self.module.named_tensors() if t.device == "cuda"
+            ]
         graph, failures = None, []
         for pdl in (True, False) if self.pdl else (False,):
             try:
@@ -1272,11 +1306,16 @@ class Model:
 
     @on_device
     def reset_graphs(self) -> None:
+        """Closes every CUDA graph (their buffers go back to the pool); inputs are captured again after a plain
+        forward. Dropped by the model itself where a parameter it captured was freed; call it after changing
+        parameters in place any other way (a module replaced in a list)."""
         for graph in self._graphs.values():
             if graph is not _NO_GRAPH:
                 graph.close()
         self._graphs.clear()
         self._calls.clear()
+        self._watched = []
+        self._parameters_gone.clear()
 
     def _launch_modes(self) -> dict[int, str]:
         """By kernel entry id, how the model's CUDA graphs launch it: "early" (a programmatic edge, PDL) or
@@ -1382,7 +1421,7 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
             from safetensors.torch import load_file as load_torch
         except ImportError:
             raise ValueError(f"cannot read {path} with NumPy ({exc}) and torch is not installed") from None
-        return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
+        return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in load_torch(str(path)).items()}
 
 
 def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
@@ -1393,10 +1432,15 @@ def _bin_state_dict(path: Path) -> dict[str, np.ndarray]:
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state_dict of tensors")
-    wrong = [f"{k!r} ({_describe(v)})" for k, v in loaded.items() if not isinstance(k, str) or not hasattr(v, "float")]
+    wrong = [
+        f"{k!r} ({_describe(v)})"
+        for k, v in loaded.items()
+        if not isinstance(k, str) or not hasattr(v, "float") or getattr(v, "is_meta", False)
+    ]
     if wrong:
         raise ValueError(f"{path} holds entries that are not named tensors: {', '.join(wrong[:4])}")
-    return {k: host_array(v.float()) for k, v in loaded.items()}
+    # Integer tensors kept as they are: a weight of them is refused by name, not cast (BertModel.from_state_dict).
+    return {k: host_array(v.float() if v.is_floating_point() else v) for k, v in loaded.items()}
 
 
 #: What _torch_load's callers expect a file to hold, for its error.

@@ -16,7 +16,7 @@ import functools
 import inspect
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from kernelmill.runtime.tensor import ALIGNMENT, FLOAT_DTYPES, Tensor, numpy_dty
 
 _registry: contextvars.ContextVar[Any] = contextvars.ContextVar("kernelmill_registry", default=None)
 _recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("kernelmill_recorders", default=())
+_watchers: contextvars.ContextVar[tuple] = contextvars.ContextVar("kernelmill_watchers", default=())
 _planning: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernelmill_planning", default=None)
 _default_registry = None
 _split_mlps: set[tuple] = set()  # fused_mlp problems already logged as running as two linears
@@ -97,14 +98,18 @@ def using_registry(registry) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, tuple[int, ...], str, dict[str, Any]]]]:
+def recording(each: Callable[[tuple], None] | None = None) -> Iterator[list[tuple[str, tuple[int, ...], str, dict]]]:
     """Collects the (op, shape, dtype, attrs) problems that ops meet inside the block, on any device
-    (what ``tune_model`` submits). On the CPU the dtype recorded is the tensors' dtype."""
+    (what ``tune_model`` submits). On the CPU the dtype recorded is the tensors' dtype. ``each`` is called
+    with every op's problem as the op begins, repeats included (progress through a slow CPU forward)."""
     seen: list = []
     token = _recorders.set((*_recorders.get(), seen))
+    watching = _watchers.set((*_watchers.get(), each)) if each is not None else None
     try:
         yield seen
     finally:
+        if watching is not None:
+            _watchers.reset(watching)
         _recorders.reset(token)
 
 
@@ -128,6 +133,8 @@ def _note(op: str, shape: tuple[int, ...], dtype: str, attrs: dict[str, Any], in
     if 0 in shape:
         return
     problem = (op, tuple(int(v) for v in shape), dtype, dict(attrs))
+    for watch in _watchers.get():
+        watch(problem)
     for seen in (*_recorders.get(), *into):
         if problem not in seen:
             seen.append(problem)

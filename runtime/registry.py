@@ -2,8 +2,10 @@
 
 Resolution, once per problem (then kept in memory):
 
-1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before
-   (source and cubin), so a machine that once reached the service works offline;
+1. the local kernel cache, ``<settings.cache_dir>/served/``: kernels fetched from a service before, so a machine
+   that once reached the service works offline; one JSON record per problem holds the kernel and its cubin, written
+   whole by one rename, so a crash leaves the old record or the new one (an earlier version's record, its cubin in a
+   file beside it, is still read);
 2. the service's ``GET /api/kernels/best`` over httpx (``server`` argument or ``KERNELMILL_SERVER``; an answer must
    arrive whole within ``timeout_s``, 2 s; a service that cannot be reached, is too slow, fails (5xx) or is not
    kernelmill (a page that is not JSON, a 404 that is not kernelmill's "nothing tuned": ``kernelmill_answer``) is logged
@@ -20,8 +22,9 @@ Resolution, once per problem (then kept in memory):
    are rebuilt for the actual shape from the family and params (the cubin takes shapes as arguments).
    A served or cached kernel whose code differs from what this version's template makes of its family and
    params (tuned with another version) is compiled again from them, so template improvements reach tuned
-   kernels without a re-tune; where that code is not known, a cubin that lacks an entry those launches name
-   (built before its family's launches changed) is not used;
+   kernels without a re-tune, and is not used where this version's code does not render or compile (its cubin
+   does not match the launches this version builds); where that code is not known, a cubin that lacks an entry
+   those launches name (built before its family's launches changed) is not used;
 3. the op's default: a family chosen by dtype and shape, its default parameters (GEMM tiles sized to the
    problem), compiled with nvcc on first use (the compile cache keeps the cubin); ``prepare`` compiles the
    defaults of a forward's problems together before it runs.
@@ -37,6 +40,8 @@ timing again.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -583,10 +588,15 @@ class KernelRegistry:
         meta_path, cubin_path = self._local_paths(spec.name, shape, dtype, attrs, precision)
         try:
             meta = json.loads(meta_path.read_text())
-            cubin = cubin_path.read_bytes()
+            wrong = _wrong_fields(meta, _CACHED_FIELDS) or _wrong_cached(meta, shape)
+            if wrong:
+                cubin = b""
+            elif meta.get("cubin") is not None:  # one record: the entry and its cubin, written whole or not at all
+                cubin = base64.b64decode(meta["cubin"], validate=True)
+            else:  # an entry from before the record held its cubin, which lies beside it
+                cubin = cubin_path.read_bytes()
         except (OSError, ValueError):
             return None
-        wrong = _wrong_fields(meta, _CACHED_FIELDS) or _wrong_cached(meta, shape)
         digest = hashlib.sha256(cubin).hexdigest()
         if not wrong and meta.get("cubin_sha256", digest) != digest:  # entries from before the digest: no check
             wrong = f"{cubin_path.name} is not the cubin its entry was written with (sha256 differs)"
@@ -618,7 +628,11 @@ class KernelRegistry:
             rebuilt=bool(meta.get("rebuilt")),
             served=meta.get("served"),
         )
-        if self._with_current_code(entry):
+        rebuilt, stale = self._with_current_code(entry)
+        if stale:
+            notes.append(f"local cache entry unusable: {stale}")
+            return None
+        if rebuilt:
             self._store_local(entry, meta.get("attrs"))
             return entry
         reason = _missing_entries(entry)
@@ -627,30 +641,30 @@ class KernelRegistry:
             return None
         return entry
 
-    def _with_current_code(self, entry: KernelEntry) -> bool:
+    def _with_current_code(self, entry: KernelEntry) -> tuple[bool, str | None]:
         """Compiles ``entry`` again from this version's template where the code its cubin was built from
-        (``entry.code``) is known and differs; whether it did. A failed compile keeps the cubin it had."""
+        (``entry.code``) is known and differs: (whether it did, None), or (False, why its cubin must not run)
+        where that code does not render or compile here. Such a cubin is not used: the launches this version
+        builds for it (arguments, grid, shared memory) are for other code than it holds."""
         if entry.code is None:
-            return False
+            return False, None
         fam = get_op(entry.op).family(entry.family)
         try:
             source = render(fam, fam.resolve(entry.params, entry.dtype), entry.dtype, entry.attrs)
             code = code_digest(source)
             if code == entry.code:
-                return False
+                return False, None
             compiled = self.compiler.compile(source, self.target_arch + fam.arch_suffix)
         except (RenderError, CompileError) as exc:
-            log.warning(
-                "runtime: %s %s: kept its tuned cubin, this version's code did not render or compile: %s",
-                entry.op,
-                format_shape(entry.shape),
-                exc,
-            )
-            return False
+            error = excerpt(str(exc), 200, quote=False)
+            why = f"built from another template; this version's does not render or compile: {error}"
+            log.warning("runtime: %s %s: %s kernel #%s not used: %s", entry.op, format_shape(entry.shape),
+                        entry.source, entry.kernel_id, why)  # fmt: skip
+            return False, why
         entry.cubin, entry.cubin_key, entry.code, entry.rebuilt = compiled.cubin, compiled.key, code, True
         why = "rebuilt from this version's template (tuned with another)"
         entry.note = f"{entry.note}; {why}" if entry.note else why
-        return True
+        return True, None
 
     def _store_local(self, entry: KernelEntry, served_attrs) -> None:
         precision = get_op(entry.op).family(entry.family).precision(entry.dtype)
@@ -671,12 +685,16 @@ class KernelRegistry:
             "rebuilt": entry.rebuilt,
             "served": entry.served,
             "cubin_sha256": hashlib.sha256(entry.cubin).hexdigest(),
+            # In the record itself: a crash between two files' writes left a cubin under another's entry.
+            "cubin": base64.b64encode(entry.cubin).decode("ascii"),
         }
         try:
-            write_atomically(cubin_path, entry.cubin)
             write_atomically(meta_path, json.dumps(meta).encode())
         except OSError as exc:  # a read-only cache must not fail the forward pass
             log.warning("runtime: could not write the kernel cache at %s: %s", self.served_dir, exc)
+            return
+        with contextlib.suppress(OSError):  # an earlier version's cubin file, which the record now replaces
+            cubin_path.unlink()
 
     # the service ----------------------------------------------------------------------
 
@@ -854,7 +872,11 @@ class KernelRegistry:
             served=digest,
         )
         # Rebuilt, it is this version's code and launches: nothing of the served cubin's is left to check.
-        if not self._with_current_code(entry):
+        rebuilt, stale = self._with_current_code(entry)
+        if stale:
+            notes.append(f"served kernel #{served['id']} not used: {stale}")
+            return None
+        if not rebuilt:
             missing = _missing_entries(entry)
             if missing:
                 notes.append(f"served kernel #{served['id']} not used: {missing}")
@@ -1089,7 +1111,7 @@ _SERVED_FIELDS = {"id": int, "op": str, "dtype": str, "arch": str, "family": str
 _CACHED_FIELDS = {"family": str, "params": dict, "source": str, "served_shape": list}
 _OPTIONAL_FIELDS = {
     "exact": bool, "attrs": dict, "arch": str, "speedup": (int, float), "median_ms": (int, float), "source": str,
-    "launches": list, "kernel_id": int, "code": str, "served": str, "device_name": str,
+    "launches": list, "kernel_id": int, "code": str, "served": str, "device_name": str, "cubin": str,
 }  # fmt: skip
 
 

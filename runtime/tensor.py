@@ -319,9 +319,10 @@ class Tensor:
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None):
         if copy:
             return self.clone().__dlpack__(stream=stream)
-        if self.device == "cuda" and stream not in (None, 1, 2):
-            # The consumer works on its own (non-legacy) stream: let our queued writes land first. The legacy
-            # default stream (1) is ordered with the runtime's blocking stream by CUDA itself.
+        if self.device == "cuda" and stream not in (None, 1):
+            # The consumer works on another stream than the legacy default one (1, or None: DLPack's default),
+            # which alone CUDA orders with the runtime's blocking stream; the per-thread default stream (2) is
+            # not: let our queued writes land first.
             _backend().synchronize()
         device_type, device_id = self.__dlpack_device__()
         return dlpack.capsule(self, self.ptr, self.shape, self.dtype, device_type, device_id)

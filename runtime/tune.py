@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kernelmill.kernels.ops import get_op
@@ -39,16 +40,18 @@ class TuneError(ValueError):
         self.jobs, self.unreachable = jobs, unreachable
 
 
-def model_problems(model: Any, *inputs: Any, **kwargs: Any) -> list[tuple[str, tuple[int, ...], str, dict]]:
+def model_problems(
+    model: Any, *inputs: Any, progress: Callable[[tuple], None] | None = None, **kwargs: Any
+) -> list[tuple[str, tuple[int, ...], str, dict]]:
     """The (op, shape, dtype, attrs) problems one forward of ``model`` on these inputs meets. The inputs go
     through the module's ``prepare`` as in ``Model.forward`` (padded to its buckets): NumPy arrays, torch tensors
-    and lists all do."""
+    and lists all do. ``progress`` is called with each op's problem as the op begins (``ops.recording``)."""
     from kernelmill.runtime.models import Model
 
     module = model.module if isinstance(model, Model) else model
     registry = model.registry if isinstance(model, Model) else None
     prepared = model.prepare(*inputs, **kwargs)[0] if isinstance(model, Model) else module.prepare(*inputs, **kwargs)
-    with ops.recording() as seen:
+    with ops.recording(progress) as seen:
         if registry is not None:
             with ops.using_registry(registry):
                 module.forward_prepared(*prepared)
@@ -81,6 +84,7 @@ def tune_model(
     seconds: float = 1800.0,
     arch: str = "auto",
     client: Any = None,
+    progress: Callable[[tuple], None] | None = None,
     **forward_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Runs one forward on ``sample_input`` (a tuple for several inputs) to collect the model's problems,
@@ -93,7 +97,7 @@ def tune_model(
     A client of its own (``server`` or KERNELMILL_SERVER) connects within ``CONNECT_TIMEOUT_S`` (3 s) and waits
     ``SUBMIT_TIMEOUT_S`` (15 s) per read for each answer. The first failure stops: a TuneError (``jobs``: those
     created before it) where the service cannot be reached, refuses a job, or answers one with something that
-    is not a job."""
+    is not a job. ``progress`` is called with each op's problem as the CPU forward reaches it."""
     import httpx
 
     from kernelmill.runtime.models import Model
@@ -111,7 +115,7 @@ def tune_model(
             )
             dtype = asked
     inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    problems = model_problems(model, *inputs, **forward_kwargs)
+    problems = model_problems(model, *inputs, progress=progress, **forward_kwargs)
     groups: dict[tuple, list[list[int]]] = {}
     attrs_of: dict[tuple, dict] = {}
     for op, shape, problem_dtype, attrs in problems:

@@ -440,6 +440,27 @@ def test_mlp_graph_replay_is_close(tmp_path, registry, monkeypatch):
     assert model.last_run == "graph"
 
 
+def test_a_graph_replays_the_weights_assigned_after_its_capture_not_the_freed_ones(registry):
+    """A weight assigned anew freed the one the graph's kernels point at: replays read freed memory (the
+    old values, or whatever the pool put there next) instead of the new weight."""
+    pytest.importorskip("cuda.bindings")
+    from kernelmill.runtime.nn import MLP
+
+    model = runtime.Model(MLP.random(64, 128, 64), device="cuda", dtype="float32", registry=registry)
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    for _ in range(3):
+        model.forward(x)
+    assert model.last_run == "graph"
+    new_down = np.random.default_rng(1).standard_normal((128, 64)).astype(np.float32) * 0.1
+    model.module.down.weight = Tensor.from_numpy(new_down, "cuda", "float32")
+    filler = [Tensor.from_numpy(np.full((128, 64), 1e3, np.float32), "cuda") for _ in range(4)]  # reuses freed blocks
+    want = runtime.Model(model.module, device="cuda", dtype="float32", registry=registry, graphs=False).forward(x)
+    for _ in range(3):
+        got = model.forward(x)
+        assert rel_err(got.numpy(), want.numpy()) < 1e-5
+    assert model.last_run == "graph" and filler
+
+
 def test_buckets_share_graphs_between_sizes_and_leave_real_tokens_and_rows_as_they_were(bert, registry, tmp_path):
     pytest.importorskip("cuda.bindings")
     path, ref_model = bert

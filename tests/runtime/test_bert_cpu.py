@@ -627,7 +627,7 @@ def test_mlp_layers_that_do_not_chain_in_the_state_dicts_order_name_the_keys(tmp
         (
             lambda: [torch.nn.Linear(24, 48), torch.nn.BatchNorm1d(48), torch.nn.ReLU(), torch.nn.Linear(48, 8)],
             "1.weight (shape (48,)), 1.bias (shape (48,)), 1.running_mean (shape (48,)), 1.running_var (shape "
-            "(48,)), 1.num_batches_tracked (shape ())",
+            "(48,)), 1.num_batches_tracked (shape () of int64)",
         ),
     ],
 )
@@ -658,6 +658,50 @@ def test_mlp_state_dicts_with_stray_entries_are_refused(tmp_path):
     # A bare Linear's state_dict ("weight", "bias") is one Linear layer.
     linear = torch.nn.Linear(8, 3)
     assert _matches_torch(_load_mlp(tmp_path, linear.state_dict()), linear, 8) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("weight", "named"),
+    [
+        (torch.ones(16, 8, dtype=torch.int64), "0.0.weight (shape (16, 8) of int64)"),
+        (torch.ones(16, 8, dtype=torch.int8), "0.0.weight (shape (16, 8) of int8)"),
+        (torch.ones(16, 8, dtype=torch.bool), "0.0.weight (shape (16, 8) of bool)"),
+        (torch.ones(16, 8, dtype=torch.complex64), "0.0.weight (shape (16, 8) of complex64)"),
+        (torch.ones(16, 8, device="meta"), "0.0.weight (shape (16, 8) on the meta device, without values)"),
+    ],
+)
+def test_mlp_weights_that_are_not_floating_point_numbers_are_refused_naming_their_dtype(tmp_path, weight, named):
+    """Integer, boolean and complex weights were cast to float32 and ran (a complex one without its imaginary
+    part); a meta tensor's (a model built on torch's meta device) raised NotImplementedError from torch."""
+    state = _mlp_blocks(8, 16, 1, "relu").state_dict()
+    with pytest.raises(ValueError) as err:
+        _load_mlp(tmp_path, {**state, "0.0.weight": weight})
+    # Its bias goes with it: a Linear's that has no weight.
+    assert str(err.value).startswith(f"the state_dict has entries an MLP cannot run: {named}, 0.0.bias (shape (16,));")
+    assert "floating point" in str(err.value)
+
+
+def test_bert_weights_that_are_not_floating_point_numbers_are_refused_by_name(bert_dir, tmp_path):
+    """An int8 weight (a quantized checkpoint's) was cast to float32 and ran as if it were the weight."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = bert_dir
+    key = "encoder.layer.0.attention.self.query.weight"
+    tensors = load_file(str(path / "model.safetensors"))
+    (tmp_path / "config.json").write_bytes((path / "config.json").read_bytes())
+    save_file({**tensors, key: tensors[key].astype(np.int8)}, str(tmp_path / "model.safetensors"))
+    why = f"checkpoint tensor {key} holds int8 values; the model needs floating-point weights"
+    with pytest.raises(ValueError, match=why):
+        runtime.load_model(tmp_path, device="cpu")
+    # The same in pytorch_model.bin, where an integer buffer the model leaves unused (position_ids) still loads.
+    (tmp_path / "model.safetensors").unlink()
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    state["embeddings.position_ids"] = torch.arange(64)[None]
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    assert runtime.load_model(tmp_path, device="cpu").dtype == "float32"
+    torch.save({**state, key: state[key].to(torch.int32)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=why.replace("int8", "int32")):
+        runtime.load_model(tmp_path, device="cpu")
 
 
 def test_an_embedding_table_is_not_read_as_a_bias_free_linear(tmp_path):

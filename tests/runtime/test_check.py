@@ -392,3 +392,19 @@ def test_write_atomically_is_whole_for_two_writers_of_one_process_and_leaves_no_
     with pytest.raises(OSError, match="No space left"):
         check_module.write_atomically(path, b"third")
     assert path.read_bytes() == b"first" and sorted(p.name for p in path.parent.iterdir()) == ["k.cubin"]
+
+
+def test_write_atomically_makes_the_data_durable_before_the_rename(tmp_path, monkeypatch):
+    """Renamed before its data reached the disk, a record could survive a power loss as an empty file in the
+    old one's place: the cached kernel was lost (a file system may persist the rename first)."""
+    import os
+
+    from kernelmill.runtime import check as check_module
+
+    path = tmp_path / "served" / "op" / "k.json"
+    events: list[str] = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append("replace"), replace(src, dst))[1])
+    check_module.write_atomically(path, b"record")
+    assert events == ["fsync", "replace"] and path.read_bytes() == b"record"

@@ -505,6 +505,32 @@ def test_a_model_keeps_at_most_max_graphs_and_releases_the_least_recently_replay
     assert sorted(closed) == [1, 2, 2, 3]
 
 
+def test_graphs_are_dropped_once_the_parameters_they_were_captured_with_are_replaced(fake, monkeypatch, caplog):
+    """A graph launches its kernels on the addresses of the weights it was captured with: after a weight was
+    assigned anew (or ``model.module.to(...)``) it replayed on the old one's freed, maybe reused, memory."""
+    from kernelmill.runtime.nn import MLP
+
+    _backend, registry = fake
+    captured, closed = _rows_graphs(monkeypatch, nbytes=2**20)
+    model = runtime.Model(MLP.random(8, 16, 8), device="cuda", registry=registry, tune_kernels=False)
+    x = np.ones((3, 8), np.float32)
+    model.forward(x)
+    model.forward(x)
+    assert model.last_run == "graph" and captured == [3] and not closed
+    model.module.down.weight = Tensor.from_numpy(np.zeros((16, 8), np.float32), "cuda", "float16")
+    with caplog.at_level(logging.INFO, logger="kernelmill.runtime.models"):
+        model.forward(x)
+    assert model.last_run == "plain" and closed == [3]
+    assert "the module's parameters were replaced since its CUDA graphs were captured" in caplog.text
+    model.forward(x)
+    assert model.last_run == "graph" and captured == [3, 3]
+    model.forward(x)  # the new weights are watched in turn: the graph stays while they do
+    assert model.last_run == "graph" and captured == [3, 3] and closed == [3]
+    model.module.to(dtype="float32")  # every weight a new tensor: the float16 graph goes (its memory with it)
+    model.forward(x)
+    assert model.last_run == "plain" and closed == [3, 3]
+
+
 def test_capture_buckets_captures_every_bucket_ahead_of_the_requests(fake, monkeypatch, caplog):
     from kernelmill.runtime.nn import MLP
 

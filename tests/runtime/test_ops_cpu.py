@@ -225,6 +225,22 @@ def test_recording_collects_problems_once():
     assert seen == [("linear", (4, 6, 8), "float32", {"act": "relu"}), ("softmax", (4, 8), "float32", {})]
 
 
+def test_recording_calls_each_with_every_op_as_it_begins_repeats_included():
+    x, w, b = t(4, 8), t(8, 6), t(6)
+    met, seen_then = [], []
+    with ops.recording(each=met.append) as seen, ops.recording() as inner:
+        ops.linear(x, w, b, "relu")
+        ops.linear(x, w, b, "relu")
+        seen_then.append(list(seen))
+        ops.softmax(x)
+    linear = ("linear", (4, 6, 8), "float32", {"act": "relu"})
+    assert met == [linear, linear, ("softmax", (4, 8), "float32", {})]
+    assert seen == inner == [linear, ("softmax", (4, 8), "float32", {})] and seen_then == [[linear]]
+    with ops.recording() as after:  # each watches its own block only
+        ops.softmax(x)
+    assert len(met) == 3 and after == [("softmax", (4, 8), "float32", {})]
+
+
 def test_mixed_devices_are_refused():
     x = t(2, 3)
     fake_cuda = Tensor((3, 3), "float32", "cuda", buffer=object())

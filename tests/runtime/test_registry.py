@@ -3,6 +3,8 @@ cache, offline behaviour, compiled defaults; tune_model submitting jobs."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -342,21 +344,75 @@ def test_a_cached_cubin_that_is_not_the_one_its_entry_was_written_with_is_passed
     client = _mock_service(_fused_kernel(exact=True), [])
     KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
     (meta_path,) = (tmp_path / "served").rglob("*.json")
-    cubin_path = meta_path.with_suffix(".cubin")
-    assert json.loads(meta_path.read_text())["cubin_sha256"] == hashlib.sha256(b"served-cubin").hexdigest()
+    meta = json.loads(meta_path.read_text())
+    assert meta["cubin_sha256"] == hashlib.sha256(b"served-cubin").hexdigest()
+    assert base64.b64decode(meta["cubin"]) == b"served-cubin"  # one record: no cubin file beside it
+    assert sorted(p.name for p in meta_path.parent.iterdir()) == [meta_path.name]
 
-    cubin_path.write_bytes(b"served-cubIn")  # damaged on disk (or replaced by another writer)
+    meta_path.write_text(json.dumps({**meta, "cubin": base64.b64encode(b"served-cubIn").decode()}))  # damaged
     offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_Recompile())
     entry = offline.get(*problem)
     assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
     assert "is not the cubin its entry was written with (sha256 differs)" in entry.note
 
-    # An entry written before the digest was recorded is still read.
-    meta = json.loads(meta_path.read_text())
-    del meta["cubin_sha256"]
-    meta_path.write_text(json.dumps(meta))
+    # An entry of an earlier version, its cubin in a file beside it, is still read, checked by its digest...
+    legacy = {k: v for k, v in meta.items() if k != "cubin"}
+    meta_path.write_text(json.dumps(legacy))
+    cubin_path = meta_path.with_suffix(".cubin")
+    cubin_path.write_bytes(b"served-cubIn")
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_Recompile())
+    assert offline.get(*problem).source == DEFAULT
+    cubin_path.write_bytes(b"served-cubin")
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    assert offline.get(*problem).cubin == b"served-cubin"
+    # ... and one written before the digest was recorded, unchecked.
+    del legacy["cubin_sha256"]
+    meta_path.write_text(json.dumps(legacy))
+    cubin_path.write_bytes(b"served-cubIn")
     offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
     assert offline.get(*problem).cubin == b"served-cubIn"
+    # Replaced by this version, such an entry becomes one record, and its cubin file goes.
+    KernelRegistry(client=_mock_service(_fused_kernel(exact=True, id=8), []), arch="sm_90", cache_dir=tmp_path,
+                   compiler=_NoCompile()).get(*problem)  # fmt: skip
+    assert not cubin_path.exists() and base64.b64decode(json.loads(meta_path.read_text())["cubin"])
+
+
+class _Crash(BaseException):
+    """The process dying between two writes (a BaseException: nothing in the registry catches it)."""
+
+
+def _crashing_writes(monkeypatch, after: int) -> None:
+    """Lets the kernel cache's first ``after`` writes complete, then dies at the next one."""
+    write = registry_module.write_atomically
+    done = []
+
+    def crash_at_the_next(path, data):
+        if len(done) == after:
+            raise _Crash(path)
+        write(path, data)
+        done.append(path)
+
+    monkeypatch.setattr(registry_module, "write_atomically", crash_at_the_next)
+
+
+@pytest.mark.parametrize("after", [0, 1, 2])
+def test_a_crash_while_the_cache_replaces_a_kernel_leaves_the_old_kernel_or_the_new(tmp_path, monkeypatch, after):
+    """The cache wrote the cubin and its entry in two files: a crash between them left the new cubin under the
+    old entry, whose sha256 no longer matched, so the kernel was lost until the service could be reached."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    client = _mock_service(_fused_kernel(exact=True), [])
+    KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile()).get(*problem)
+
+    _crashing_writes(monkeypatch, after)
+    client = _mock_service(_fused_kernel(exact=True, id=8), [], b"newer-cubin")
+    newer = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    with contextlib.suppress(_Crash):
+        assert newer.get(*problem).kernel_id == 8  # no crash: every write was made
+    monkeypatch.undo()
+
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_NoCompile())
+    cached = offline.get(*problem)  # _NoCompile: never the default
+    assert (cached.kernel_id, cached.cubin) in {(7, b"served-cubin"), (8, b"newer-cubin")}
 
 
 class _Recompile:
@@ -415,12 +471,42 @@ def test_a_kernel_tuned_with_another_template_is_rebuilt_from_this_one(tmp_path,
     cached = offline.get(*problem)
     assert cached.cubin == b"rebuilt-cubin" and cached.rebuilt  # no compile: the cache holds this version's code
 
-    # A compile that fails keeps the tuned cubin (logged).
-    failing = _Recompile(CompileError("nvcc: not found"))
-    reg = KernelRegistry(client=_mock_service(old, []), arch="sm_90", cache_dir=tmp_path / "d", compiler=failing)
+
+class _FailsFirst(_Recompile):
+    """A compiler whose first compile fails (this version's code of a served kernel), the rest succeed."""
+
+    def compile(self, source, arch):
+        if not self.calls:
+            self.calls.append((source, arch))
+            raise CompileError("ptxas: too much shared data")
+        return super().compile(source, arch)
+
+
+def test_a_kernel_tuned_with_another_template_that_does_not_rebuild_is_not_used(tmp_path, caplog):
+    """Its cubin ran with the launches this version builds for its family, which are for other code (the
+    arguments, grid and shared memory of this version's template): it was kept, and launched, as tuned."""
+    problem = ("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    knobs = _this_versions_source(_fused_kernel()).partition("\n")[0]
+    old = _fused_kernel(exact=True, source=knobs + "\n// an older template\n")
+    reg = KernelRegistry(client=_mock_service(old, []), arch="sm_90", cache_dir=tmp_path, compiler=_FailsFirst())
     with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
-        kept = reg.get(*problem)
-    assert kept.cubin == b"served-cubin" and not kept.rebuilt and "did not render or compile" in caplog.text
+        entry = reg.get(*problem)
+    assert entry.source == DEFAULT and entry.cubin == b"rebuilt-cubin"
+    why = "built from another template; this version's does not render or compile: ptxas: too much shared data"
+    assert f"served kernel #7 not used: {why}" in entry.note
+    assert f"tuned kernel #7 not used: {why}" in caplog.text
+
+    # The same kernel in the local cache, written by the version it was tuned with (whose code it is): passed over.
+    assert not (tmp_path / "served").exists()  # nor was it cached
+    same = _fused_kernel(exact=True, source=_this_versions_source(_fused_kernel()))
+    writer = KernelRegistry(client=_mock_service(same, []), arch="sm_90", cache_dir=tmp_path, compiler=_NoCompile())
+    writer.get(*problem)
+    (meta_path,) = (tmp_path / "served").rglob("*.json")
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "code": registry_module.code_digest(old["source"])}))
+    offline = KernelRegistry(arch="sm_90", cache_dir=tmp_path, use_service=False, compiler=_FailsFirst())
+    entry = offline.get(*problem)
+    assert entry.source == DEFAULT and f"local cache entry unusable: {why}" in entry.note
 
 
 def test_served_kernels_from_before_a_new_parameter_still_serve(tmp_path):

@@ -111,3 +111,21 @@ def test_to_torch_without_torch_says_what_to_install_and_what_works_instead(monk
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError, as where it is missing
     with pytest.raises(ModuleNotFoundError, match=r"to_torch needs PyTorch \(pip install torch\); .*\.numpy\(\)"):
         to_torch(from_numpy(np.zeros(2, np.float32)))
+
+
+@pytest.mark.parametrize(("stream", "waits"), [(None, False), (1, False), (2, True), (0x7F00, True)])
+def test_a_cuda_tensors_dlpack_waits_for_the_runtimes_work_unless_the_consumer_is_ordered_with_it(
+    monkeypatch, stream, waits
+):
+    """The per-thread default stream (2) is not ordered with the runtime's blocking stream, as the legacy
+    default stream (1, or None) is: a consumer on it (CuPy in per-thread mode) could read before the writes."""
+    from types import SimpleNamespace
+
+    from kernelmill.kernels.device import Buffer
+    from kernelmill.runtime import tensor as tensor_module
+
+    waited = []
+    monkeypatch.setattr(tensor_module, "_backend", lambda: SimpleNamespace(synchronize=lambda: waited.append(1)))
+    t = Tensor((4,), "float32", "cuda", buffer=Buffer(0x10000, 16))
+    assert t.__dlpack__(stream=stream) is not None
+    assert bool(waited) == waits
