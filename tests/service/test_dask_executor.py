@@ -520,7 +520,9 @@ def test_a_worker_that_hangs_or_dies_while_profiling_is_replaced(tmp_path, exc, 
     candidate = Space(get_op("softmax"), "float16").candidates[0]
     profile = executor.evaluator("fake-gpu0").profile(*_SOFTMAX, candidate)
     assert said in profile["error"]  # a profile is optional: its failure is data, not the job's end
-    assert profile["unavailable"] is False  # this variant's failure: the search profiles its next leader
+    # A hung or dead process is this variant's failure: the search profiles its next leader. Anything else may
+    # be the profiler's (ncu missing), which stops the search's profiling.
+    assert profile.get("unavailable", True) is (not restarted)
     assert executor.restarted == (["fake-gpu0"] if restarted else [])
 
 
