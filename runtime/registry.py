@@ -58,7 +58,7 @@ from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, 
 from kernelmill.kernels.device import DeviceFault
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
-from kernelmill.kernels.render import RenderError, render
+from kernelmill.kernels.render import RenderError, code_digest, render
 from kernelmill.runtime.check import Check, FirstUseChecks, NoVerifiedKernel, gpu_folder, write_atomically
 from kernelmill.settings import default_server, get_settings
 
@@ -204,13 +204,6 @@ def named_server(server: str | None) -> str:
         return checked_server_url(url)
     except ValueError as exc:
         raise ValueError(f"{'server=' if server is not None else 'KERNELMILL_SERVER'}: {exc}") from None
-
-
-def code_digest(source: str) -> str:
-    """A variant's code, as a digest: its rendered source without the first line, the knobs comment
-    (``render``), which names a parameter the kernel predates without changing its code."""
-    first, _, body = source.partition("\n")
-    return hashlib.sha256((body if first.startswith("// kernelmill variant:") else source).encode()).hexdigest()
 
 
 def served_digest(server: str, served: Mapping[str, Any]) -> str:
