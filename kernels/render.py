@@ -54,3 +54,8 @@ def code_digest(source: str) -> str:
     a parameter the kernel predates without changing its code. Equal digests: the same kernel code."""
     first, _, body = source.partition("\n")
     return hashlib.sha256((body if first.startswith(KNOBS_PREFIX) else source).encode()).hexdigest()
+
+
+#: The HTTP header in which the service's cubin route names the ``code_digest`` of the code its bytes were built
+#: from, for the runtime to check against the answer it fetched them for.
+CODE_HEADER = "X-Kernelmill-Code-Sha256"

@@ -58,7 +58,7 @@ from kernelmill.kernels.defaults import DEFAULT_SM_COUNT, default_alternatives, 
 from kernelmill.kernels.device import DeviceFault
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import Family, Launch, SpecError, format_shape
-from kernelmill.kernels.render import RenderError, code_digest, render
+from kernelmill.kernels.render import CODE_HEADER, RenderError, code_digest, render
 from kernelmill.runtime.check import Check, FirstUseChecks, NoVerifiedKernel, gpu_folder, write_atomically
 from kernelmill.settings import default_server, get_settings
 
@@ -845,6 +845,12 @@ class KernelRegistry:
             notes.append(f"cubin of kernel #{served['id']} not fetched")
             return None
         cubin = cubin_resp.content
+        code = code_digest(served["source"]) if served.get("source") else None
+        built_from = cubin_resp.headers.get(CODE_HEADER)  # absent from services older than the header
+        if code and built_from and built_from != code:
+            # Re-published under its id between the answer and this read: these bytes belong to another kernel.
+            notes.append(f"cubin of kernel #{served['id']} not used: it changed on the service since its answer")
+            return None
         entry = self._build(
             spec,
             shape,
@@ -861,7 +867,7 @@ class KernelRegistry:
             speedup=served.get("speedup"),
             median_ms=served.get("median_ms"),
             device_name=served.get("device_name"),
-            code=code_digest(served["source"]) if served.get("source") else None,
+            code=code,
             served=digest,
         )
         # Rebuilt, it is this version's code and launches: nothing of the served cubin's is left to check.

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kernelmill.kernels.compile import base_arch, normalize_arch
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape
+from kernelmill.kernels.render import CODE_HEADER, code_digest
 from kernelmill.service.api.deps import get_store, op_filter
 from kernelmill.service.api.schemas import BestKernelOut, KernelId, KernelOut, KernelSummary, Offset, Page, problems
 from kernelmill.service.db.models import Kernel
@@ -445,8 +446,11 @@ def get_cubin(kernel_id: KernelId, store: Store = Depends(get_store)) -> Respons
     if kernel is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no kernel with id {kernel_id}")
     name = f"{kernel.op}-{kernel.shape_key}-{kernel.dtype}-{kernel.arch}.cubin"
+    # The code these bytes were built from: a kernel re-published under its id between a client's /best and this
+    # read would otherwise pair one kernel's cubin with the other's source and launches, unseen.
+    code = kernel.code_sha256 or code_digest(kernel.source)
     return Response(
         kernel.cubin,
         media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        headers={"Content-Disposition": f'attachment; filename="{name}"', CODE_HEADER: code},
     )

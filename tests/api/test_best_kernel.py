@@ -297,6 +297,24 @@ def test_a_served_kernel_says_what_code_its_cubin_was_built_from(client):
     assert best(client, "op=softmax&shape=256x256").json()["code_sha256"] is None
 
 
+def test_a_cubin_names_the_code_it_was_built_from(client):
+    """A kernel re-published under its id between a client's /best and its cubin read would pair one kernel's
+    cubin with the other's source: the cubin's answer names its code's digest, recorded or (never recorded)
+    taken from its source, for the runtime to compare with the answer it read."""
+    from kernelmill.kernels.render import CODE_HEADER, code_digest
+
+    store = client.app.state.store
+    job = new_job(store, shapes=[(512, 512)], state="done")
+    trial = store.record_trials(job.id, "512x512", [row("rowwise", ms=0.5)])[0]
+    fields = stored_kernel("// kernelmill variant: x\nthe code")
+    recorded = store.publish(job, trial, {**fields, "code_sha256": "ab" * 32})
+    assert client.get(f"/api/kernels/{recorded.id}/cubin").headers[CODE_HEADER] == "ab" * 32
+    tune(client, "softmax", [256, 256])
+    unrecorded = best(client, "op=softmax&shape=256x256").json()
+    cubin = client.get(f"/api/kernels/{unrecorded['id']}/cubin")
+    assert cubin.headers[CODE_HEADER] == code_digest(unrecorded["source"])
+
+
 def test_the_cached_answers_are_bounded_in_bytes():
     """Each variation of a query string (another device=, shape or parameter order) is an answer of its own,
     holding a kernel's source: 4096 of them could hold about 400 MB for anyone who may read."""

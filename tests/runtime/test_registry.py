@@ -851,6 +851,25 @@ def test_a_cubin_download_that_fails_stops_the_service_too(tmp_path, caplog):
     ]
 
 
+def test_a_cubin_of_other_code_than_the_answer_it_was_fetched_for_is_not_used(tmp_path):
+    """The service re-published kernel #7 between its /best answer and the cubin read: the bytes name other code
+    (CODE_HEADER) than the answer's source, so they are not used with the answer's launches."""
+    from kernelmill.kernels.render import CODE_HEADER, code_digest
+
+    source = "// kernelmill variant: x\nthe code the answer names"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/kernels/best":
+            return httpx.Response(200, json=_fused_kernel(exact=True, source=source))
+        return httpx.Response(200, content=b"other-cubin", headers={CODE_HEADER: code_digest(source + "changed")})
+
+    client = httpx.Client(base_url="http://svc", transport=httpx.MockTransport(handler))
+    reg = KernelRegistry(client=client, arch="sm_90", cache_dir=tmp_path, compiler=_Recompile())
+    entry = reg.get("fused_mlp", (4, 64, 128, 64), "float16", {"act": "gelu_erf"})
+    assert entry.source == DEFAULT and entry.cubin != b"other-cubin"
+    assert "cubin of kernel #7 not used: it changed on the service since its answer" in entry.note
+
+
 def test_kernelmills_own_404_is_nothing_tuned_and_logs_nothing(service, tmp_path, caplog):
     reg = KernelRegistry(client=service, arch="sm_90", cache_dir=tmp_path / "c", compiler=_Recompile())
     with caplog.at_level(logging.WARNING, logger="kernelmill.runtime.registry"):
