@@ -426,9 +426,10 @@ class OpSpec(ABC):
     def parse_shape(self, text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
         """``"8192x8192"`` (or a sequence) -> validated tuple of positive ints."""
         if isinstance(text, str):
-            parts = [p for p in re.split(r"[x,\s]+", text.strip().lower()) if p]
-            # ASCII digits only: int() also reads "１２" (full width) and "1_0" as numbers.
-            if not parts or not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
+            # One separator between dims (x, a comma or spaces): "4096x1024x" or "4096xx1024" is a typo to show,
+            # not a shape of fewer dims. ASCII digits only: int() also reads "１２" (full width) and "1_0".
+            parts = re.split(r"\s*[x,]\s*|\s+", text.strip().lower())
+            if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
                 raise SpecError(
                     f"malformed shape {text!r} for {self.name}: expected {'x'.join(self.dims)}, e.g. {self.example()}"
                 )

@@ -33,10 +33,17 @@ def test_each_ops_example_shape_is_one_a_job_of_each_of_its_dtypes_takes():
         get_op("attention").parse_shape("8x12xqx64")
 
 
-@pytest.mark.parametrize("text", ["8192", "8x8x8", "axb", "8x-1", "0x5", "", "1x2147483648"])
+@pytest.mark.parametrize(
+    "text", ["8192", "8x8x8", "axb", "8x-1", "0x5", "", "1x2147483648", "4096x1024x", "x4096x1024", "4096xx1024"]
+)
 def test_parse_shape_rejects(text):
     with pytest.raises(SpecError):
         get_op("softmax").parse_shape(text)
+
+
+@pytest.mark.parametrize("text", ["4096x1024", " 4096 X 1024 ", "4096,1024", "4096 1024", "4096 x\t1024"])
+def test_parse_shape_takes_one_separator_between_dims(text):
+    assert get_op("softmax").parse_shape(text) == (4096, 1024)
 
 
 def test_a_dim_past_a_32_bit_int_less_a_loops_step_is_refused_with_the_reason():
