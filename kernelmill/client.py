@@ -228,7 +228,7 @@ def _say_why_queued(base: str, job: dict[str, Any], console: Console) -> bool:
             f"queue until one joins ({stop})."
         )
         return True
-    why = no_worker_for(job.get("arch"), [w.get("arch") for w in workers["workers"]])
+    why = no_worker_for(job, [w.get("arch") for w in workers["workers"]])
     if why is None:
         return False
     console.print(f"Job {job['id']} waits: {why}. It starts when one joins ({stop}), or cancel it.")

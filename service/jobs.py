@@ -9,6 +9,7 @@ job another live runner holds is left alone, and so is its GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -160,14 +161,49 @@ def runs_on(job_arch: str | None, worker_arch: str | None) -> bool:
     return worker_arch is not None and base_arch(worker_arch) == base_arch(job_arch)
 
 
-def no_worker_for(job_arch: str | None, worker_archs: Sequence[str | None]) -> str | None:
-    """Why a job for ``job_arch`` waits although GPU workers are attached: none of them has its GPU (as
-    "no GPU worker has sm_80; the workers have sm_90"); None where one does, none is attached, or a worker's
-    GPU is not known yet."""
-    if not worker_archs or any(a is None for a in worker_archs) or any(runs_on(job_arch, a) for a in worker_archs):
+def fits(job: Job | dict[str, Any], worker_arch: str | None) -> bool:
+    """Whether a job may run on a worker whose GPU is ``worker_arch``: ``runs_on``, and some variant of its
+    families runs at each of its shapes there (wgmma runs on sm_90 alone: a job naming it alone, for any arch,
+    failed on the sm_80 it was given while an sm_90 stood idle). A GPU not known yet (the executor asks each worker
+    in the background) may run a job of the default families, not one that names its own."""
+    arch, op, dtype, families, shapes = (_field(job, name) for name in ("arch", "op", "dtype", "families", "shapes"))
+    if not runs_on(arch, worker_arch):
+        return False
+    if worker_arch is None:
+        return not families
+    return _variants_run(op, dtype, tuple(families or ()), tuple(tuple(s) for s in shapes), worker_arch)
+
+
+def _field(job: Job | dict[str, Any], name: str) -> Any:
+    return job.get(name) if isinstance(job, dict) else getattr(job, name)
+
+
+@functools.lru_cache(maxsize=512)  # a Space of a whole op takes up to a quarter of a second; the poll asks often
+def _variants_run(
+    op: str, dtype: str, families: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], arch: str
+) -> bool:
+    try:
+        space = Space(get_op(op), dtype, families or None).for_arch(arch)
+    except (KeyError, SpecError):  # a family or op this version lacks: the job's start says so
+        return True
+    return all(len(space.for_shape(shape)) for shape in shapes)
+
+
+def no_worker_for(job: Job | dict[str, Any], worker_archs: Sequence[str | None]) -> str | None:
+    """Why a job waits although GPU workers are attached: none of them has its GPU ("no GPU worker has sm_80; the
+    workers have sm_90"), or none has a GPU its families run on ("no GPU worker runs matmul float16 (wgmma) at
+    256x256x256; the workers have sm_80"); None where one may run it, none is attached, or a worker's GPU is not
+    known yet."""
+    if not worker_archs or any(a is None for a in worker_archs) or any(fits(job, a) for a in worker_archs):
         return None
     archs = ", ".join(sorted({base_arch(a) for a in worker_archs if a}))
-    return f"no GPU worker has {job_arch}; the workers have {archs}"
+    job_arch = _field(job, "arch")
+    if not any(runs_on(job_arch, a) for a in worker_archs):
+        return f"no GPU worker has {job_arch}; the workers have {archs}"
+    families = _field(job, "families")
+    named = f" ({', '.join(families)})" if families else ""
+    shapes = ", ".join(format_shape(s) for s in _field(job, "shapes"))
+    return f"no GPU worker runs {_field(job, 'op')} {_field(job, 'dtype')}{named} at {shapes}; the workers have {archs}"
 
 
 class StoreRecorder:
@@ -400,7 +436,7 @@ class JobRunner:
                 return
             if worker.busy or worker.name in held or self._benched.get(worker.name, 0.0) > time.monotonic():
                 continue
-            job = next((j for j in queued if runs_on(j.arch, worker.arch)), None)
+            job = next((j for j in queued if fits(j, worker.arch)), None)
             if job is None or not self.executor.claim(worker.name, job.id):
                 continue
             queued.remove(job)
@@ -409,7 +445,7 @@ class JobRunner:
             thread.start()
         archs = [w.arch for w in workers]
         for job in queued:  # said once a job; the job page and `kernelmill tune` say it too
-            if job.id not in self._said_waiting and (why := no_worker_for(job.arch, archs)):
+            if job.id not in self._said_waiting and (why := no_worker_for(job, archs)):
                 self._said_waiting.add(job.id)
                 log.warning("job %s waits: %s", job.id, why)
 

@@ -148,7 +148,7 @@ def _job_context(request: Request, store: Store, job_id: int | None) -> dict[str
     context = views.job_page(store, job_id, sort, order, status, _page_number(q.get("page")))
     if context is not None and context["job"].state == "queued":  # waiting for a GPU none of the workers has?
         archs = [w.arch for w in request.app.state.executor.workers()]
-        context["waiting_why"] = no_worker_for(context["job"].arch, archs)
+        context["waiting_why"] = no_worker_for(context["job"], archs)
     return context
 
 

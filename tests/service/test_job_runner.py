@@ -608,9 +608,49 @@ def test_a_job_for_an_arch_waits_for_a_worker_of_that_arch():
     assert runs_on("auto", None) and runs_on(None, "sm_80") and runs_on("sm_90", "sm_90a")
     assert not runs_on("sm_90", None)  # a worker whose GPU is not known yet is not taken for one
     assert not runs_on("sm_80", "sm_90")
-    assert no_worker_for("sm_80", ["sm_90", "sm_90"]) == "no GPU worker has sm_80; the workers have sm_90"
-    assert no_worker_for("sm_80", ["sm_90", None]) is None  # one is not known yet: it may have it
-    assert no_worker_for("sm_80", []) is None and no_worker_for("auto", ["sm_90"]) is None
+    job = {**_JOB, "arch": "sm_80", "families": None}
+    assert no_worker_for(job, ["sm_90", "sm_90"]) == "no GPU worker has sm_80; the workers have sm_90"
+    assert no_worker_for(job, ["sm_90", None]) is None  # one is not known yet: it may have it
+    assert no_worker_for(job, []) is None and no_worker_for({**job, "arch": "auto"}, ["sm_90"]) is None
+
+
+_WGMMA_JOB = dict(
+    op="matmul", shapes=[[256, 256, 256]], dtype="float16", attrs={}, strategy="random", budget_trials=4,
+    budget_seconds=600.0, arch="auto", families=["wgmma"],
+)  # fmt: skip
+
+
+def test_a_job_whose_families_run_on_one_gpu_alone_goes_to_a_worker_with_it(store, caplog):
+    """wgmma runs on sm_90 alone: a job for any arch naming it alone was given the first idle worker, an sm_80,
+    and failed there ("no variant ... runs at this shape on sm_80") while an sm_90 stood idle."""
+    executor = FakeExecutor(2)
+    executor.evaluator("fake-gpu0").arch = "sm_80"
+    runner = JobRunner(store, executor, Settings(database_url=store.url), poll_s=0.02)
+    job = store.create_job(**_WGMMA_JOB)
+    _run_until_done(runner, store, job.id, caplog)
+    assert store.get_job(job.id).worker == "fake-gpu1" and store.get_job(job.id).error is None
+
+
+def test_a_job_whose_families_run_on_no_workers_gpu_waits_saying_why(store, caplog):
+    from kernelmill.service.jobs import fits, no_worker_for
+
+    executor = FakeExecutor(1)
+    executor.evaluator("fake-gpu0").arch = "sm_80"
+    runner = JobRunner(store, executor, Settings(database_url=store.url), poll_s=0.02)
+    job = store.create_job(**_WGMMA_JOB)
+    with caplog.at_level(logging.WARNING, logger="kernelmill.service.jobs"):
+        runner.start()
+        try:
+            wait_for(lambda: "waits" in caplog.text)
+            time.sleep(0.1)  # polls more: still queued, said once
+        finally:
+            runner.stop()
+    said = "no GPU worker runs matmul float16 (wgmma) at 256x256x256; the workers have sm_80"
+    assert store.get_job(job.id).state == "queued" and caplog.text.count(said) == 1
+    # A GPU not known yet may run the default families, not a job naming its own; other families run on sm_80.
+    assert not fits(job, None) and fits({**_WGMMA_JOB, "families": None}, None)
+    assert fits({**_WGMMA_JOB, "families": ["tensorcore"]}, "sm_80")
+    assert no_worker_for(job, ["sm_80", None]) is None and no_worker_for(job, ["sm_80", "sm_90"]) is None
 
 
 def test_a_database_error_in_a_batch_queues_the_job_again_to_resume(store, caplog):
