@@ -141,7 +141,7 @@ class FakeDriver:
         driver = self
 
         class Event:
-            def record(self):
+            def record(self, stream=None):
                 if driver.broken:
                     raise driver.Error("cuEventRecord failed: unspecified launch failure")
 
@@ -167,6 +167,44 @@ def test_a_fault_poisons_the_device_when_its_context_no_longer_takes_work(messag
     fault = device._raise(device.cuda.Error(message), "launch")
     assert (fault.poisoned, device.poisoned) == (poisoned, poisoned)
     assert fault.reason == f"launch: {message}"
+
+
+class FaultedDriver(FakeDriver):
+    """A context a kernel faulted in: every call fails with the sticky error, recording an event as well."""
+
+    def __init__(self) -> None:
+        super().__init__(broken=True)
+        driver = self
+
+        class Module:
+            def get_function(self, entry):
+                raise driver.Error("cuModuleGetFunction failed: unspecified launch failure")
+
+        self.Module = Module
+
+
+def test_timing_a_kernel_that_faulted_is_a_poisoning_device_fault_not_a_raw_driver_error():
+    """The fault surfaced at the timing loop's event record (the first call after the kernel died): a raw pycuda
+    error got past evaluate() and the evaluator, and the device stayed unmarked for the next batch to launch on."""
+    from kernelmill.kernels.bench import time_it
+    from kernelmill.kernels.device import Device, DeviceFault
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FaultedDriver(), False
+    with pytest.raises(DeviceFault) as caught:
+        time_it(device, lambda: None, warmup=0, reps=3)
+    assert caught.value.poisoned and device.poisoned
+    assert caught.value.reason == "recording an event: cuEventRecord failed: unspecified launch failure"
+
+
+def test_looking_up_an_entry_in_a_faulted_context_marks_the_device_poisoned():
+    from kernelmill.kernels.device import Device, DeviceFault, Module
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FaultedDriver(), False
+    with pytest.raises(DeviceFault) as caught:
+        Module(device, device.cuda.Module()).kernel("softmax")
+    assert caught.value.poisoned and device.poisoned  # LocalEvaluator._usable refuses the next batch
 
 
 def test_the_module_cache_keeps_the_most_recently_used_and_lets_the_others_go(monkeypatch):
