@@ -40,6 +40,16 @@ def test_bench_compares_each_variant_with_pytorch_in_its_own_precision():
                    "tensorcore": pytest.approx(100 * 2 * 512**3 / 400e12 * 1e3 / 1.0)}  # fmt: skip
 
 
+@pytest.mark.parametrize("samples", [[1.0, 10.0], [1.0, 1.1, 1.2, 1.3, 5.0], [2.0, 1.0, 3.0], [1.0] * 50])
+def test_timing_percentiles_lie_within_the_samples_however_few(samples):
+    """bench_reps may be 1..8: p10 and p90 were extrapolated past the samples there (a p10 of -5.3 ms)."""
+    from kernelmill.kernels.bench import Timing
+
+    timing = Timing.from_samples(samples)
+    assert min(samples) <= timing.p10_ms <= timing.median_ms <= timing.p90_ms <= max(samples)
+    assert timing.n == len(samples) and 0 <= timing.spread <= (max(samples) - min(samples)) / timing.median_ms
+
+
 class HangingDevice:
     """A stand-in device whose queued work never finishes once ``hang_after`` launches have run."""
 
