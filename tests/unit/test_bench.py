@@ -87,6 +87,25 @@ def test_timing_bounds_its_waits_so_a_kernel_hanging_on_a_later_run_is_a_timeout
     assert caught.value.timed_out and caught.value.poisoned
 
 
+def test_every_timed_repetition_starts_after_an_l2_flush_and_only_the_kernel_is_between_its_events():
+    from kernelmill.kernels.bench import time_it
+
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("record")
+
+        def time_since(self, start):
+            return 1.0
+
+    device = SimpleNamespace(event=Event, synchronize=lambda timeout_s=None: log.append("wait"))
+    flusher = SimpleNamespace(flush=lambda: log.append("flush"))
+    timing = time_it(device, lambda: log.append("run"), warmup=2, reps=3, flusher=flusher)
+    assert timing.n == 3
+    assert log == ["run", "wait", "run"] + ["flush", "record", "run", "record"] * 3 + ["wait"]
+
+
 def test_a_hang_while_timed_is_recorded_as_a_timeout_of_that_trial(monkeypatch):
     import kernelmill.kernels.evaluate as ev
     from kernelmill.kernels.device import DeviceFault

@@ -304,3 +304,50 @@ def test_verify_poisons_outputs_so_an_element_left_from_the_last_run_fails():
         result.status == "wrong_result"
         and "non-finite elements (unwritten or overflow), first at (1, 2)" in result.reason
     )
+
+
+def test_poison_fills_outputs_and_workspaces_with_nan_and_leaves_the_counters_zero(monkeypatch):
+    """A kernel that reads a workspace before writing it (a split-k partial) must see NaN there on every run, not
+    what the last run left; the counters are the kernel's to leave zero."""
+    import numpy as np
+
+    from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.variant import BoundVariant, Variant
+
+    variant = Variant.create("softmax", "warp_row", "float32")
+    monkeypatch.setattr(variant.family, "workspace", lambda shape, params, dtype: {"ws": 64, "flags": 16})
+    monkeypatch.setattr(variant.family, "counter_workspaces", ("flags",))
+    memory = HostMemory()
+    bound = BoundVariant(memory, variant, CompiledKernel(b"", "sm_90", "k"), (4, 10))
+    for name in ("y", "ws"):
+        memory.fill(bound.buffers[name], 0)
+    bound.poison()
+    for name, nbytes in (("y", 160), ("ws", 64)):
+        assert (memory.download(bound.buffers[name], (nbytes,), np.uint8) == 0xFF).all(), name
+    assert not memory.download(bound.buffers["flags"], (16,), np.uint8).any()
+
+
+def test_a_kernel_still_running_past_the_timeout_is_a_hang_that_poisons_the_device():
+    from kernelmill.kernels.device import Device, DeviceFault
+
+    class Driver(FakeDriver):
+        def __init__(self):
+            super().__init__(broken=False)
+            self.Event = type("Event", (), {"record": lambda self, stream=None: None, "query": lambda self: False})
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = Driver(), False
+    with pytest.raises(DeviceFault) as caught:
+        device.synchronize(0.01)
+    assert (caught.value.timed_out, caught.value.poisoned, device.poisoned) == (True, True, True)
+    assert caught.value.reason == "kernel still running after 0.0 s (hang)"
+
+
+def test_a_poisoned_device_is_never_handed_out_again(monkeypatch):
+    from types import SimpleNamespace
+
+    from kernelmill.kernels import device as device_module
+
+    monkeypatch.setattr(device_module, "_devices", {0: SimpleNamespace(poisoned=True)})
+    with pytest.raises(device_module.DeviceFault, match="poisoned by an earlier fault; restart the process"):
+        device_module.get_device(0)
