@@ -73,7 +73,8 @@ def _pycuda():
 def _fault(exc: Exception, what: str) -> DeviceFault:
     text = str(exc)
     poisoned = any(s in text.lower() for s in _STICKY_ERRORS)
-    return DeviceFault(f"{what}: {text}", poisoned)
+    # The driver's watchdog killed the kernel (a GPU driving a display): a hang, as one past timeout_s is.
+    return DeviceFault(f"{what}: {text}", poisoned, timed_out="launch timed out" in text.lower())
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,28 @@ def test_poison_fills_outputs_and_workspaces_with_nan_and_leaves_the_counters_ze
     assert not memory.download(bound.buffers["flags"], (16,), np.uint8).any()
 
 
+def test_a_kernel_the_drivers_watchdog_killed_is_a_timeout_not_a_fault():
+    """A GPU driving a display kills a kernel after a few seconds: that hang was recorded as a "fault"."""
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.kernels.device import Device
+    from kernelmill.kernels.verify import verify
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FakeDriver(broken=True), False
+    fault = device._raise(device.cuda.Error("cuCtxSynchronize failed: the launch timed out and was terminated"), "x")
+    assert (fault.timed_out, fault.poisoned, device.poisoned) == (True, True, True)
+    assert not device._raise(device.cuda.Error("cuMemAlloc failed: out of memory"), "x").timed_out
+
+    def killed():
+        raise fault
+
+    memory = HostMemory()
+    bound = _softmax_kernel(memory, lambda out, call, y: None)
+    bound.run = killed
+    result = verify(memory, bound, seeds=1)
+    assert (result.status, result.poisoned) == (ev.TIMEOUT, True)
+
+
 def test_a_kernel_still_running_past_the_timeout_is_a_hang_that_poisons_the_device():
     from kernelmill.kernels.device import Device, DeviceFault
 
