@@ -199,6 +199,8 @@ def verify(
     precision = variant.precision
     tol = tolerance if tolerance is not None else op.tolerance(shape, precision)
     seed_list = fresh_seeds(seeds, len(op.input_kinds)) if isinstance(seeds, int) else list(seeds)
+    if not seed_list:  # a verification that ran nothing must not pass
+        raise ValueError("verify needs at least one seed")
     result = VerifyResult(
         ok=True, status="ok", precision=precision, tolerance=tol.norm, shape=shape, rtol=tol.rtol,
         atol_rms=tol.atol_rms,

@@ -287,6 +287,17 @@ def test_verify_fails_a_kernel_wrong_on_a_later_seed_only():
     assert [c.failure() is None for c in result.checks] == [True, False, True]
 
 
+def test_verify_with_no_seeds_is_an_error_not_a_pass():
+    """An empty seed list ran nothing and passed (a kernel writing only NaN verified "ok")."""
+    from kernelmill.kernels.verify import verify
+
+    memory = HostMemory()
+    bound = _softmax_kernel(memory, lambda out, call, y: out.fill(float("nan")))
+    with pytest.raises(ValueError, match="^verify needs at least one seed$"):
+        verify(memory, bound, seeds=[])
+    assert verify(memory, bound, seeds=0).status == "wrong_result"  # a count: at least one per kind of input
+
+
 def test_verify_poisons_outputs_so_an_element_left_from_the_last_run_fails():
     """The same seed twice: a kernel that skips an element on the second run leaves the first run's right value
     there, which only the poison (NaN) between runs exposes."""
