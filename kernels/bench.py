@@ -233,9 +233,13 @@ def time_torch(
     reps: int = 50,
     precision: str | None = None,
 ) -> Timing | None:
-    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent. With ``precision``
-    "tf32", PyTorch may compute float32 matmuls in TF32 as well (``torch.set_float32_matmul_precision("high")``),
-    so that a TF32 kernel is compared with PyTorch in the same precision."""
+    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent, or when a kernel
+    faulted in this context (nothing launches there any more). With ``precision`` "tf32", PyTorch may compute
+    float32 matmuls in TF32 as well (``torch.set_float32_matmul_precision("high")``), so that a TF32 kernel is
+    compared with PyTorch in the same precision."""
+    if device.poisoned:
+        log.warning("no PyTorch baseline: a kernel faulted and left this process's CUDA context unusable")
+        return None
     torch = _torch()
     if torch is None:
         return None

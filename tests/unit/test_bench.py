@@ -1,3 +1,4 @@
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -191,6 +192,38 @@ def test_what_goes_wrong_while_timed_is_that_trials_own_status(monkeypatch, whil
     result = ev.evaluate(Variant.create("softmax", "warp_row", "float32"), (4, 10), device=None)
     assert (result.status, result.reason) == (status, reason)
     assert result.poisoned == (while_timed == "fault")
+
+
+def test_bench_reports_a_variant_that_poisoned_the_context_without_launching_pytorch_there(monkeypatch):
+    """`kernelmill bench` stopped at the faulting variant, then timed PyTorch in the poisoned context anyway:
+    torch's CUDA error came out as a traceback instead of the table with the fault in it."""
+    from typer.testing import CliRunner
+
+    import kernelmill.kernels.bench as bench
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.cli import app
+    from kernelmill.kernels import device as device_module
+
+    info = SimpleNamespace(name="FakeGPU", arch="sm_90", sm_count=132)
+    device = SimpleNamespace(poisoned=False, info=info)
+
+    def faults(variant, shape, device, compiler, **kwargs):
+        device.poisoned = True
+        return ev.Evaluation(variant, shape, ev.FAULT, "an illegal memory access was encountered", poisoned=True)
+
+    def torch_in_a_poisoned_context():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(device_module, "get_device", lambda ordinal=0: device)
+    monkeypatch.setattr(bench, "L2Flusher", lambda device: None)
+    monkeypatch.setattr(bench, "ceilings", lambda device, dtypes=(): Ceilings("FakeGPU", 3000.0, {}))
+    monkeypatch.setattr(ev, "evaluate", faults)
+    monkeypatch.setattr(bench, "_torch", torch_in_a_poisoned_context)
+    result = CliRunner().invoke(app, ["bench", "softmax", "-s", "64x64", "-d", "float32", "-f", "warp_row", "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1  # nothing verified
+    report = json.loads(result.stdout)
+    assert report["torch"] is None and [v["status"] for v in report["variants"]] == ["fault"]
 
 
 def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys, monkeypatch):
