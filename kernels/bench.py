@@ -45,7 +45,9 @@ class Timing:
         if not samples_ms:
             raise ValueError("no timing samples")
         ordered = sorted(samples_ms)
-        q = statistics.quantiles(ordered, n=10) if len(ordered) >= 2 else [ordered[0]] * 9
+        # Inclusive: p10 and p90 lie between the samples ("exclusive" extrapolates past them for fewer than 9, as
+        # bench_reps allows: 5 samples of 1.0-5.0 ms gave a p90 of 6.5, 2 gave a p10 below 0).
+        q = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) >= 2 else [ordered[0]] * 9
         return cls(statistics.median(ordered), ordered[0], q[0], q[-1], len(ordered))
 
 
@@ -231,9 +233,13 @@ def time_torch(
     reps: int = 50,
     precision: str | None = None,
 ) -> Timing | None:
-    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent. With ``precision``
-    "tf32", PyTorch may compute float32 matmuls in TF32 as well (``torch.set_float32_matmul_precision("high")``),
-    so that a TF32 kernel is compared with PyTorch in the same precision."""
+    """PyTorch's time for the same op and inputs, or None when torch (with CUDA) is absent, or when a kernel
+    faulted in this context (nothing launches there any more). With ``precision`` "tf32", PyTorch may compute
+    float32 matmuls in TF32 as well (``torch.set_float32_matmul_precision("high")``), so that a TF32 kernel is
+    compared with PyTorch in the same precision."""
+    if device.poisoned:
+        log.warning("no PyTorch baseline: a kernel faulted and left this process's CUDA context unusable")
+        return None
     torch = _torch()
     if torch is None:
         return None

@@ -73,7 +73,8 @@ def _pycuda():
 def _fault(exc: Exception, what: str) -> DeviceFault:
     text = str(exc)
     poisoned = any(s in text.lower() for s in _STICKY_ERRORS)
-    return DeviceFault(f"{what}: {text}", poisoned)
+    # The driver's watchdog killed the kernel (a GPU driving a display): a hang, as one past timeout_s is.
+    return DeviceFault(f"{what}: {text}", poisoned, timed_out="launch timed out" in text.lower())
 
 
 @dataclass(frozen=True)
@@ -325,9 +326,46 @@ class Module:
             try:
                 fn = self._module.get_function(entry)
             except self._device.cuda.Error as exc:
-                raise _fault(exc, f"no entry {entry!r} in the module") from None
+                raise self._device._raise(exc, f"no entry {entry!r} in the module") from None
             self._kernels[entry] = Kernel(self._device, fn, entry, self)
         return self._kernels[entry]
+
+
+class Event:
+    """A pycuda event whose driver errors go through the device as a launch's do. After a kernel faults, every
+    call in the context fails, recording an event as well: that is a poisoning DeviceFault too, never a raw
+    pycuda error (which got past the evaluator and left the device unmarked, so the next batch launched on)."""
+
+    def __init__(self, device: Device, event: Any) -> None:
+        self._device = device
+        self._event = event
+
+    def record(self, stream: Any = None) -> Event:
+        try:
+            self._event.record(stream)
+        except self._device.cuda.Error as exc:
+            raise self._device._raise(exc, "recording an event") from None
+        return self
+
+    def query(self) -> bool:
+        try:
+            return self._event.query()
+        except self._device.cuda.Error as exc:
+            raise self._device._raise(exc, "querying an event") from None
+
+    def synchronize(self) -> None:
+        """Wait for the event, without a bound (Device.synchronize bounds its wait)."""
+        try:
+            self._event.synchronize()
+        except self._device.cuda.Error as exc:
+            raise self._device._raise(exc, "waiting for an event") from None
+
+    def time_since(self, start: Event) -> float:
+        """Milliseconds from ``start`` to this event (both recorded and done)."""
+        try:
+            return self._event.time_since(start._event)
+        except self._device.cuda.Error as exc:
+            raise self._device._raise(exc, "reading an event's time") from None
 
 
 class Device:
@@ -460,8 +498,12 @@ class Device:
 
     # -- sync and time -------------------------------------------------------------
 
-    def event(self) -> Any:
-        return self.cuda.Event()
+    def event(self) -> Event:
+        """A timing event whose driver errors are DeviceFaults, as a launch's are."""
+        try:
+            return Event(self, self.cuda.Event())
+        except self.cuda.Error as exc:
+            raise self._raise(exc, "creating an event") from None
 
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait for all queued work; a kernel still running after ``timeout_s`` is a (poisoning) hang."""

@@ -85,13 +85,19 @@ class VerifyResult:
 
     @property
     def max_rel_err(self) -> float:
-        return max((c.rel_err for c in self.checks), default=float("nan"))
+        """The largest relative error, NaN where an output had non-finite elements (max() over a NaN gave the
+        other seeds' error or NaN, by which came first)."""
+        errors = [c.rel_err for c in self.checks]
+        return float("nan") if not errors or any(math.isnan(e) for e in errors) else max(errors)
 
     def per_seed(self) -> dict[int, float]:
-        """Max relative error per seed (over outputs)."""
+        """Max relative error per seed (over outputs), for the seeds whose outputs were finite: one with NaN has
+        no error to give (it was said to be 0.0), its check's nan_count tells."""
+        nonfinite = {c.seed for c in self.checks if math.isnan(c.rel_err)}
         out: dict[int, float] = {}
         for c in self.checks:
-            out[c.seed] = max(out.get(c.seed, 0.0), c.rel_err)
+            if c.seed not in nonfinite:
+                out[c.seed] = max(out.get(c.seed, 0.0), c.rel_err)
         return out
 
     def to_dict(self) -> dict:
@@ -199,6 +205,8 @@ def verify(
     precision = variant.precision
     tol = tolerance if tolerance is not None else op.tolerance(shape, precision)
     seed_list = fresh_seeds(seeds, len(op.input_kinds)) if isinstance(seeds, int) else list(seeds)
+    if not seed_list:  # a verification that ran nothing must not pass
+        raise ValueError("verify needs at least one seed")
     result = VerifyResult(
         ok=True, status="ok", precision=precision, tolerance=tol.norm, shape=shape, rtol=tol.rtol,
         atol_rms=tol.atol_rms,

@@ -37,3 +37,18 @@ def test_a_tf32_baseline_is_timed_with_tf32_and_leaves_the_setting_as_it_was():
         timing = time_torch(get_device(), spec, inputs, {}, None, warmup=2, reps=5, precision=precision)
         assert timing is not None and timing.median_ms > 0
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_events_time_work_on_the_gpu_through_the_devices_wrapper():
+    from kernelmill.kernels.bench import time_it
+    from kernelmill.kernels.device import get_device
+
+    device = get_device()
+    buf = device.alloc(64 << 20)
+    timing = time_it(device, lambda: device.fill(buf, 1), warmup=2, reps=5, timeout_s=10)
+    assert timing.n == 5 and timing.min_ms > 0
+    start = device.event().record()
+    device.fill(buf, 2)
+    end = device.event().record()
+    end.synchronize()
+    assert end.query() and end.time_since(start) > 0

@@ -66,3 +66,29 @@ def test_planted_faults_are_recorded_and_jobs_go_on(tmp_path, monkeypatch):
     assert "hang" in got["hang"]["reason"]
     assert got["hang_timed"]["reason"].endswith("while timed"), got["hang_timed"]["reason"]
     assert after["state"] == "done" and after["per_shape"][0]["best_ms"], after
+
+
+#: A child process (the fault poisons its context): a kernel that writes to address 16, timed. The fault
+#: surfaces at whichever call comes next (a launch, an event record, the wait), each a poisoning DeviceFault.
+_FAULT_WHILE_TIMED = """
+from kernelmill.kernels.bench import time_it
+from kernelmill.kernels.compile import Compiler
+from kernelmill.kernels.device import Buffer, DeviceFault, get_device
+
+device = get_device()
+compiled = Compiler().compile('extern "C" __global__ void km_bad(int* p) { p[threadIdx.x] = 1; }', device.info.arch)
+bad = device.load(compiled.cubin, compiled.key).kernel("km_bad")
+try:
+    time_it(device, lambda: bad.launch((1, 1, 1), (32, 1, 1), 0, [Buffer(16, 128)]), warmup=0, reps=50, timeout_s=10)
+    print("no fault")
+except DeviceFault as exc:
+    print("fault", exc.poisoned, device.poisoned)
+"""
+
+
+def test_a_kernel_faulting_while_timed_is_a_poisoning_device_fault_in_every_call_it_surfaces_at():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FAULT_WHILE_TIMED], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1:] == ["fault True True"], (proc.stdout, proc.stderr[-2000:])

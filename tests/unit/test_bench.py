@@ -1,3 +1,4 @@
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -40,6 +41,16 @@ def test_bench_compares_each_variant_with_pytorch_in_its_own_precision():
                    "tensorcore": pytest.approx(100 * 2 * 512**3 / 400e12 * 1e3 / 1.0)}  # fmt: skip
 
 
+@pytest.mark.parametrize("samples", [[1.0, 10.0], [1.0, 1.1, 1.2, 1.3, 5.0], [2.0, 1.0, 3.0], [1.0] * 50])
+def test_timing_percentiles_lie_within_the_samples_however_few(samples):
+    """bench_reps may be 1..8: p10 and p90 were extrapolated past the samples there (a p10 of -5.3 ms)."""
+    from kernelmill.kernels.bench import Timing
+
+    timing = Timing.from_samples(samples)
+    assert min(samples) <= timing.p10_ms <= timing.median_ms <= timing.p90_ms <= max(samples)
+    assert timing.n == len(samples) and 0 <= timing.spread <= (max(samples) - min(samples)) / timing.median_ms
+
+
 class HangingDevice:
     """A stand-in device whose queued work never finishes once ``hang_after`` launches have run."""
 
@@ -75,6 +86,25 @@ def test_timing_bounds_its_waits_so_a_kernel_hanging_on_a_later_run_is_a_timeout
     with pytest.raises(DeviceFault) as caught:
         time_it(hangs, hangs.launch, warmup=3, reps=5, timeout_s=2.0)
     assert caught.value.timed_out and caught.value.poisoned
+
+
+def test_every_timed_repetition_starts_after_an_l2_flush_and_only_the_kernel_is_between_its_events():
+    from kernelmill.kernels.bench import time_it
+
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("record")
+
+        def time_since(self, start):
+            return 1.0
+
+    device = SimpleNamespace(event=Event, synchronize=lambda timeout_s=None: log.append("wait"))
+    flusher = SimpleNamespace(flush=lambda: log.append("flush"))
+    timing = time_it(device, lambda: log.append("run"), warmup=2, reps=3, flusher=flusher)
+    assert timing.n == 3
+    assert log == ["run", "wait", "run"] + ["flush", "record", "run", "record"] * 3 + ["wait"]
 
 
 def test_a_hang_while_timed_is_recorded_as_a_timeout_of_that_trial(monkeypatch):
@@ -162,6 +192,38 @@ def test_what_goes_wrong_while_timed_is_that_trials_own_status(monkeypatch, whil
     result = ev.evaluate(Variant.create("softmax", "warp_row", "float32"), (4, 10), device=None)
     assert (result.status, result.reason) == (status, reason)
     assert result.poisoned == (while_timed == "fault")
+
+
+def test_bench_reports_a_variant_that_poisoned_the_context_without_launching_pytorch_there(monkeypatch):
+    """`kernelmill bench` stopped at the faulting variant, then timed PyTorch in the poisoned context anyway:
+    torch's CUDA error came out as a traceback instead of the table with the fault in it."""
+    from typer.testing import CliRunner
+
+    import kernelmill.kernels.bench as bench
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.cli import app
+    from kernelmill.kernels import device as device_module
+
+    info = SimpleNamespace(name="FakeGPU", arch="sm_90", sm_count=132)
+    device = SimpleNamespace(poisoned=False, info=info)
+
+    def faults(variant, shape, device, compiler, **kwargs):
+        device.poisoned = True
+        return ev.Evaluation(variant, shape, ev.FAULT, "an illegal memory access was encountered", poisoned=True)
+
+    def torch_in_a_poisoned_context():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(device_module, "get_device", lambda ordinal=0: device)
+    monkeypatch.setattr(bench, "L2Flusher", lambda device: None)
+    monkeypatch.setattr(bench, "ceilings", lambda device, dtypes=(): Ceilings("FakeGPU", 3000.0, {}))
+    monkeypatch.setattr(ev, "evaluate", faults)
+    monkeypatch.setattr(bench, "_torch", torch_in_a_poisoned_context)
+    result = CliRunner().invoke(app, ["bench", "softmax", "-s", "64x64", "-d", "float32", "-f", "warp_row", "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1  # nothing verified
+    report = json.loads(result.stdout)
+    assert report["torch"] is None and [v["status"] for v in report["variants"]] == ["fault"]
 
 
 def test_bench_table_shows_how_much_of_its_allowance_the_worst_element_used(capsys, monkeypatch):

@@ -141,7 +141,7 @@ class FakeDriver:
         driver = self
 
         class Event:
-            def record(self):
+            def record(self, stream=None):
                 if driver.broken:
                     raise driver.Error("cuEventRecord failed: unspecified launch failure")
 
@@ -167,6 +167,44 @@ def test_a_fault_poisons_the_device_when_its_context_no_longer_takes_work(messag
     fault = device._raise(device.cuda.Error(message), "launch")
     assert (fault.poisoned, device.poisoned) == (poisoned, poisoned)
     assert fault.reason == f"launch: {message}"
+
+
+class FaultedDriver(FakeDriver):
+    """A context a kernel faulted in: every call fails with the sticky error, recording an event as well."""
+
+    def __init__(self) -> None:
+        super().__init__(broken=True)
+        driver = self
+
+        class Module:
+            def get_function(self, entry):
+                raise driver.Error("cuModuleGetFunction failed: unspecified launch failure")
+
+        self.Module = Module
+
+
+def test_timing_a_kernel_that_faulted_is_a_poisoning_device_fault_not_a_raw_driver_error():
+    """The fault surfaced at the timing loop's event record (the first call after the kernel died): a raw pycuda
+    error got past evaluate() and the evaluator, and the device stayed unmarked for the next batch to launch on."""
+    from kernelmill.kernels.bench import time_it
+    from kernelmill.kernels.device import Device, DeviceFault
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FaultedDriver(), False
+    with pytest.raises(DeviceFault) as caught:
+        time_it(device, lambda: None, warmup=0, reps=3)
+    assert caught.value.poisoned and device.poisoned
+    assert caught.value.reason == "recording an event: cuEventRecord failed: unspecified launch failure"
+
+
+def test_looking_up_an_entry_in_a_faulted_context_marks_the_device_poisoned():
+    from kernelmill.kernels.device import Device, DeviceFault, Module
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FaultedDriver(), False
+    with pytest.raises(DeviceFault) as caught:
+        Module(device, device.cuda.Module()).kernel("softmax")
+    assert caught.value.poisoned and device.poisoned  # LocalEvaluator._usable refuses the next batch
 
 
 def test_the_module_cache_keeps_the_most_recently_used_and_lets_the_others_go(monkeypatch):
@@ -249,6 +287,17 @@ def test_verify_fails_a_kernel_wrong_on_a_later_seed_only():
     assert [c.failure() is None for c in result.checks] == [True, False, True]
 
 
+def test_verify_with_no_seeds_is_an_error_not_a_pass():
+    """An empty seed list ran nothing and passed (a kernel writing only NaN verified "ok")."""
+    from kernelmill.kernels.verify import verify
+
+    memory = HostMemory()
+    bound = _softmax_kernel(memory, lambda out, call, y: out.fill(float("nan")))
+    with pytest.raises(ValueError, match="^verify needs at least one seed$"):
+        verify(memory, bound, seeds=[])
+    assert verify(memory, bound, seeds=0).status == "wrong_result"  # a count: at least one per kind of input
+
+
 def test_verify_poisons_outputs_so_an_element_left_from_the_last_run_fails():
     """The same seed twice: a kernel that skips an element on the second run leaves the first run's right value
     there, which only the poison (NaN) between runs exposes."""
@@ -266,3 +315,71 @@ def test_verify_poisons_outputs_so_an_element_left_from_the_last_run_fails():
         result.status == "wrong_result"
         and "non-finite elements (unwritten or overflow), first at (1, 2)" in result.reason
     )
+
+
+def test_poison_fills_outputs_and_workspaces_with_nan_and_leaves_the_counters_zero(monkeypatch):
+    """A kernel that reads a workspace before writing it (a split-k partial) must see NaN there on every run, not
+    what the last run left; the counters are the kernel's to leave zero."""
+    import numpy as np
+
+    from kernelmill.kernels.compile import CompiledKernel
+    from kernelmill.kernels.variant import BoundVariant, Variant
+
+    variant = Variant.create("softmax", "warp_row", "float32")
+    monkeypatch.setattr(variant.family, "workspace", lambda shape, params, dtype: {"ws": 64, "flags": 16})
+    monkeypatch.setattr(variant.family, "counter_workspaces", ("flags",))
+    memory = HostMemory()
+    memory.mem[:] = 0x77  # what the pool's memory held before: the counters are zeroed once, when allocated
+    bound = BoundVariant(memory, variant, CompiledKernel(b"", "sm_90", "k"), (4, 10))
+    bound.poison()
+    for name, nbytes in (("y", 160), ("ws", 64)):
+        assert (memory.download(bound.buffers[name], (nbytes,), np.uint8) == 0xFF).all(), name
+    assert not memory.download(bound.buffers["flags"], (16,), np.uint8).any()
+
+
+def test_a_kernel_the_drivers_watchdog_killed_is_a_timeout_not_a_fault():
+    """A GPU driving a display kills a kernel after a few seconds: that hang was recorded as a "fault"."""
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.kernels.device import Device
+    from kernelmill.kernels.verify import verify
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = FakeDriver(broken=True), False
+    fault = device._raise(device.cuda.Error("cuCtxSynchronize failed: the launch timed out and was terminated"), "x")
+    assert (fault.timed_out, fault.poisoned, device.poisoned) == (True, True, True)
+    assert not device._raise(device.cuda.Error("cuMemAlloc failed: out of memory"), "x").timed_out
+
+    def killed():
+        raise fault
+
+    memory = HostMemory()
+    bound = _softmax_kernel(memory, lambda out, call, y: None)
+    bound.run = killed
+    result = verify(memory, bound, seeds=1)
+    assert (result.status, result.poisoned) == (ev.TIMEOUT, True)
+
+
+def test_a_kernel_still_running_past_the_timeout_is_a_hang_that_poisons_the_device():
+    from kernelmill.kernels.device import Device, DeviceFault
+
+    class Driver(FakeDriver):
+        def __init__(self):
+            super().__init__(broken=False)
+            self.Event = type("Event", (), {"record": lambda self, stream=None: None, "query": lambda self: False})
+
+    device = object.__new__(Device)
+    device.cuda, device.poisoned = Driver(), False
+    with pytest.raises(DeviceFault) as caught:
+        device.synchronize(0.01)
+    assert (caught.value.timed_out, caught.value.poisoned, device.poisoned) == (True, True, True)
+    assert caught.value.reason == "kernel still running after 0.0 s (hang)"
+
+
+def test_a_poisoned_device_is_never_handed_out_again(monkeypatch):
+    from types import SimpleNamespace
+
+    from kernelmill.kernels import device as device_module
+
+    monkeypatch.setattr(device_module, "_devices", {0: SimpleNamespace(poisoned=True)})
+    with pytest.raises(device_module.DeviceFault, match="poisoned by an earlier fault; restart the process"):
+        device_module.get_device(0)

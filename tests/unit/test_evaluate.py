@@ -72,3 +72,33 @@ def test_a_compiled_trial_records_the_digest_of_the_code_its_cubin_was_built_fro
     body = variant.source.partition("\n")[2]
     assert code_digest("// kernelmill variant: other knobs\n" + body) == code_digest(variant.source)
     assert code_digest(variant.source) != code_digest(variant.source + "// changed\n")
+
+
+def test_a_fault_that_poisons_the_context_skips_the_rest_of_the_batch_and_refuses_the_next(monkeypatch):
+    """Nothing launches in a poisoned context: the candidates after the fault come back skipped (proposed again
+    on a fresh worker), and the next batch is the machine's failure (GpuUnavailable), not its candidates'."""
+    import kernelmill.kernels.evaluate as ev
+    from kernelmill.agents.evaluator import SKIPPED
+    from kernelmill.kernels.device import GpuUnavailable
+
+    evaluator = object.__new__(LocalEvaluator)
+    evaluator.device = SimpleNamespace(poisoned=False, info=SimpleNamespace(arch="sm_90"))
+    evaluator.compiler = SimpleNamespace(compile_many=lambda sources, arch: None)
+    evaluator.flusher, evaluator.references = None, None
+    evaluator.seeds, evaluator.reps, evaluator.timeout_s, evaluator._problem_seeds = 1, 1, 1.0, {}
+    ran = []
+
+    def faults_first(variant, shape, device, compiler, **kwargs):
+        ran.append(variant.params)
+        device.poisoned = True  # as Device._raise marks it
+        return ev.Evaluation(variant, shape, ev.FAULT, "an illegal memory access was encountered", poisoned=True)
+
+    monkeypatch.setattr(ev, "evaluate", faults_first)
+    family = get_op("softmax").family("warp_row")
+    batch = [Candidate.of("warp_row", family.resolve({"vec": vec}, "float32")) for vec in (1, 2, 4)]
+    results = evaluator.evaluate("softmax", (4, 10), "float32", {}, batch)
+    assert [r.status for r in results] == [ev.FAULT, SKIPPED, SKIPPED] and len(ran) == 1
+    assert results[0].poisoned and results[1].reason == "context poisoned earlier in the batch"
+    with pytest.raises(GpuUnavailable, match="left this process's CUDA context unusable"):
+        evaluator.evaluate("softmax", (4, 10), "float32", {}, batch)
+    assert len(ran) == 1

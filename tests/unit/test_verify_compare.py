@@ -258,6 +258,24 @@ def test_unit_roundoff_is_half_an_ulp_of_each_format():
     assert UNIT_ROUNDOFF["bfloat16"] == float(ml_dtypes.finfo(bfloat16).eps) / 2
 
 
+@pytest.mark.parametrize("nan_seed_first", [True, False])
+def test_a_seed_with_nan_outputs_has_no_error_figure_and_makes_the_largest_nan(nan_seed_first):
+    """An all-NaN seed was said to have a relative error of 0.0 (the bench table's "max rel err", the trial's
+    max_rel_err_per_seed), and max_rel_err was NaN or the other seed's error by the order of the seeds."""
+    from kernelmill.kernels.verify import VerifyResult
+
+    ref = np.ones((4, 5))
+    off = compare((ref * (1 + 1e-3)).astype(np.float32), ref, 1, "y", FP32)
+    err = pytest.approx(1e-3, rel=1e-3)
+    nan = compare(np.full((4, 5), np.nan, np.float32), ref, 2, "y", FP32)
+    result = VerifyResult(False, "wrong_result", "float32", 1e-5, (4, 5))
+    result.checks = [nan, off] if nan_seed_first else [off, nan]
+    assert result.per_seed() == {1: err}
+    assert math.isnan(result.max_rel_err)
+    result.checks = [off]
+    assert result.max_rel_err == err and result.per_seed() == {1: err}
+
+
 def test_fresh_seeds_differ():
     assert fresh_seeds(4) != fresh_seeds(4)
 
