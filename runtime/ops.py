@@ -341,7 +341,8 @@ def _act_np(x: np.ndarray, act: str) -> np.ndarray:
 def _softmax_np(x: np.ndarray) -> np.ndarray:
     if not x.size:  # rows of no element (or no rows): nothing to normalise, and max() has no identity
         return x.copy()
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore"):  # a row of only -inf (all masked) is NaN, as torch gives, without a warning
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 

@@ -80,6 +80,10 @@ def layer_norm64(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float)
     return (x - mean) / np.sqrt(var + eps) * gamma + beta
 
 
+#: Variances of the uniform kind's odd rows (by turns): 3 eps for each of EPS_VALUES, where a kernel baking in another
+#: eps is off by 7% or more (a row of variance 1.3 told 1e-12 from 1e-5 by 4e-6, inside every tolerance).
+SMALL_VARIANCES: tuple[float, ...] = tuple(3.0 * eps for eps in sorted(EPS_VALUES, reverse=True))
+
 #: A row's mean over its spread (half-width) on the "offset" kind's seeds, per storage type: as large as keeps a
 #: centred float32 variance well inside the type's allowance, and the row's values many steps of the type apart.
 OFFSET_RATIO = {"float32": 16.0, "float16": 256.0, "bfloat16": 16.0}
@@ -113,9 +117,19 @@ class LayerNorm(OpSpec):
         times their allowance, while a centred variance uses a small share of it
         (tests/unit/test_layernorm_spec.py). bfloat16 holds too few digits to tell the two apart. Every eighth
         row of those seeds is constant (M; for add_layernorm, R zero there), whose output is beta exactly: a
-        mean an ulp off, over sqrt(eps), gave about +-gamma."""
+        mean an ulp off, over sqrt(eps), gave about +-gamma. On the uniform kind's seeds the odd rows are scaled
+        to the SMALL_VARIANCES by turns, so that the output tells the eps of the attribute from the others."""
         out = super().make_inputs(shape, dtype, seed)
         rows, cols = shape
+        if self.input_kind(seed) == "uniform":
+            odd = np.arange(1, rows, 2)
+            variance = np.asarray(SMALL_VARIANCES)[(odd // 2) % len(SMALL_VARIANCES)]
+            scale = np.sqrt(variance / (self.input_scale("X", shape) ** 2 / 3.0))  # U(-s, s) has variance s^2 / 3
+            for name in ("X", "R"):  # add_layernorm: X and R alike (their sum has twice the variance)
+                if name in out:
+                    values = out[name].astype(np.float32)
+                    values[odd] *= scale[:, None].astype(np.float32)
+                    out[name] = values.astype(out[name].dtype)
         if self.input_kind(seed) == "offset":
             rng = np.random.default_rng([seed, 1])
             spread = 1.0 / OFFSET_RATIO[dtype]

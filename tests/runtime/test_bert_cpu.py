@@ -1156,3 +1156,35 @@ def test_mlp_layouts_whose_activations_a_state_dict_cannot_place_are_refused(tmp
         _load_mlp(tmp_path, state(), act="gelu")
     message = str(err.value)
     assert named in message and "nn.Sequential(Linear, act, Linear) blocks" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1],  # a sequence of one token
+        [1, 1, 1],
+        [13, 1, 5, 12],  # a batch of different lengths, padded to the longest
+        [7, 0],  # a sequence with no real token: 0 from attention, as transformers' sdpa attention gives
+        [64, 30],  # the position table's full length
+    ],
+)
+def test_bert_padded_batches_match_transformers(bert_dir, lengths):
+    path, ref_model = bert_dir
+    model = runtime.load_model(path, device="cpu")
+    rng = np.random.default_rng(len(lengths))
+    seq = max(max(lengths), 1)
+    ids = rng.integers(0, 211, size=(len(lengths), seq))
+    mask = (np.arange(seq)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    types = rng.integers(0, 2, size=ids.shape)
+    out = model.forward(ids, attention_mask=mask, token_type_ids=types).numpy()
+    with torch.no_grad():
+        ref = ref_model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            token_type_ids=torch.from_numpy(types),
+        ).last_hidden_state.numpy()
+    assert np.isfinite(out).all()
+    for row, length in enumerate(lengths):  # each sequence on its own: a short one is not drowned by the rest
+        if length:
+            assert rel_err(out[row, :length], ref[row, :length]) < 1e-5
+        assert rel_err(out[row], ref[row]) < 1e-5  # padded positions too, as transformers computes them

@@ -321,3 +321,16 @@ def test_type_ids_of_another_rank_on_the_cpu_are_refused_by_name():
     bad = Tensor.from_numpy(np.zeros((1, 2, 3), np.int64))
     with pytest.raises(ValueError, match=r"^embedding: type_ids must be integers of shape \(batch, seq\), not int64"):
         ops.embedding(np.array([[1, 2]]), word, pos, types, bad)
+
+
+def test_a_softmax_row_of_only_minus_inf_is_nan_as_in_torch_without_a_warning():
+    import warnings
+
+    x = np.zeros((3, 4), np.float32)
+    x[1] = -np.inf  # a row every element of which a mask removed
+    x[2, 1:] = -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # -inf - (-inf) warned "invalid value", an error under -W error
+        out = ops.softmax(Tensor.from_numpy(x))
+    np.testing.assert_array_equal(out.numpy(), torch.softmax(torch.from_numpy(x), dim=-1).numpy())
+    assert np.isnan(out.numpy()[1]).all() and out.numpy()[2].tolist() == [1.0, 0.0, 0.0, 0.0]

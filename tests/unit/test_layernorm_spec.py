@@ -9,6 +9,7 @@ import pytest
 
 from kernelmill.kernels.ops import get_op
 from kernelmill.kernels.ops.base import numpy_dtype
+from kernelmill.kernels.ops.layernorm import EPS_VALUES
 from kernelmill.kernels.verify import compare
 
 F32 = np.float32
@@ -81,3 +82,24 @@ def test_offset_rows_sit_far_from_zero_and_every_eighth_is_constant(dtype, cols)
     assert (x.max(axis=1) == x.min(axis=1))[constant].all()
     if cols > 1:
         assert (x.max(axis=1) > x.min(axis=1))[~constant].all()
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "add_layernorm"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_kernel_taking_another_eps_fails_and_the_right_eps_passes(op_name, dtype):
+    # A kernel that bakes in the wrong eps (1e-12 where 1e-5 is asked: BERT's against the usual) changed a row of
+    # variance ~1.3 by 4e-6 of itself, inside every tolerance: the uniform kind's rows of small variance tell.
+    op, shape = get_op(op_name), (16, 768)
+    inputs = op.make_inputs(shape, dtype, seed=0)
+    assert op.input_kind(0) == "uniform"
+    x = op._x(inputs).astype(F32)
+    tolerance = op.tolerance(shape, dtype)
+    for eps in EPS_VALUES:
+        reference = op.reference(inputs, {"eps": eps})["Y"]
+        for kernel_eps in EPS_VALUES:
+            y = _layernorm32(x, inputs["gamma"], inputs["beta"], kernel_eps, one_pass=False)
+            check = compare(y.astype(numpy_dtype(dtype)), reference, 0, "Y", tolerance)
+            if kernel_eps == eps:
+                assert check.allowance_used < 0.5, (eps, check.failure())
+            else:
+                assert check.failure() is not None, (eps, kernel_eps, check.allowance_used)
