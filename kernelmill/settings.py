@@ -12,6 +12,11 @@ from pathlib import Path
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+#: The longest wait a timeout setting may name: a day. Python's waits overflow past their C types (subprocess's
+#: poll() past ~24.8 days, sockets and threads further on), so KERNELMILL_COMPILE_TIMEOUT_S=1e300 was accepted and
+#: every compile then ended in an OverflowError traceback.
+MAX_WAIT_S = 86400.0
+
 
 def _default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -25,7 +30,7 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="compiled cubins and ptxas reports")
     nvcc: str = Field("nvcc", description="nvcc executable")
-    compile_timeout_s: float = Field(120.0, gt=0, description="nvcc wall-clock limit per variant")
+    compile_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S, description="nvcc wall-clock limit per variant")
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
     compile_cache_max_mb: float = Field(
         4096.0,
@@ -37,7 +42,7 @@ class Settings(BaseSettings):
         3, ge=1, description="random input sets per verification (at least one per kind of input an op draws)"
     )
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
-    kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
+    kernel_timeout_s: float = Field(10.0, gt=0, le=MAX_WAIT_S, description="a kernel running longer is a hang")
     nvtx: bool = Field(
         False, description="NVTX ranges around each runtime op on the GPU (profile-forward sets it in its child)"
     )
@@ -87,7 +92,7 @@ class Settings(BaseSettings):
     llm_url: str | None = Field(None, description="e.g. http://127.0.0.1:8080/v1; unset: the llm strategy uses guided")
     llm_api_key: str | None = None
     llm_model: str = "gpt-4o-mini"
-    llm_timeout_s: float = Field(30.0, gt=0)
+    llm_timeout_s: float = Field(30.0, gt=0, le=MAX_WAIT_S)
 
     # -- service ---------------------------------------------------------------
     database_url: str = Field("sqlite:///./kernelmill.db", description="any SQLAlchemy URL (PostgreSQL works)")
@@ -99,14 +104,16 @@ class Settings(BaseSettings):
     scheduler: str | None = Field(None, description="tcp://HOST:8786 of an existing Dask scheduler")
     executor: str = Field("dask", pattern="^(dask|fake)$", description="'fake' runs synthetic GPUs (tests only)")
     fake_workers: int = Field(2, ge=0, description="fake GPUs when executor=fake")
-    fake_delay_s: float = Field(0.0, ge=0, description="seconds per fake trial")
+    fake_delay_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="seconds per fake trial")
     # jobs.budget_trials is an INTEGER (32 bits on PostgreSQL): a larger job failed its insert (500).
     max_budget_trials: int = Field(4096, ge=1, le=2**31 - 1)
     max_budget_seconds: float = Field(6 * 3600.0, gt=0)
     max_shapes: int = Field(32, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="request bodies larger than this get 413")
     batch_size: int = Field(8, ge=1, description="candidates per evaluation batch")
-    worker_answer_timeout_s: float = Field(900.0, gt=0, description="a GPU worker silent this long is replaced")
+    worker_answer_timeout_s: float = Field(
+        900.0, gt=0, le=MAX_WAIT_S, description="a GPU worker silent this long is replaced"
+    )
 
     @field_validator("cache_dir", mode="before")
     @classmethod

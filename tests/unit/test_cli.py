@@ -292,6 +292,15 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
             {"KERNELMILL_KERNEL_TIMEOUT_S": "nan"},
             "error: KERNELMILL_KERNEL_TIMEOUT_S='nan': Input should be a finite number",
         ),
+        # Finite but past what Python's waits take: every compile ended in an OverflowError traceback.
+        (
+            {"KERNELMILL_COMPILE_TIMEOUT_S": "1e300"},
+            "error: KERNELMILL_COMPILE_TIMEOUT_S='1e300': Input should be less than or equal to 86400",
+        ),
+        (
+            {"KERNELMILL_WORKER_ANSWER_TIMEOUT_S": "1e10"},
+            "error: KERNELMILL_WORKER_ANSWER_TIMEOUT_S='1e10': Input should be less than or equal to 86400",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
