@@ -131,6 +131,7 @@ def _variant(
 ParamOpt = Annotated[list[str] | None, typer.Option("--param", "-p", help="template knob NAME=VALUE (repeatable)")]
 AttrOpt = Annotated[list[str] | None, typer.Option("--attr", help="op attribute NAME=VALUE, e.g. act=relu")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", "-d", help=f"one of {', '.join(DTYPES)}")]
+OpArg = Annotated[str, typer.Argument(help="the op, e.g. softmax (`kernelmill ops` lists them)", show_default=False)]
 
 
 @app.command()
@@ -196,7 +197,7 @@ def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable o
 @app.command()
 @user_errors
 def render(
-    op: str,
+    op: OpArg,
     family: Annotated[str, typer.Option("--family", "-f", help="template family")],
     dtype: DtypeOpt = "float16",
     param: ParamOpt = None,
@@ -209,13 +210,13 @@ def render(
 @app.command()
 @user_errors
 def compile(  # noqa: A001 - the command's name
-    op: str,
-    family: Annotated[str, typer.Option("--family", "-f")],
+    op: OpArg,
+    family: Annotated[str, typer.Option("--family", "-f", help="template family (`kernelmill ops` lists them)")],
     dtype: DtypeOpt = "float16",
     param: ParamOpt = None,
     attr: AttrOpt = None,
     arch: Annotated[str | None, typer.Option(help="target, e.g. sm_90 (default: this GPU's, else sm_90)")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="the report as JSON on stdout")] = False,
 ) -> None:
     """Compile one variant with nvcc and print the ptxas report (or the compile error)."""
     variant = _variant(op, family, dtype, param, attr)
@@ -251,7 +252,7 @@ def compile(  # noqa: A001 - the command's name
 @app.command()
 @user_errors
 def bench(
-    op: str,
+    op: OpArg,
     shape: Annotated[str, typer.Option("--shape", "-s", help="e.g. 8192x8192 (dims: see `kernelmill ops`)")],
     dtype: DtypeOpt = "float16",
     family: Annotated[str | None, typer.Option("--family", "-f", help="default: every family")] = None,
@@ -261,10 +262,11 @@ def bench(
         int, typer.Option(min=1, help="random input sets to verify on (at least one per kind of input the op draws)")
     ] = 3,
     reps: Annotated[int, typer.Option(min=1, help="timed repetitions")] = 50,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="the report as JSON on stdout")] = False,
 ) -> None:
-    """Verify then time variants on this GPU, next to PyTorch and the roofline floor. Each family runs at its
-    shape defaults (what the runtime runs untuned), --param on top."""
+    """Verify then time variants on this GPU, next to PyTorch and the roofline floor.
+
+    Each family runs at its shape defaults (what the runtime runs untuned), --param on top."""
     from kernelmill.kernels.bench import L2Flusher, ceilings, time_torch
     from kernelmill.kernels.device import get_device
     from kernelmill.kernels.evaluate import evaluate
@@ -616,7 +618,7 @@ def _as_tune_options(message: str) -> str:
 @app.command()
 @user_errors
 def tune(
-    op: str,
+    op: OpArg,
     shape: Annotated[list[str], typer.Option("--shape", "-s", help="repeatable, e.g. 8192x8192")],
     dtype: DtypeOpt = "float16",
     strategy: StrategyOpt = "random",
@@ -678,7 +680,7 @@ def tune(
 def jobs(
     server: ServerOpt = None,
     state: Annotated[str | None, typer.Option(help="queued, running, done, failed or cancelled")] = None,
-    limit: int = 20,
+    limit: Annotated[int, typer.Option(help="the most recent jobs listed")] = 20,
 ) -> None:
     """List recent jobs (from the server, or the local database)."""
     from kernelmill.client import fetch_jobs
@@ -722,8 +724,10 @@ def cancel(
     job_id: Annotated[int, typer.Argument(help="the job's id (`kernelmill jobs` lists them)", show_default=False)],
     server: ServerOpt = None,
 ) -> None:
-    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept), one
-    whose process died (its lease lapsed) at once."""
+    """Cancel a job (`kernelmill jobs` lists them).
+
+    A queued one ends at once, a running one after its current batch (its trials so far are kept), one whose process
+    died (its lease lapsed) at once."""
     from kernelmill.client import cancel_job
     from kernelmill.service.api.schemas import MAX_ID
 
@@ -753,8 +757,8 @@ def _listed_from(server: str | None) -> str:
 @user_errors
 def kernels(
     server: ServerOpt = None,
-    op: str | None = None,
-    dtype: str | None = None,
+    op: Annotated[str | None, typer.Option(help="only this op's kernels")] = None,
+    dtype: Annotated[str | None, typer.Option(help="only kernels of this dtype")] = None,
 ) -> None:
     """List served kernels: the best verified one per op, shape, dtype, precision and arch."""
     from kernelmill.client import fetch_kernels
