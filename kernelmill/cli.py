@@ -418,13 +418,16 @@ def _server_option(value: str | None) -> str | None:
     from kernelmill.client import ServerError, server_url
     from kernelmill.settings import default_server
 
+    # A bad KERNELMILL_SERVER is named as such: "malformed server URL" alone sent users looking for a --server
+    # they had not given.
+    from_env = value is None or value == os.environ.get("KERNELMILL_SERVER")
     value = value or default_server()  # typer reads the environment; .env is the settings'
     if not value:
         return None
     try:
         return server_url(value)
     except ServerError as exc:
-        raise fail(str(exc)) from None
+        raise fail(f"KERNELMILL_SERVER: {exc}" if from_env else str(exc)) from None
 
 
 ServerOpt = Annotated[
