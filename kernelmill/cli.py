@@ -1,7 +1,8 @@
 """The ``kernelmill`` command line (typer). Bad input: one line on stderr and exit code 2.
 
-Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, 4 no profiler (nsys) here,
-5 the profiler ran but produced no report.
+Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, or a server or database that does not answer,
+4 no profiler (nsys) here,
+5 the profiler ran but produced no report, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
 from kernelmill import __version__
 from kernelmill.kernels.compile import (
@@ -36,12 +38,37 @@ from kernelmill.kernels.ops import OPS, get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import RenderError
 
+
+class _Commands(TyperGroup):
+    """Click's own usage errors (an unknown command or option, a missing one, a value that is not a number) as one
+    line, ``error: ...`` with exit code 2, like kernelmill's bad input (typer drew them as a usage line, a hint and a
+    boxed message); Ctrl-C as one line and exit code 130 (typer exited silently)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:  # input ended at a prompt
+            raise SystemExit(fail("aborted", 1).exit_code) from None
+        except typer.TyperException as exc:  # click's ClickException, UsageError and their kind
+            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is printed: only the exit code is left
+                raise SystemExit(exc.exit_code) from None
+            ctx = getattr(exc, "ctx", None)
+            see = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            raise SystemExit(fail(f"{exc.format_message()}{see}", exc.exit_code).exit_code) from None
+        if code == EXIT_INTERRUPTED:  # typer's answer to KeyboardInterrupt; no command exits so itself
+            fail("interrupted", EXIT_INTERRUPTED)
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="kernelmill",
     help="Generate, tune and serve CUDA kernels.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=_Commands,
 )
 #: Columns of tables written to a pipe or a file (a log, `| tee`), where rich would otherwise assume 80 and
 #: cut the cells of wide tables (`kernelmill kernels`) to "line…"; a terminal, or COLUMNS, sets its own.
@@ -61,6 +88,7 @@ EXIT_USAGE = 2  # bad input
 EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc), or a service does not answer
 EXIT_NO_PROFILER = 4  # nsys (Nsight Systems) is not installed
 EXIT_NO_REPORT = 5  # the profiler ran but wrote no usable report
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:

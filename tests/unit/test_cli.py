@@ -537,3 +537,38 @@ def test_usage_lines_name_the_kernelmill_command_under_python_m_too():
 
     done = subprocess.run([sys.executable, "-m", "kernelmill", "render", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "Usage: kernelmill render [OPTIONS]" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["bogus"], "error: No such command 'bogus'. (see kernelmill --help)"),
+        (["cache", "bogus"], "error: No such command 'bogus'. (see kernelmill cache --help)"),
+        (["jobs", "--bogus"], "error: No such option: --bogus (see kernelmill jobs --help)"),
+        (["render", "softmax"], "error: Missing option '--family' / '-f'. (see kernelmill render --help)"),
+        (["jobs", "--limit", "x"], "error: Invalid value for '--limit': Input should be a valid integer"),
+    ],
+)
+def test_clicks_usage_errors_are_one_line_and_exit_2(argv, line):
+    """They were a usage line, a hint and a five-line box, unlike every other bad input."""
+    result = runner.invoke(app, argv, prog_name="kernelmill")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(line) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not result.stdout
+
+
+def test_no_command_still_prints_the_help():
+    result = runner.invoke(app, [], prog_name="kernelmill")
+    assert result.exit_code == 2 and "Commands" in result.stdout and not result.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
+    """typer ended an interrupted command silently."""
+    from kernelmill import client
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client, "fetch_jobs", interrupted)
+    result = runner.invoke(app, ["jobs"])
+    assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted", result.output
