@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any
@@ -321,7 +321,7 @@ def bench(
     floor_ms = ceil.floor_ms(spec, dims, dtype)
     rows = []
     for variant in variants:
-        with console.status(f"{variant.describe()}: compile, verify, time"):
+        with _status(f"{variant.describe()}: compile, verify, time"):
             ev = evaluate(variant, dims, device, compiler, seeds=seeds, reps=reps, flusher=flusher)
         rows.append(ev)
         if ev.poisoned:
@@ -329,7 +329,7 @@ def bench(
     inputs = spec.make_inputs(dims, dtype, seed=0)
     torch_timings = {}  # by precision: a TF32 variant is compared with PyTorch in TF32
     for precision in precisions:
-        with console.status(f"PyTorch baseline ({precision})"):
+        with _status(f"PyTorch baseline ({precision})"):
             torch_timings[precision] = time_torch(
                 device, spec, inputs, variants[0].attrs, flusher, reps=reps, precision=precision
             )
@@ -340,6 +340,18 @@ def bench(
         _print_bench(report)
     if not any(ev.ok for ev in rows):
         raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _status(what: str) -> Iterator[None]:
+    """Rich's spinner on a terminal; elsewhere (a log, a pipe) a plain line as the step starts: the spinner draws
+    nothing there, and a bench of every family was minutes of silence. On stderr: stdout is the report (--json)."""
+    if err_console.is_terminal:
+        with err_console.status(Text(what)):
+            yield
+    else:
+        err_console.print(f"{what} ...", markup=False, highlight=False, soft_wrap=True)
+        yield
 
 
 def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_timings) -> dict[str, Any]:

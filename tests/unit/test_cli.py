@@ -572,3 +572,30 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
     monkeypatch.setattr(client, "fetch_jobs", interrupted)
     result = runner.invoke(app, ["jobs"])
     assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted", result.output
+
+
+def test_bench_into_a_pipe_says_each_step_on_stderr_and_keeps_stdout_json(monkeypatch):
+    """Rich's spinner draws nothing without a terminal: a bench of every family, minutes, printed nothing until
+    its end. The steps go to stderr, so that --json's stdout stays JSON."""
+    from types import SimpleNamespace
+
+    from kernelmill.kernels import bench, device, evaluate
+
+    gpu = SimpleNamespace(info=SimpleNamespace(name="Fake GPU", sm_count=132))
+    monkeypatch.setattr(device, "get_device", lambda ordinal=0: gpu)
+    monkeypatch.setattr(bench, "L2Flusher", lambda device: None)
+    ceil = SimpleNamespace(copy_gbps=3000.0, matrix_tflops={}, floor_ms=lambda *args: 0.01)
+    monkeypatch.setattr(bench, "ceilings", lambda device, precisions: ceil)
+    monkeypatch.setattr(bench, "time_torch", lambda *args, **kwargs: None)
+
+    def failing(variant, dims, device, compiler, **kwargs):
+        failed = dict(ok=False, poisoned=False, status="compile_error", reason="x", verification=None, timing=None)
+        return SimpleNamespace(variant=variant, **failed)
+
+    monkeypatch.setattr(evaluate, "evaluate", failing)
+    result = runner.invoke(app, ["bench", "softmax", "-s", "64x64", "-d", "float32", "--json"])
+    assert result.exit_code == 1, result.output  # no variant ran
+    report = json.loads(result.stdout)
+    steps = result.stderr.splitlines()
+    assert [f"{v['variant']}: compile, verify, time ..." for v in report["variants"]] == steps[:-1]
+    assert steps[-1] == "PyTorch baseline (float32) ..." and "\x1b" not in result.stderr
