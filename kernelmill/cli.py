@@ -214,7 +214,7 @@ def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable o
         return
     table = Table(title="kernelmill ops")
     for col in ("op", "shape", "family", "dtypes", "space size"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for entry in listing:
         for fam in entry["families"]:
             sizes = " ".join(f"{k}:{v}" for k, v in fam["space_size"].items())
@@ -267,7 +267,7 @@ def compile(  # noqa: A001 - the command's name
         return
     table = Table(title=f"{variant.describe()} on {compiled.arch}{' (cached)' if compiled.cached else ''}")
     for col in ("kernel", "registers", "smem B", "stack B", "spill st B", "spill ld B"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for name, res in compiled.resources.items():
         table.add_row(
             name,
@@ -402,7 +402,7 @@ def _print_bench(report: dict[str, Any]) -> None:
     table = Table(title=title)
     columns = ("family", "status", "max rel err", "worst elem", "median us", "spread", "GB/s", "TFLOP/s", "% floor")
     for col in (*columns, "vs torch"):
-        table.add_column(col, justify="right" if col not in ("family", "status") else "left")
+        table.add_column(col, justify="right" if col not in ("family", "status") else "left", overflow="fold")
     for v in report["variants"]:
         errs = v.get("max_rel_err_per_seed") or {}
         err = f"{max(errs.values()):.2e}" if errs else ""
@@ -743,7 +743,7 @@ def jobs(
         return
     table = Table(title="jobs")
     for col in ("id", "op", "shapes", "dtype", "strategy", "state", "trials", "failed", "best us", "speedup"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for job in listed:
         best = [s for s in job["per_shape"] if s["best_ms"]]
         table.add_row(
@@ -821,7 +821,7 @@ def kernels(
         return
     table = Table(title="served kernels", caption=f"({len(listed)} kernel{'s' if len(listed) != 1 else ''})")
     for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for k in listed:
         table.add_row(
             str(k["id"]),
@@ -858,7 +858,7 @@ def cache_info() -> None:
     root = Path(settings.cache_dir)
     table = Table(title=f"cache at {root}")
     for col, justify in (("part", "left"), ("files", "right"), ("size", "right"), ("what", "left")):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, overflow="fold")
     for part, what in CACHE_PARTS.items():
         files, size = _usage(root / part)
         table.add_row(part, str(files), _mb(size), what)

@@ -599,3 +599,25 @@ def test_bench_into_a_pipe_says_each_step_on_stderr_and_keeps_stdout_json(monkey
     steps = result.stderr.splitlines()
     assert [f"{v['variant']}: compile, verify, time ..." for v in report["variants"]] == steps[:-1]
     assert steps[-1] == "PyTorch baseline (float32) ..." and "\x1b" not in result.stderr
+
+
+def test_listings_on_a_narrow_terminal_fold_their_cells_and_cut_none(monkeypatch):
+    """Rich cut cells that did not fit to "fused_…", "4096x1…", "12…" (an id), even piped at 160 columns a long
+    family name: what the user needed to read, or copy, was lost."""
+    from rich.console import Console
+
+    from kernelmill import cli, client
+
+    kernel = {"id": 123456, "op": "fused_mlp", "shape": [4096, 11008, 4096], "dtype": "bfloat16",
+              "precision": "bfloat16", "arch": "sm_90a", "family": "a_very_long_family_name_" * 3, "median_ms": 0.0123,
+              "baseline_ms": 0.02, "speedup": 1.62, "device_name": "NVIDIA H200 NVL"}  # fmt: skip
+    job = {"id": 654321, "op": "fused_mlp", "shapes": [[4096, 11008, 4096], [1, 4096, 4096]], "dtype": "bfloat16",
+           "strategy": "evolutionary", "state": "running", "trials_done": 4095, "trials_failed": 1234,
+           "per_shape": [{"best_ms": 0.0123, "speedup": 1.62}]}  # fmt: skip
+    monkeypatch.setattr(client, "fetch_kernels", lambda *args: [kernel])
+    monkeypatch.setattr(client, "fetch_jobs", lambda *args: [job])
+    for width in (60, 160):
+        monkeypatch.setattr(cli, "console", Console(width=width))
+        for argv in (["kernels"], ["jobs"]):
+            result = runner.invoke(app, argv)
+            assert result.exit_code == 0 and "…" not in result.stdout, result.stdout
