@@ -524,3 +524,21 @@ def test_cancelling_a_local_job_whose_process_died_ends_it_at_once(monkeypatch, 
     assert " ".join(result.output.split()) == said
     ended = store.get_job(job.id)
     assert ended.state == "cancelled" and ended.finished_at is not None
+
+
+@pytest.mark.parametrize(
+    ("timeout", "said"),
+    [
+        (httpx.ReadTimeout, "error: no answer from http://testserver/api/jobs within 30 s"),
+        (httpx.ConnectTimeout, "error: could not connect to http://testserver/api/jobs within 30 s"),
+    ],
+)
+def test_a_server_that_does_not_answer_in_time_is_said_so(monkeypatch, timeout, said):
+    """A slow server was "cannot reach http://...: timed out", which read as one that is down."""
+
+    def request(method, url, **kw):
+        raise timeout("timed out")
+
+    monkeypatch.setattr(httpx, "request", request)
+    result = CliRunner().invoke(app, ["jobs", "--server", SERVER])
+    assert result.exit_code == 3 and result.output.strip() == said, result.output
