@@ -49,6 +49,9 @@ class _Commands(TyperGroup):
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
+        except OSError as exc:  # what no command catches: stdout on a full disk (ENOSPC), say; EPIPE is typer's
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise SystemExit(fail(f"{exc.strerror or exc}{where}", 1).exit_code) from None
         except typer.Abort:  # input ended at a prompt
             raise SystemExit(fail("aborted", 1).exit_code) from None
         except typer.TyperException as exc:  # click's ClickException, UsageError and their kind

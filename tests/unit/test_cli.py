@@ -621,3 +621,21 @@ def test_listings_on_a_narrow_terminal_fold_their_cells_and_cut_none(monkeypatch
         for argv in (["kernels"], ["jobs"]):
             result = runner.invoke(app, argv)
             assert result.exit_code == 0 and "…" not in result.stdout, result.stdout
+
+
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(monkeypatch):
+    """`kernelmill ops > /dev/full` ended in an OSError traceback (typer handles a closed pipe only)."""
+    import errno
+    import io
+
+    from rich.console import Console
+
+    from kernelmill import cli
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "console", Console(file=Full()))
+    result = runner.invoke(app, ["ops"])
+    assert result.exit_code == 1 and result.stderr.strip() == "error: No space left on device", result.output
