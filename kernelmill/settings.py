@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -121,6 +122,23 @@ class Settings(BaseSettings):
         # An empty KERNELMILL_CACHE_DIR would be Path(""): the current folder, filled with cubins.
         if isinstance(value, str) and not value.strip():
             raise ValueError("is empty; unset it for the default (~/.cache/kernelmill) or name a folder")
+        return value
+
+    @field_validator("llm_url")
+    @classmethod
+    def _llm_url_is_a_url(cls, value: str | None) -> str | None:
+        # A malformed one (no scheme, "localhost:8080/v1") was found only by each llm job, which then fell back
+        # to guided with a warning in the log.
+        if value is None or not value.strip():
+            return None  # unset: the llm strategy uses guided
+        example = "give it as http://HOST:PORT/v1, e.g. http://127.0.0.1:8080/v1"
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError for a port that is out of range or not a number
+        except ValueError as exc:
+            raise ValueError(f"is not a URL ({exc}); {example}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"is not an http(s) URL with a host; {example}")
         return value
 
     @field_validator("api_token")

@@ -297,6 +297,12 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
             {"KERNELMILL_COMPILE_TIMEOUT_S": "1e300"},
             "error: KERNELMILL_COMPILE_TIMEOUT_S='1e300': Input should be less than or equal to 86400",
         ),
+        # Found only by each llm job, which fell back to guided with a warning in the service's log.
+        (
+            {"KERNELMILL_LLM_URL": "localhost:8080/v1"},
+            "error: KERNELMILL_LLM_URL='localhost:8080/v1': Value error, is not an http(s) URL with a host; give it",
+        ),
+        ({"KERNELMILL_LLM_URL": "http://[::1/v1"}, "error: KERNELMILL_LLM_URL='http://[::1/v1': Value error, is not a"),
         (
             {"KERNELMILL_WORKER_ANSWER_TIMEOUT_S": "1e10"},
             "error: KERNELMILL_WORKER_ANSWER_TIMEOUT_S='1e10': Input should be less than or equal to 86400",
