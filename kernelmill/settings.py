@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The longest wait a timeout setting may name: a day. Python's waits overflow past their C types (subprocess's
@@ -122,6 +122,15 @@ class Settings(BaseSettings):
         # An empty KERNELMILL_CACHE_DIR would be Path(""): the current folder, filled with cubins.
         if isinstance(value, str) and not value.strip():
             raise ValueError("is empty; unset it for the default (~/.cache/kernelmill) or name a folder")
+        return value
+
+    @field_validator("nvcc", "nsys", "llm_model", "database_url")
+    @classmethod
+    def _not_empty(cls, value: str, info: ValidationInfo) -> str:
+        # KERNELMILL_NVCC= was "nvcc not found ()" at the first compile, KERNELMILL_DATABASE_URL= "Could not parse
+        # SQLAlchemy URL" at the first listing: an empty value is a mistake, said before anything runs.
+        if not value.strip():
+            raise ValueError(f"is empty; unset it for the default ({cls.model_fields[info.field_name].default})")
         return value
 
     @field_validator("llm_url")

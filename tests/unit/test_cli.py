@@ -297,6 +297,9 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
             {"KERNELMILL_COMPILE_TIMEOUT_S": "1e300"},
             "error: KERNELMILL_COMPILE_TIMEOUT_S='1e300': Input should be less than or equal to 86400",
         ),
+        # Found only when used: "nvcc not found ()" at the first compile, "Could not parse SQLAlchemy URL".
+        ({"KERNELMILL_NVCC": ""}, "error: KERNELMILL_NVCC='': Value error, is empty; unset it for the default (nvcc)"),
+        ({"KERNELMILL_DATABASE_URL": " "}, "error: KERNELMILL_DATABASE_URL (not shown): Value error, is empty; unset"),
         # Found only by each llm job, which fell back to guided with a warning in the service's log.
         (
             {"KERNELMILL_LLM_URL": "localhost:8080/v1"},
