@@ -721,12 +721,18 @@ def tune(
         raise typer.Exit(1)
 
 
+JsonListOpt = Annotated[
+    bool, typer.Option("--json", help="the list as JSON on stdout (the API's fields; [] when empty)")
+]
+
+
 @app.command()
 @user_errors
 def jobs(
     server: ServerOpt = None,
     state: Annotated[str | None, typer.Option(help="queued, running, done, failed or cancelled")] = None,
     limit: Annotated[int, typer.Option(help="the most recent jobs listed")] = 20,
+    as_json: JsonListOpt = False,
 ) -> None:
     """List recent jobs (from the server, or the local database)."""
     from kernelmill.client import fetch_jobs
@@ -738,6 +744,9 @@ def jobs(
     if not 1 <= limit <= MAX_JOBS_PAGE:
         raise fail(f"--limit {limit} is out of range 1..{MAX_JOBS_PAGE}")
     listed = fetch_jobs(server, state, limit)
+    if as_json:
+        typer.echo(json.dumps(listed, indent=2))
+        return
     if not listed:
         console.print(  # one line, a path in it whole: wrapped at the terminal's width, it broke inside the path
             f"no {state + ' ' if state else ''}jobs{_listed_from(server)} (submit one: kernelmill tune OP --shape S)",
@@ -805,6 +814,7 @@ def kernels(
     server: ServerOpt = None,
     op: Annotated[str | None, typer.Option(help="only this op's kernels")] = None,
     dtype: Annotated[str | None, typer.Option(help="only kernels of this dtype")] = None,
+    as_json: JsonListOpt = False,
 ) -> None:
     """List served kernels: the best verified one per op, shape, dtype, precision and arch."""
     from kernelmill.client import fetch_kernels
@@ -814,6 +824,9 @@ def kernels(
     if dtype is not None:
         numpy_dtype(dtype)  # and an unknown dtype one naming the dtypes
     listed = fetch_kernels(server, op, dtype)
+    if as_json:
+        typer.echo(json.dumps(listed, indent=2))
+        return
     if not listed:
         what = " ".join(v for v in (op, dtype) if v)
         where = _listed_from(server)

@@ -357,7 +357,7 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
         return []
     store = Store(get_settings().database_url)
     rows, _ = store.list_jobs(state, None, limit)
-    return [j.model_dump() for j in jobs_out(store, rows)]
+    return [j.model_dump(mode="json") for j in jobs_out(store, rows)]  # as the API answers them
 
 
 def cancel_job(server: str | None, job_id: int) -> tuple[dict[str, Any], str | None]:
@@ -408,7 +408,7 @@ def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list
 
     def fetch_local(offset: int) -> tuple[list[dict[str, Any]], int]:
         rows, total = store.list_kernels(op, dtype, limit=KERNELS_PAGE, offset=offset)
-        return [KernelSummary.model_validate(k).model_dump() for k in rows], total
+        return [KernelSummary.model_validate(k).model_dump(mode="json") for k in rows], total
 
     return _all_pages(fetch_local)
 

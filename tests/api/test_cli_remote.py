@@ -3,6 +3,7 @@ executor), through the same httpx calls it makes to a real server."""
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -542,3 +543,23 @@ def test_a_server_that_does_not_answer_in_time_is_said_so(monkeypatch, timeout, 
     monkeypatch.setattr(httpx, "request", request)
     result = CliRunner().invoke(app, ["jobs", "--server", SERVER])
     assert result.exit_code == 3 and result.output.strip() == said, result.output
+
+
+def test_jobs_and_kernels_list_as_json_from_a_server_and_the_local_database(serve, monkeypatch, tmp_path):
+    """Machine output: JSON alone on stdout, the API's fields, from a server or the local database alike."""
+    serve(workers=1)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    assert CliRunner().invoke(app, TUNE).exit_code == 0
+    remote_jobs = json.loads(CliRunner().invoke(app, ["jobs", "--json", "--server", SERVER]).stdout)
+    assert [(j["id"], j["state"]) for j in remote_jobs] == [(1, "done")]
+    remote_kernels = json.loads(CliRunner().invoke(app, ["kernels", "--json", "--server", SERVER]).stdout)
+    assert [(k["op"], k["shape"]) for k in remote_kernels] == [("softmax", [1024, 1024])]
+
+    store = _local_store(monkeypatch, tmp_path)
+    job = _local_job(store)
+    local = CliRunner().invoke(app, ["jobs", "--json"])
+    assert local.exit_code == 0, local.output
+    (listed,) = json.loads(local.stdout)
+    assert listed["id"] == job.id and set(listed) == set(remote_jobs[0])  # its times as the API writes them
+    empty = CliRunner().invoke(app, ["kernels", "--json", "--op", "matmul"])
+    assert empty.exit_code == 0 and json.loads(empty.stdout) == []
