@@ -1,8 +1,7 @@
 """The ``kernelmill`` command line (typer). Bad input: one line on stderr and exit code 2.
 
-Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, or a server or database that does not answer,
-4 no profiler (nsys) here,
-5 the profiler ran but produced no report, 130 interrupted (Ctrl-C).
+Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, or a server or database that does not
+answer, 4 no profiler (nsys) here, 5 the profiler ran but produced no report, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
