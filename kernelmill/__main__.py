@@ -17,7 +17,7 @@ def main() -> None:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    app()
+    app(prog_name="kernelmill")  # as `python -m kernelmill` too: its usage lines named "python -m kernelmill"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The ``kernelmill`` command line (typer). Bad input: one line on stderr and exit code 2.
 
-Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, 4 no profiler (nsys) here,
-5 the profiler ran but produced no report.
+Exit codes: 1 the work failed, 2 bad input, 3 no GPU (or nvcc) here, or a server or database that does not
+answer, 4 no profiler (nsys) here, 5 the profiler ran but produced no report, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
 from kernelmill import __version__
 from kernelmill.kernels.compile import (
@@ -36,12 +37,40 @@ from kernelmill.kernels.ops import OPS, get_op
 from kernelmill.kernels.ops.base import DTYPES, SpecError, format_shape, numpy_dtype
 from kernelmill.kernels.render import RenderError
 
+
+class _Commands(TyperGroup):
+    """Click's own usage errors (an unknown command or option, a missing one, a value that is not a number) as one
+    line, ``error: ...`` with exit code 2, like kernelmill's bad input (typer drew them as a usage line, a hint and a
+    boxed message); Ctrl-C as one line and exit code 130 (typer exited silently)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except OSError as exc:  # what no command catches: stdout on a full disk (ENOSPC), say; EPIPE is typer's
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise SystemExit(fail(f"{exc.strerror or exc}{where}", 1).exit_code) from None
+        except typer.Abort:  # input ended at a prompt
+            raise SystemExit(fail("aborted", 1).exit_code) from None
+        except typer.TyperException as exc:  # click's ClickException, UsageError and their kind
+            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is printed: only the exit code is left
+                raise SystemExit(exc.exit_code) from None
+            ctx = getattr(exc, "ctx", None)
+            see = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            raise SystemExit(fail(f"{exc.format_message()}{see}", exc.exit_code).exit_code) from None
+        if code == EXIT_INTERRUPTED:  # typer's answer to KeyboardInterrupt; no command exits so itself
+            fail("interrupted", EXIT_INTERRUPTED)
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="kernelmill",
     help="Generate, tune and serve CUDA kernels.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=_Commands,
 )
 #: Columns of tables written to a pipe or a file (a log, `| tee`), where rich would otherwise assume 80 and
 #: cut the cells of wide tables (`kernelmill kernels`) to "line…"; a terminal, or COLUMNS, sets its own.
@@ -61,6 +90,7 @@ EXIT_USAGE = 2  # bad input
 EXIT_UNAVAILABLE = 3  # the machine lacks what the command needs (GPU, nvcc), or a service does not answer
 EXIT_NO_PROFILER = 4  # nsys (Nsight Systems) is not installed
 EXIT_NO_REPORT = 5  # the profiler ran but wrote no usable report
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -131,6 +161,7 @@ def _variant(
 ParamOpt = Annotated[list[str] | None, typer.Option("--param", "-p", help="template knob NAME=VALUE (repeatable)")]
 AttrOpt = Annotated[list[str] | None, typer.Option("--attr", help="op attribute NAME=VALUE, e.g. act=relu")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", "-d", help=f"one of {', '.join(DTYPES)}")]
+OpArg = Annotated[str, typer.Argument(help="the op, e.g. softmax (`kernelmill ops` lists them)", show_default=False)]
 
 
 @app.command()
@@ -185,7 +216,7 @@ def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable o
         return
     table = Table(title="kernelmill ops")
     for col in ("op", "shape", "family", "dtypes", "space size"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for entry in listing:
         for fam in entry["families"]:
             sizes = " ".join(f"{k}:{v}" for k, v in fam["space_size"].items())
@@ -196,7 +227,7 @@ def ops(as_json: Annotated[bool, typer.Option("--json", help="machine-readable o
 @app.command()
 @user_errors
 def render(
-    op: str,
+    op: OpArg,
     family: Annotated[str, typer.Option("--family", "-f", help="template family")],
     dtype: DtypeOpt = "float16",
     param: ParamOpt = None,
@@ -209,13 +240,13 @@ def render(
 @app.command()
 @user_errors
 def compile(  # noqa: A001 - the command's name
-    op: str,
-    family: Annotated[str, typer.Option("--family", "-f")],
+    op: OpArg,
+    family: Annotated[str, typer.Option("--family", "-f", help="template family (`kernelmill ops` lists them)")],
     dtype: DtypeOpt = "float16",
     param: ParamOpt = None,
     attr: AttrOpt = None,
     arch: Annotated[str | None, typer.Option(help="target, e.g. sm_90 (default: this GPU's, else sm_90)")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="the report as JSON on stdout")] = False,
 ) -> None:
     """Compile one variant with nvcc and print the ptxas report (or the compile error)."""
     variant = _variant(op, family, dtype, param, attr)
@@ -238,7 +269,7 @@ def compile(  # noqa: A001 - the command's name
         return
     table = Table(title=f"{variant.describe()} on {compiled.arch}{' (cached)' if compiled.cached else ''}")
     for col in ("kernel", "registers", "smem B", "stack B", "spill st B", "spill ld B"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for name, res in compiled.resources.items():
         table.add_row(
             name,
@@ -251,7 +282,7 @@ def compile(  # noqa: A001 - the command's name
 @app.command()
 @user_errors
 def bench(
-    op: str,
+    op: OpArg,
     shape: Annotated[str, typer.Option("--shape", "-s", help="e.g. 8192x8192 (dims: see `kernelmill ops`)")],
     dtype: DtypeOpt = "float16",
     family: Annotated[str | None, typer.Option("--family", "-f", help="default: every family")] = None,
@@ -261,10 +292,11 @@ def bench(
         int, typer.Option(min=1, help="random input sets to verify on (at least one per kind of input the op draws)")
     ] = 3,
     reps: Annotated[int, typer.Option(min=1, help="timed repetitions")] = 50,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="the report as JSON on stdout")] = False,
 ) -> None:
-    """Verify then time variants on this GPU, next to PyTorch and the roofline floor. Each family runs at its
-    shape defaults (what the runtime runs untuned), --param on top."""
+    """Verify then time variants on this GPU, next to PyTorch and the roofline floor.
+
+    Each family runs at its shape defaults (what the runtime runs untuned), --param on top."""
     from kernelmill.kernels.bench import L2Flusher, ceilings, time_torch
     from kernelmill.kernels.device import get_device
     from kernelmill.kernels.evaluate import evaluate
@@ -291,7 +323,7 @@ def bench(
     floor_ms = ceil.floor_ms(spec, dims, dtype)
     rows = []
     for variant in variants:
-        with console.status(f"{variant.describe()}: compile, verify, time"):
+        with _status(f"{variant.describe()}: compile, verify, time"):
             ev = evaluate(variant, dims, device, compiler, seeds=seeds, reps=reps, flusher=flusher)
         rows.append(ev)
         if ev.poisoned:
@@ -299,7 +331,7 @@ def bench(
     inputs = spec.make_inputs(dims, dtype, seed=0)
     torch_timings = {}  # by precision: a TF32 variant is compared with PyTorch in TF32
     for precision in precisions:
-        with console.status(f"PyTorch baseline ({precision})"):
+        with _status(f"PyTorch baseline ({precision})"):
             torch_timings[precision] = time_torch(
                 device, spec, inputs, variants[0].attrs, flusher, reps=reps, precision=precision
             )
@@ -310,6 +342,18 @@ def bench(
         _print_bench(report)
     if not any(ev.ok for ev in rows):
         raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _status(what: str) -> Iterator[None]:
+    """Rich's spinner on a terminal; elsewhere (a log, a pipe) a plain line as the step starts: the spinner draws
+    nothing there, and a bench of every family was minutes of silence. On stderr: stdout is the report (--json)."""
+    if err_console.is_terminal:
+        with err_console.status(Text(what)):
+            yield
+    else:
+        err_console.print(f"{what} ...", markup=False, highlight=False, soft_wrap=True)
+        yield
 
 
 def _bench_report(spec, dims, dtype, device_name, ceil, floor_ms, rows, torch_timings) -> dict[str, Any]:
@@ -360,7 +404,7 @@ def _print_bench(report: dict[str, Any]) -> None:
     table = Table(title=title)
     columns = ("family", "status", "max rel err", "worst elem", "median us", "spread", "GB/s", "TFLOP/s", "% floor")
     for col in (*columns, "vs torch"):
-        table.add_column(col, justify="right" if col not in ("family", "status") else "left")
+        table.add_column(col, justify="right" if col not in ("family", "status") else "left", overflow="fold")
     for v in report["variants"]:
         errs = v.get("max_rel_err_per_seed") or {}
         err = f"{max(errs.values()):.2e}" if errs else ""
@@ -416,13 +460,16 @@ def _server_option(value: str | None) -> str | None:
     from kernelmill.client import ServerError, server_url
     from kernelmill.settings import default_server
 
+    # A bad KERNELMILL_SERVER is named as such: "malformed server URL" alone sent users looking for a --server
+    # they had not given.
+    from_env = value is None or value == os.environ.get("KERNELMILL_SERVER")
     value = value or default_server()  # typer reads the environment; .env is the settings'
     if not value:
         return None
     try:
         return server_url(value)
     except ServerError as exc:
-        raise fail(str(exc)) from None
+        raise fail(f"KERNELMILL_SERVER: {exc}" if from_env else str(exc)) from None
 
 
 ServerOpt = Annotated[
@@ -616,7 +663,7 @@ def _as_tune_options(message: str) -> str:
 @app.command()
 @user_errors
 def tune(
-    op: str,
+    op: OpArg,
     shape: Annotated[list[str], typer.Option("--shape", "-s", help="repeatable, e.g. 8192x8192")],
     dtype: DtypeOpt = "float16",
     strategy: StrategyOpt = "random",
@@ -673,12 +720,18 @@ def tune(
         raise typer.Exit(1)
 
 
+JsonListOpt = Annotated[
+    bool, typer.Option("--json", help="the list as JSON on stdout (the API's fields; [] when empty)")
+]
+
+
 @app.command()
 @user_errors
 def jobs(
     server: ServerOpt = None,
     state: Annotated[str | None, typer.Option(help="queued, running, done, failed or cancelled")] = None,
-    limit: int = 20,
+    limit: Annotated[int, typer.Option(help="the most recent jobs listed")] = 20,
+    as_json: JsonListOpt = False,
 ) -> None:
     """List recent jobs (from the server, or the local database)."""
     from kernelmill.client import fetch_jobs
@@ -690,6 +743,9 @@ def jobs(
     if not 1 <= limit <= MAX_JOBS_PAGE:
         raise fail(f"--limit {limit} is out of range 1..{MAX_JOBS_PAGE}")
     listed = fetch_jobs(server, state, limit)
+    if as_json:
+        typer.echo(json.dumps(listed, indent=2))
+        return
     if not listed:
         console.print(  # one line, a path in it whole: wrapped at the terminal's width, it broke inside the path
             f"no {state + ' ' if state else ''}jobs{_listed_from(server)} (submit one: kernelmill tune OP --shape S)",
@@ -698,7 +754,7 @@ def jobs(
         return
     table = Table(title="jobs")
     for col in ("id", "op", "shapes", "dtype", "strategy", "state", "trials", "failed", "best us", "speedup"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for job in listed:
         best = [s for s in job["per_shape"] if s["best_ms"]]
         table.add_row(
@@ -722,8 +778,10 @@ def cancel(
     job_id: Annotated[int, typer.Argument(help="the job's id (`kernelmill jobs` lists them)", show_default=False)],
     server: ServerOpt = None,
 ) -> None:
-    """Cancel a job: a queued one at once, a running one after its current batch (its trials so far are kept), one
-    whose process died (its lease lapsed) at once."""
+    """Cancel a job (`kernelmill jobs` lists them).
+
+    A queued one ends at once, a running one after its current batch (its trials so far are kept), one whose process
+    died (its lease lapsed) at once."""
     from kernelmill.client import cancel_job
     from kernelmill.service.api.schemas import MAX_ID
 
@@ -753,8 +811,9 @@ def _listed_from(server: str | None) -> str:
 @user_errors
 def kernels(
     server: ServerOpt = None,
-    op: str | None = None,
-    dtype: str | None = None,
+    op: Annotated[str | None, typer.Option(help="only this op's kernels")] = None,
+    dtype: Annotated[str | None, typer.Option(help="only kernels of this dtype")] = None,
+    as_json: JsonListOpt = False,
 ) -> None:
     """List served kernels: the best verified one per op, shape, dtype, precision and arch."""
     from kernelmill.client import fetch_kernels
@@ -764,6 +823,9 @@ def kernels(
     if dtype is not None:
         numpy_dtype(dtype)  # and an unknown dtype one naming the dtypes
     listed = fetch_kernels(server, op, dtype)
+    if as_json:
+        typer.echo(json.dumps(listed, indent=2))
+        return
     if not listed:
         what = " ".join(v for v in (op, dtype) if v)
         where = _listed_from(server)
@@ -774,7 +836,7 @@ def kernels(
         return
     table = Table(title="served kernels", caption=f"({len(listed)} kernel{'s' if len(listed) != 1 else ''})")
     for col in ("id", "op", "shape", "dtype", "arch", "family", "median us", "torch us", "speedup", "device"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for k in listed:
         table.add_row(
             str(k["id"]),
@@ -811,7 +873,7 @@ def cache_info() -> None:
     root = Path(settings.cache_dir)
     table = Table(title=f"cache at {root}")
     for col, justify in (("part", "left"), ("files", "right"), ("size", "right"), ("what", "left")):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, overflow="fold")
     for part, what in CACHE_PARTS.items():
         files, size = _usage(root / part)
         table.add_row(part, str(files), _mb(size), what)

@@ -52,13 +52,20 @@ def server_url(url: str) -> str:
         raise ServerError(str(exc)) from None
 
 
+#: How long a request waits to connect, and then for each part of the answer.
+ANSWER_TIMEOUT_S = 30.0
+
+
 def _request(method: str, url: str, *, expect: Any = None, **kw) -> Any:
     """The JSON the server answers, checked against ``expect`` (a type of the API's schemas) where given: a
     ServerError says when it is not JSON or not what the API answers (another service on that port, a proxy)."""
     token = get_settings().api_token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.request(method, url, headers=headers, timeout=30.0, **kw)
+        resp = httpx.request(method, url, headers=headers, timeout=ANSWER_TIMEOUT_S, **kw)
+    except httpx.TimeoutException as exc:  # "cannot reach ...: timed out" read as a server down, not a slow one
+        what = f"could not connect to {url}" if isinstance(exc, httpx.ConnectTimeout) else f"no answer from {url}"
+        raise ServerError(f"{what} within {ANSWER_TIMEOUT_S:g} s", unreachable=True) from None
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot reach {url}: {exc}", unreachable=True) from None
     if resp.status_code >= 400:
@@ -350,7 +357,7 @@ def fetch_jobs(server: str | None, state: str | None, limit: int) -> list[dict[s
         return []
     store = Store(get_settings().database_url)
     rows, _ = store.list_jobs(state, None, limit)
-    return [j.model_dump() for j in jobs_out(store, rows)]
+    return [j.model_dump(mode="json") for j in jobs_out(store, rows)]  # as the API answers them
 
 
 def cancel_job(server: str | None, job_id: int) -> tuple[dict[str, Any], str | None]:
@@ -401,7 +408,7 @@ def fetch_kernels(server: str | None, op: str | None, dtype: str | None) -> list
 
     def fetch_local(offset: int) -> tuple[list[dict[str, Any]], int]:
         rows, total = store.list_kernels(op, dtype, limit=KERNELS_PAGE, offset=offset)
-        return [KernelSummary.model_validate(k).model_dump() for k in rows], total
+        return [KernelSummary.model_validate(k).model_dump(mode="json") for k in rows], total
 
     return _all_pages(fetch_local)
 

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The longest wait a timeout setting may name: a day. Python's waits overflow past their C types (subprocess's
+#: poll() past ~24.8 days, sockets and threads further on), so KERNELMILL_COMPILE_TIMEOUT_S=1e300 was accepted and
+#: every compile then ended in an OverflowError traceback.
+MAX_WAIT_S = 86400.0
 
 
 def _default_cache_dir() -> Path:
@@ -25,7 +31,7 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(default_factory=_default_cache_dir, description="compiled cubins and ptxas reports")
     nvcc: str = Field("nvcc", description="nvcc executable")
-    compile_timeout_s: float = Field(120.0, gt=0, description="nvcc wall-clock limit per variant")
+    compile_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S, description="nvcc wall-clock limit per variant")
     compile_workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
     compile_cache_max_mb: float = Field(
         4096.0,
@@ -37,7 +43,7 @@ class Settings(BaseSettings):
         3, ge=1, description="random input sets per verification (at least one per kind of input an op draws)"
     )
     bench_reps: int = Field(30, ge=1, description="timed repetitions per trial")
-    kernel_timeout_s: float = Field(10.0, gt=0, description="a kernel running longer is a hang")
+    kernel_timeout_s: float = Field(10.0, gt=0, le=MAX_WAIT_S, description="a kernel running longer is a hang")
     nvtx: bool = Field(
         False, description="NVTX ranges around each runtime op on the GPU (profile-forward sets it in its child)"
     )
@@ -87,7 +93,7 @@ class Settings(BaseSettings):
     llm_url: str | None = Field(None, description="e.g. http://127.0.0.1:8080/v1; unset: the llm strategy uses guided")
     llm_api_key: str | None = None
     llm_model: str = "gpt-4o-mini"
-    llm_timeout_s: float = Field(30.0, gt=0)
+    llm_timeout_s: float = Field(30.0, gt=0, le=MAX_WAIT_S)
 
     # -- service ---------------------------------------------------------------
     database_url: str = Field("sqlite:///./kernelmill.db", description="any SQLAlchemy URL (PostgreSQL works)")
@@ -99,14 +105,16 @@ class Settings(BaseSettings):
     scheduler: str | None = Field(None, description="tcp://HOST:8786 of an existing Dask scheduler")
     executor: str = Field("dask", pattern="^(dask|fake)$", description="'fake' runs synthetic GPUs (tests only)")
     fake_workers: int = Field(2, ge=0, description="fake GPUs when executor=fake")
-    fake_delay_s: float = Field(0.0, ge=0, description="seconds per fake trial")
+    fake_delay_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, description="seconds per fake trial")
     # jobs.budget_trials is an INTEGER (32 bits on PostgreSQL): a larger job failed its insert (500).
     max_budget_trials: int = Field(4096, ge=1, le=2**31 - 1)
     max_budget_seconds: float = Field(6 * 3600.0, gt=0)
     max_shapes: int = Field(32, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="request bodies larger than this get 413")
     batch_size: int = Field(8, ge=1, description="candidates per evaluation batch")
-    worker_answer_timeout_s: float = Field(900.0, gt=0, description="a GPU worker silent this long is replaced")
+    worker_answer_timeout_s: float = Field(
+        900.0, gt=0, le=MAX_WAIT_S, description="a GPU worker silent this long is replaced"
+    )
 
     @field_validator("cache_dir", mode="before")
     @classmethod
@@ -114,6 +122,32 @@ class Settings(BaseSettings):
         # An empty KERNELMILL_CACHE_DIR would be Path(""): the current folder, filled with cubins.
         if isinstance(value, str) and not value.strip():
             raise ValueError("is empty; unset it for the default (~/.cache/kernelmill) or name a folder")
+        return value
+
+    @field_validator("nvcc", "nsys", "llm_model", "database_url")
+    @classmethod
+    def _not_empty(cls, value: str, info: ValidationInfo) -> str:
+        # KERNELMILL_NVCC= was "nvcc not found ()" at the first compile, KERNELMILL_DATABASE_URL= "Could not parse
+        # SQLAlchemy URL" at the first listing: an empty value is a mistake, said before anything runs.
+        if not value.strip():
+            raise ValueError(f"is empty; unset it for the default ({cls.model_fields[info.field_name].default})")
+        return value
+
+    @field_validator("llm_url")
+    @classmethod
+    def _llm_url_is_a_url(cls, value: str | None) -> str | None:
+        # A malformed one (no scheme, "localhost:8080/v1") was found only by each llm job, which then fell back
+        # to guided with a warning in the log.
+        if value is None or not value.strip():
+            return None  # unset: the llm strategy uses guided
+        example = "give it as http://HOST:PORT/v1, e.g. http://127.0.0.1:8080/v1"
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError for a port that is out of range or not a number
+        except ValueError as exc:
+            raise ValueError(f"is not a URL ({exc}); {example}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"is not an http(s) URL with a host; {example}")
         return value
 
     @field_validator("api_token")

@@ -3,6 +3,7 @@ executor), through the same httpx calls it makes to a real server."""
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -150,9 +151,11 @@ def test_a_malformed_server_url_is_one_line_and_exit_2(url, monkeypatch):
         assert result.exit_code == 2, result.output
         assert f"malformed server URL {url!r}" in result.output and "http://HOST:PORT" in result.output
         assert "Traceback" not in result.output
-    monkeypatch.setenv("KERNELMILL_SERVER", url)  # the same URL from the environment
+        assert "KERNELMILL_SERVER" not in result.output
+    # The same URL from the environment: the line names the variable, not a --server that was not given.
+    monkeypatch.setenv("KERNELMILL_SERVER", url)
     result = CliRunner().invoke(app, ["jobs"])
-    assert result.exit_code == 2 and "malformed server URL" in result.output
+    assert result.exit_code == 2 and f"error: KERNELMILL_SERVER: malformed server URL {url!r}" in result.output
 
 
 def test_a_server_that_cannot_list_its_workers_still_has_its_job_followed(serve, monkeypatch):
@@ -522,3 +525,41 @@ def test_cancelling_a_local_job_whose_process_died_ends_it_at_once(monkeypatch, 
     assert " ".join(result.output.split()) == said
     ended = store.get_job(job.id)
     assert ended.state == "cancelled" and ended.finished_at is not None
+
+
+@pytest.mark.parametrize(
+    ("timeout", "said"),
+    [
+        (httpx.ReadTimeout, "error: no answer from http://testserver/api/jobs within 30 s"),
+        (httpx.ConnectTimeout, "error: could not connect to http://testserver/api/jobs within 30 s"),
+    ],
+)
+def test_a_server_that_does_not_answer_in_time_is_said_so(monkeypatch, timeout, said):
+    """A slow server was "cannot reach http://...: timed out", which read as one that is down."""
+
+    def request(method, url, **kw):
+        raise timeout("timed out")
+
+    monkeypatch.setattr(httpx, "request", request)
+    result = CliRunner().invoke(app, ["jobs", "--server", SERVER])
+    assert result.exit_code == 3 and result.output.strip() == said, result.output
+
+
+def test_jobs_and_kernels_list_as_json_from_a_server_and_the_local_database(serve, monkeypatch, tmp_path):
+    """Machine output: JSON alone on stdout, the API's fields, from a server or the local database alike."""
+    serve(workers=1)
+    monkeypatch.setattr(cli_client, "time", SimpleNamespace(sleep=lambda s: time.sleep(0.02), monotonic=time.monotonic))
+    assert CliRunner().invoke(app, TUNE).exit_code == 0
+    remote_jobs = json.loads(CliRunner().invoke(app, ["jobs", "--json", "--server", SERVER]).stdout)
+    assert [(j["id"], j["state"]) for j in remote_jobs] == [(1, "done")]
+    remote_kernels = json.loads(CliRunner().invoke(app, ["kernels", "--json", "--server", SERVER]).stdout)
+    assert [(k["op"], k["shape"]) for k in remote_kernels] == [("softmax", [1024, 1024])]
+
+    store = _local_store(monkeypatch, tmp_path)
+    job = _local_job(store)
+    local = CliRunner().invoke(app, ["jobs", "--json"])
+    assert local.exit_code == 0, local.output
+    (listed,) = json.loads(local.stdout)
+    assert listed["id"] == job.id and set(listed) == set(remote_jobs[0])  # its times as the API writes them
+    empty = CliRunner().invoke(app, ["kernels", "--json", "--op", "matmul"])
+    assert empty.exit_code == 0 and json.loads(empty.stdout) == []

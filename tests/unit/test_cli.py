@@ -292,6 +292,24 @@ def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
             {"KERNELMILL_KERNEL_TIMEOUT_S": "nan"},
             "error: KERNELMILL_KERNEL_TIMEOUT_S='nan': Input should be a finite number",
         ),
+        # Finite but past what Python's waits take: every compile ended in an OverflowError traceback.
+        (
+            {"KERNELMILL_COMPILE_TIMEOUT_S": "1e300"},
+            "error: KERNELMILL_COMPILE_TIMEOUT_S='1e300': Input should be less than or equal to 86400",
+        ),
+        # Found only when used: "nvcc not found ()" at the first compile, "Could not parse SQLAlchemy URL".
+        ({"KERNELMILL_NVCC": ""}, "error: KERNELMILL_NVCC='': Value error, is empty; unset it for the default (nvcc)"),
+        ({"KERNELMILL_DATABASE_URL": " "}, "error: KERNELMILL_DATABASE_URL (not shown): Value error, is empty; unset"),
+        # Found only by each llm job, which fell back to guided with a warning in the service's log.
+        (
+            {"KERNELMILL_LLM_URL": "localhost:8080/v1"},
+            "error: KERNELMILL_LLM_URL='localhost:8080/v1': Value error, is not an http(s) URL with a host; give it",
+        ),
+        ({"KERNELMILL_LLM_URL": "http://[::1/v1"}, "error: KERNELMILL_LLM_URL='http://[::1/v1': Value error, is not a"),
+        (
+            {"KERNELMILL_WORKER_ANSWER_TIMEOUT_S": "1e10"},
+            "error: KERNELMILL_WORKER_ANSWER_TIMEOUT_S='1e10': Input should be less than or equal to 86400",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_line_and_exit_2_before_any_command(env, message):
@@ -500,3 +518,133 @@ def test_cache_commands_on_a_cache_folder_under_a_file_say_it_is_empty(tmp_path,
         result = runner.invoke(app, args)
         assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     assert "0 of 0 compiled variants removed" in result.stdout
+
+
+def test_every_command_option_and_argument_has_help_and_a_one_line_summary():
+    """`kernelmill --help` lists each command by its docstring's first paragraph, keeping its line breaks: bench's
+    and cancel's summaries broke mid-sentence ("... at its" / "shape defaults"). compile --family, --json,
+    jobs --limit, kernels --op/--dtype and the OP arguments had no help text."""
+    import typer.main
+
+    def commands(group, prefix=""):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                yield from commands(command, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", command
+
+    for name, command in commands(typer.main.get_command(app)):
+        if name != "tune-model":  # its docstring is another change's to fix
+            assert "\n" not in command.help.strip().split("\n\n")[0], name
+        for param in command.params:
+            assert param.help, f"{name} {param.name}"
+
+
+def test_usage_lines_name_the_kernelmill_command_under_python_m_too():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kernelmill", "render", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "Usage: kernelmill render [OPTIONS]" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["bogus"], "error: No such command 'bogus'. (see kernelmill --help)"),
+        (["cache", "bogus"], "error: No such command 'bogus'. (see kernelmill cache --help)"),
+        (["jobs", "--bogus"], "error: No such option: --bogus (see kernelmill jobs --help)"),
+        (["render", "softmax"], "error: Missing option '--family' / '-f'. (see kernelmill render --help)"),
+        (["jobs", "--limit", "x"], "error: Invalid value for '--limit': Input should be a valid integer"),
+    ],
+)
+def test_clicks_usage_errors_are_one_line_and_exit_2(argv, line):
+    """They were a usage line, a hint and a five-line box, unlike every other bad input."""
+    result = runner.invoke(app, argv, prog_name="kernelmill")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(line) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not result.stdout
+
+
+def test_no_command_still_prints_the_help():
+    result = runner.invoke(app, [], prog_name="kernelmill")
+    assert result.exit_code == 2 and "Commands" in result.stdout and not result.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
+    """typer ended an interrupted command silently."""
+    from kernelmill import client
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client, "fetch_jobs", interrupted)
+    result = runner.invoke(app, ["jobs"])
+    assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted", result.output
+
+
+def test_bench_into_a_pipe_says_each_step_on_stderr_and_keeps_stdout_json(monkeypatch):
+    """Rich's spinner draws nothing without a terminal: a bench of every family, minutes, printed nothing until
+    its end. The steps go to stderr, so that --json's stdout stays JSON."""
+    from types import SimpleNamespace
+
+    from kernelmill.kernels import bench, device, evaluate
+
+    gpu = SimpleNamespace(info=SimpleNamespace(name="Fake GPU", sm_count=132))
+    monkeypatch.setattr(device, "get_device", lambda ordinal=0: gpu)
+    monkeypatch.setattr(bench, "L2Flusher", lambda device: None)
+    ceil = SimpleNamespace(copy_gbps=3000.0, matrix_tflops={}, floor_ms=lambda *args: 0.01)
+    monkeypatch.setattr(bench, "ceilings", lambda device, precisions: ceil)
+    monkeypatch.setattr(bench, "time_torch", lambda *args, **kwargs: None)
+
+    def failing(variant, dims, device, compiler, **kwargs):
+        failed = dict(ok=False, poisoned=False, status="compile_error", reason="x", verification=None, timing=None)
+        return SimpleNamespace(variant=variant, **failed)
+
+    monkeypatch.setattr(evaluate, "evaluate", failing)
+    result = runner.invoke(app, ["bench", "softmax", "-s", "64x64", "-d", "float32", "--json"])
+    assert result.exit_code == 1, result.output  # no variant ran
+    report = json.loads(result.stdout)
+    steps = result.stderr.splitlines()
+    assert [f"{v['variant']}: compile, verify, time ..." for v in report["variants"]] == steps[:-1]
+    assert steps[-1] == "PyTorch baseline (float32) ..." and "\x1b" not in result.stderr
+
+
+def test_listings_on_a_narrow_terminal_fold_their_cells_and_cut_none(monkeypatch):
+    """Rich cut cells that did not fit to "fused_…", "4096x1…", "12…" (an id), even piped at 160 columns a long
+    family name: what the user needed to read, or copy, was lost."""
+    from rich.console import Console
+
+    from kernelmill import cli, client
+
+    kernel = {"id": 123456, "op": "fused_mlp", "shape": [4096, 11008, 4096], "dtype": "bfloat16",
+              "precision": "bfloat16", "arch": "sm_90a", "family": "a_very_long_family_name_" * 3, "median_ms": 0.0123,
+              "baseline_ms": 0.02, "speedup": 1.62, "device_name": "NVIDIA H200 NVL"}  # fmt: skip
+    job = {"id": 654321, "op": "fused_mlp", "shapes": [[4096, 11008, 4096], [1, 4096, 4096]], "dtype": "bfloat16",
+           "strategy": "evolutionary", "state": "running", "trials_done": 4095, "trials_failed": 1234,
+           "per_shape": [{"best_ms": 0.0123, "speedup": 1.62}]}  # fmt: skip
+    monkeypatch.setattr(client, "fetch_kernels", lambda *args: [kernel])
+    monkeypatch.setattr(client, "fetch_jobs", lambda *args: [job])
+    for width in (60, 160):
+        monkeypatch.setattr(cli, "console", Console(width=width))
+        for argv in (["kernels"], ["jobs"]):
+            result = runner.invoke(app, argv)
+            assert result.exit_code == 0 and "…" not in result.stdout, result.stdout
+
+
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(monkeypatch):
+    """`kernelmill ops > /dev/full` ended in an OSError traceback (typer handles a closed pipe only)."""
+    import errno
+    import io
+
+    from rich.console import Console
+
+    from kernelmill import cli
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "console", Console(file=Full()))
+    result = runner.invoke(app, ["ops"])
+    assert result.exit_code == 1 and result.stderr.strip() == "error: No space left on device", result.output
