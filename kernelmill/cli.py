@@ -959,8 +959,10 @@ def tune_model(
     follow: Annotated[bool, typer.Option("--follow/--no-follow", help="watch the jobs to their end")] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="list the problems; submit nothing")] = False,
 ) -> None:
-    """Tune what a model's forward runs: one forward on the CPU collects its problems (op, shape, dtype),
-    then a job per op goes to the server. Models loaded with that server then pull the tuned kernels."""
+    """Tune what a model's forward runs: a job per op of its forward goes to the server.
+
+    One forward on the CPU collects its problems (op, shape, dtype), then a job per op goes to the server. Models
+    loaded with that server then pull the tuned kernels."""
     from kernelmill.agents.strategies import strategy_class
     from kernelmill.runtime import Model
     from kernelmill.runtime import tune_model as submit
@@ -1047,11 +1049,12 @@ def profile_forward(
     """Run a model's forwards under Nsight Systems with NVTX ranges per op; print and store the summary."""
     from kernelmill.runtime.profile import ForwardFailed, ForwardSpec, NsysNoReport, NsysUnavailable, find_nsys
     from kernelmill.runtime.profile import profile_forward as run_profile
+    from kernelmill.settings import MAX_WAIT_S
 
     spec = ForwardSpec(model, preset, batch, seq, dtype, act, iters, warmup, graphs, server)
     spec.check()
-    if not 0 < timeout_s < math.inf:
-        raise fail(f"--timeout-s must be a number of seconds above 0, not {timeout_s}")
+    if not 0 < timeout_s <= MAX_WAIT_S:  # past a day, subprocess's waits overflowed (1e300 passed, then raised)
+        raise fail(f"--timeout-s must be a number of seconds above 0 and at most {MAX_WAIT_S:.0f}, not {timeout_s}")
     if find_nsys() is None:  # before --keep's folder is made
         raise fail(_NO_NSYS, EXIT_NO_PROFILER)
     # What the profile is written to is checked before it runs: a profile takes minutes and is not lost at the end.

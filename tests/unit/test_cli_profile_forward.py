@@ -132,6 +132,7 @@ def test_where_the_profile_goes_and_its_time_limit_are_checked_before_nsys(nsys_
         (["--timeout-s", "-5"], "--timeout-s must be"),
         (["--timeout-s", "inf"], "--timeout-s must be"),
         (["--timeout-s", "nan"], "--timeout-s must be"),
+        (["--timeout-s", "1e300"], "at most 86400"),  # subprocess's waits overflowed past a day
     ]
     for argv, message in cases:
         result = runner.invoke(app, ["profile-forward", "--preset", "mlp-tiny", *argv])
