@@ -62,6 +62,11 @@ class DeviceFault(RuntimeError):
         self.timed_out = timed_out
 
 
+class ContextPoisoned(DeviceFault, GpuUnavailable):
+    """``get_device`` on a device an earlier fault poisoned: a fault (as before) that is also no usable GPU, so a
+    caller that says "no GPU here" in one line (the runtime's load, ``gpu_available``) says this too."""
+
+
 def _pycuda():
     try:
         import pycuda.driver as cuda
@@ -623,7 +628,7 @@ def get_device(ordinal: int = 0) -> Device:
     device = _devices[ordinal]
     if device.poisoned:
         # A faulted primary context cannot be recovered in-process; the worker must be replaced.
-        raise DeviceFault("the CUDA context is poisoned by an earlier fault; restart the process", poisoned=True)
+        raise ContextPoisoned("the CUDA context is poisoned by an earlier fault; restart the process", poisoned=True)
     return device
 
 

@@ -383,3 +383,6 @@ def test_a_poisoned_device_is_never_handed_out_again(monkeypatch):
     monkeypatch.setattr(device_module, "_devices", {0: SimpleNamespace(poisoned=True)})
     with pytest.raises(device_module.DeviceFault, match="poisoned by an earlier fault; restart the process"):
         device_module.get_device(0)
+    # Also no usable GPU, for callers that say so in one line (it escaped them as a traceback).
+    said = "the CUDA context is poisoned by an earlier fault; restart the process"
+    assert device_module.gpu_available() == (False, said)
