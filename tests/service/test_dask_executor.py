@@ -716,3 +716,91 @@ def test_a_host_without_gpus_says_at_start_that_jobs_stay_queued(monkeypatch, tm
         assert ex.why_none() == warned[0]
     finally:
         ex.close()
+
+
+@contextlib.contextmanager
+def _scheduler_and_worker(tmp_path, *worker_args: str, delay_s: str = "0.3"):
+    """A `dask scheduler` (allowed-failures 0, as docker/compose.yaml starts it) and a `kernelmill worker` of one fake
+    GPU joining it, as processes; yields (executor of a service using that scheduler, the worker's process)."""
+    import os
+    import subprocess
+    import sys
+
+    stack = contextlib.ExitStack()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}
+    cmd = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+           "--no-dashboard"]  # fmt: skip
+    scheduler = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "KERNELMILL_FAKE_DEVICE": "1", "KERNELMILL_FAKE_DELAY_S": delay_s}
+    env.pop("KERNELMILL_FAKE_CRASH_ON", None)
+    cmd = [sys.executable, "-m", "kernelmill", "worker", "--scheduler", address, "--gpus", "1", *worker_args]
+    log = stack.enter_context((tmp_path / "worker.log").open("w"))  # a pipe left unread would fill and block it
+    worker = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    executor = None
+    try:
+        deadline = time.monotonic() + 60
+        while executor is None or not executor.worker_names():
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+            assert time.monotonic() < deadline, "the worker did not join"
+            with contextlib.suppress(OSError):  # the scheduler not listening yet
+                executor = executor or DaskExecutor(
+                    Settings(database_url=f"sqlite:///{tmp_path}/s.db", scheduler=address, worker_answer_timeout_s=20)
+                )
+            time.sleep(0.2)
+        yield executor, worker
+    finally:
+        if executor is not None:
+            executor.close()
+        for proc in (worker, scheduler):
+            proc.kill()
+            proc.wait(10)
+        stack.close()
+
+
+def _sigterm_once_it_runs(executor, worker) -> None:
+    import signal
+    import threading
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while not any(executor.client.processing().values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.send_signal(signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_sigterm_on_kernelmill_worker_lets_its_batch_in_flight_finish(tmp_path):
+    """`docker stop` sends SIGTERM: `kernelmill worker` died at once, the scheduler took its process for one that
+    crashed, and the service ran the batch again one candidate at a time, as after a kernel that kills its process.
+    Now the batch in flight finishes and is recorded, then the worker closes and exits 0."""
+    with _scheduler_and_worker(tmp_path) as (executor, worker):
+        name = executor.worker_names()[0]
+        batch = Space(get_op("softmax"), "float16").candidates[:4]
+        _sigterm_once_it_runs(executor, worker)
+        results = executor.evaluator(name).evaluate("softmax", (64, 64), "float16", {}, batch)
+        assert all(r.status != "fault" and "died" not in (r.reason or "") for r in results), results
+        assert worker.wait(30) == 0
+        assert "stopped (SIGTERM)" in (tmp_path / "worker.log").read_text()
+
+
+def test_sigterm_past_the_grace_hands_the_batch_back(tmp_path, monkeypatch):
+    """A batch still running when the grace ends is handed back: the job goes back to the queue (WorkerGone), its
+    candidates are not blamed for a death, nor run again one by one."""
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_REJOIN_WAIT_S", 1.0)
+    with _scheduler_and_worker(tmp_path, "--stop-grace", "0", delay_s="1") as (executor, worker):
+        name = executor.worker_names()[0]
+        batch = Space(get_op("softmax"), "float16").candidates[:20]  # 20 s
+        _sigterm_once_it_runs(executor, worker)
+        start = time.monotonic()
+        with pytest.raises(executor_module.WorkerGone, match=f"no process of GPU worker {name} joined"):
+            executor.evaluator(name).evaluate("softmax", (64, 64), "float16", {}, batch)
+        assert time.monotonic() - start < 15
+        assert worker.wait(30) == 0
+        assert "it is handed back" in (tmp_path / "worker.log").read_text()
