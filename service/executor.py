@@ -252,7 +252,7 @@ class DaskEvaluator:
             return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
         except (KilledWorker, WorkerDied, TimeoutError) as exc:  # PyTorch's own op: the worker is at fault, not the job
             self.executor.restart(self.worker)
-            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {_secs(timeout)} s"
             why = f"GPU worker {self.worker} {how} while timing PyTorch's baseline (it was replaced)"
             raise WorkerGone(why) from None
 
@@ -273,7 +273,7 @@ class DaskEvaluator:
             )
         except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung or dead: replaced, as after a batch
             self.executor.restart(self.worker)
-            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {_secs(timeout)} s"
             # This variant's failure (it hung or crashed the process under ncu), not the profiler's: the search
             # goes on to profile its next leader, on the fresh process.
             return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)", "unavailable": False}
@@ -306,7 +306,7 @@ class DaskEvaluator:
             return [TrialResult(c.family, c.params, "fault", why) for c in candidates]
         except TimeoutError:
             self.executor.restart(self.worker)
-            why = f"the worker did not answer within {timeout:.0f} s (it was replaced)"
+            why = f"the worker did not answer within {_secs(timeout)} s (it was replaced)"
             return [TrialResult(c.family, c.params, "timeout", why) for c in candidates]
         if any(r.poisoned for r in results):
             # The CUDA context of that process is unusable: start a fresh worker process.
@@ -416,7 +416,7 @@ class DaskExecutor(_Busy):
             self._revive(worker)
             waited = time.monotonic() - start
             if waited >= timeout:
-                raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {timeout:.0f} s")
+                raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {_secs(timeout)} s")
             if waited >= said + 30:
                 said += 30
                 log.warning("waiting for a process of GPU worker %s to join the scheduler (%d s so far)", worker, said)
@@ -510,7 +510,7 @@ class DaskExecutor(_Busy):
             if time.monotonic() >= deadline:  # raised out of the try: a TimeoutError is an OSError
                 with contextlib.suppress(Exception):  # the scheduler may be gone too
                     future.cancel()
-                raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+                raise TimeoutError(f"GPU worker {worker} did not answer within {_secs(timeout)} s")
 
     def _died_under(self, future: Any) -> bool:
         """Whether ``future``'s task was running on a worker process that died: in the scheduler's transition log
@@ -533,7 +533,7 @@ class DaskExecutor(_Busy):
         except TimeoutError:
             if future.status == "error":  # the task's own TimeoutError
                 raise
-            why = f"the answer of GPU worker {worker} could not be fetched within {_FETCH_S:.0f} s"
+            why = f"the answer of GPU worker {worker} could not be fetched within {_secs(_FETCH_S)} s"
             raise WorkerGone(why) from None
 
     def _submit_or_gone(self, worker: str, fn, *args, timeout: float, gpu: bool) -> tuple[str, Any]:
@@ -617,8 +617,8 @@ class DaskExecutor(_Busy):
             return None
         wait_s = recent[0] + _RESTART_WINDOW_S - now
         return (
-            f"GPU worker {worker} was restarted {len(recent)} times within {_RESTART_WINDOW_S:.0f} s, and answered no "
-            f"task in between: it takes no job for {wait_s:.0f} s, then it is restarted"
+            f"GPU worker {worker} was restarted {len(recent)} times within {_secs(_RESTART_WINDOW_S)} s, and answered "
+            f"no task in between: it takes no job for {_secs(wait_s)} s, then it is restarted"
         )
 
     def restart(self, worker: str) -> None:

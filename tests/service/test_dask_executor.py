@@ -127,7 +127,7 @@ def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(e
     monkeypatch.setattr(executor, "address", real)
     # No process of the worker at all: the worker is gone (the job goes back to the queue), no trial timed out.
     with pytest.raises(
-        executor_module.WorkerGone, match="no process of GPU worker gpu7 joined the scheduler within 0 s"
+        executor_module.WorkerGone, match="no process of GPU worker gpu7 joined the scheduler within 0.3 s"
     ):
         executor.run_on("gpu7", executor_module.task_facts, timeout=0.3)
 
@@ -392,8 +392,9 @@ def test_a_batch_whose_answer_arrives_as_a_poll_ends_is_taken(executor, monkeypa
 
 def test_a_task_past_its_timeout_is_a_timeout_not_a_lost_worker(executor):
     """A worker silent past its timeout is one to replace (DaskEvaluator restarts it and records the batch's
-    timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it."""
-    with pytest.raises(TimeoutError, match="GPU worker gpu0 did not answer within 1 s"):
+    timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it.
+    A timeout under 10 s is said with its tenth (it read "within 1 s" for 0.6 s, "within 0 s" for 0.3 s)."""
+    with pytest.raises(TimeoutError, match="GPU worker gpu0 did not answer within 0.6 s"):
         executor.run_on("gpu0", time.sleep, 5, timeout=0.6)
 
 
@@ -804,3 +805,15 @@ def test_sigterm_past_the_grace_hands_the_batch_back(tmp_path, monkeypatch):
         assert time.monotonic() - start < 15
         assert worker.wait(30) == 0
         assert "it is handed back" in (tmp_path / "worker.log").read_text()
+
+
+def test_a_batch_past_a_timeout_under_10_s_says_it_with_its_tenth(tmp_path):
+    """worker_answer_timeout_s=0.5 was recorded as "did not answer within 0 s"."""
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/t.db", worker_answer_timeout_s=0.5)
+    executor = _Raises(TimeoutError("GPU worker fake-gpu0 did not answer within 0.5 s"), settings)
+    results = executor.evaluator("fake-gpu0").evaluate(*_SOFTMAX, Space(get_op("softmax"), "float16").candidates[:1])
+    assert [(r.status, r.reason) for r in results] == [
+        ("timeout", "the worker did not answer within 0.5 s (it was replaced)")
+    ]
+    profile = executor.evaluator("fake-gpu0").profile(*_SOFTMAX, Space(get_op("softmax"), "float16").candidates[0])
+    assert profile["error"] == "profiling failed: GPU worker fake-gpu0 did not answer within 0.5 s (it was replaced)"
