@@ -276,7 +276,10 @@ class DaskEvaluator:
             how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {_secs(timeout)} s"
             # This variant's failure (it hung or crashed the process under ncu), not the profiler's: the search
             # goes on to profile its next leader, on the fresh process.
-            return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)", "unavailable": False}
+            return {
+                "error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)",
+                "unavailable": False,
+            }
         except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
             return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 
@@ -691,7 +694,10 @@ def _local_cluster(n_gpus: int, fake_device: bool):
         "distributed.deploy.lost-worker-timeout": "3650d",
     })  # fmt: skip
 
-    workers = {f"gpu{i}": _worker_spec(i, "", fake_device) for i in range(n_gpus)}
+    # Named <hostname>-gpu<i>, as `kernelmill worker` names its own: services on two hosts sharing one database
+    # took each other's gpu0 for busy (Store.workers_held) and wrote over each other's devices row.
+    specs = [_worker_spec(i, f"{socket.gethostname()}-", fake_device) for i in range(n_gpus)]
+    workers = {spec["options"]["name"]: spec for spec in specs}
     return SpecCluster(
         workers=workers,
         # The Dask protocol runs code: the built-in scheduler listens on loopback only, with no dashboard
