@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -741,10 +742,32 @@ async def run_workers(scheduler: str, gpus: int | None = None, grace_s: float = 
     if threading.current_thread() is threading.main_thread():  # Python's default for SIGTERM kills at once
         loop.add_signal_handler(signal.SIGTERM, stopping.set)
     try:
-        await asyncio.gather(*(_serve_gpu(scheduler, spec["options"], stopping, grace_s) for spec in specs))
+        served = await asyncio.gather(
+            *(_serve_gpu(scheduler, spec["options"], stopping, grace_s) for spec in specs), return_exceptions=True
+        )
+        failed = [exc for exc in served if isinstance(exc, BaseException)]
+        if unexpected := [exc for exc in failed if not isinstance(exc, GpuWorkerFailed)]:
+            raise unexpected[0]
+        if failed:  # each one was logged as it failed, while the other GPUs' workers ran on
+            raise GpuWorkerFailed("; ".join(map(str, failed)))
     finally:
         if threading.current_thread() is threading.main_thread():
             loop.remove_signal_handler(signal.SIGTERM)
+
+
+class GpuWorkerFailed(RuntimeError):
+    """A GPU's Nanny of `kernelmill worker` failed to start for another reason than its scheduler's connection."""
+
+
+def _start_failure(exc: BaseException) -> str:
+    """Why a Nanny failed to start, in one line: the first cause Dask's "Nanny failed to start." and "Worker failed
+    to start." wrap (the scheduler's refusal, say: "name taken, host-gpu0")."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    said = (str(exc).strip().splitlines() or [""])[0]
+    if refused := re.search(r"'message': '([^']*)'", said):  # the scheduler's answer to the worker's registration
+        said = f"the scheduler refused it: {refused.group(1)}"
+    return said or type(exc).__name__
 
 
 async def _serve_gpu(scheduler: str, options: dict[str, Any], stopping: Any, grace_s: float) -> None:
@@ -764,7 +787,9 @@ async def _serve_gpu(scheduler: str, options: dict[str, Any], stopping: Any, gra
                 await nanny
             except RuntimeError as exc:  # "Nanny failed to start."
                 if not isinstance(exc.__cause__, OSError):  # not the scheduler's connection breaking as it started
-                    raise
+                    why = f"GPU worker {name} failed to start: {_start_failure(exc)}"
+                    log.error("%s; the other GPUs' workers run on", why)
+                    raise GpuWorkerFailed(why) from None
             else:
                 await _first(nanny.finished(), stopping.wait())
                 if stopping.is_set() and nanny.status.name == "running":
@@ -825,6 +850,7 @@ async def _hand_back(nanny: Any) -> None:
 
     if nanny.worker_address is None:
         return
+    nanny.close_gracefully(reason="kernelmill-worker-stopping")  # its process, leaving, is not started again
     with contextlib.suppress(Exception):  # the scheduler gone: nothing to hand back to
         await asyncio.wait_for(
             nanny.scheduler.unregister(

@@ -821,3 +821,48 @@ def test_a_batch_past_a_timeout_under_10_s_says_it_with_its_tenth(tmp_path):
     ]
     profile = executor.evaluator("fake-gpu0").profile(*_SOFTMAX, Space(get_op("softmax"), "float16").candidates[0])
     assert profile["error"] == "profiling failed: GPU worker fake-gpu0 did not answer within 0.5 s (it was replaced)"
+
+
+def test_a_gpu_worker_that_fails_to_start_says_why_and_the_others_run_on(monkeypatch, caplog):
+    """`kernelmill worker` ended for every GPU with only "Nanny failed to start." where one GPU's worker could not
+    start (here the scheduler refuses its name, which a worker of another host of the same name holds)."""
+    import asyncio
+    import logging
+
+    from distributed import Scheduler
+
+    from kernelmill.service.executor import GpuWorkerFailed, run_workers
+
+    monkeypatch.setenv("KERNELMILL_FAKE_DEVICE", "1")
+    refused = f"GPU worker {GPU0} failed to start: the scheduler refused it: name taken, {GPU0}"
+
+    async def registered(scheduler, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(scheduler.workers) < n or scheduler._starting_nannies:
+            assert time.monotonic() < deadline, "no GPU worker joined"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        scheduler = await Scheduler(host="127.0.0.1", port=0, dashboard=False, dashboard_address="127.0.0.1:0")
+        first = asyncio.ensure_future(run_workers(scheduler.address, gpus=1))
+        second = None
+        try:
+            await registered(scheduler, 1)
+            with pytest.raises(GpuWorkerFailed) as failed:  # its only GPU: the command ends, saying why
+                await run_workers(scheduler.address, gpus=1)
+            assert str(failed.value) == refused
+            second = asyncio.ensure_future(run_workers(scheduler.address, gpus=2))
+            await registered(scheduler, 2)  # its gpu1 serves, though its gpu0 was refused
+            assert sorted(w.name for w in scheduler.workers.values()) == [GPU0, GPU1]
+            assert not second.done()
+        finally:
+            for task in (first, second):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, GpuWorkerFailed):
+                        await task
+            await scheduler.close()
+
+    with caplog.at_level(logging.ERROR, logger="kernelmill.service.executor"):
+        asyncio.run(scenario())
+    assert f"{refused}; the other GPUs' workers run on" in caplog.text
