@@ -626,17 +626,26 @@ def serve_log_config() -> dict:
 def worker(
     scheduler: Annotated[str, typer.Option(help="Dask scheduler to join, tcp://HOST:8786")],
     gpus: Annotated[int | None, typer.Option(help="GPUs to serve (default: all visible)")] = None,
+    stop_grace: Annotated[
+        float | None,
+        typer.Option(help="seconds a task in flight may run on after SIGTERM before it is handed back (default 45)"),
+    ] = None,
 ) -> None:
-    """Start one GPU worker process per local GPU, joining an existing scheduler."""
+    """Start one GPU worker process per local GPU, joining an existing scheduler. SIGTERM (`docker stop`) lets
+    each GPU's task in flight finish (within --stop-grace), then closes the workers."""
     import asyncio
+    import math
 
-    from kernelmill.service.executor import run_workers
+    from kernelmill.service.executor import STOP_GRACE_S, run_workers
+
+    if stop_grace is not None and not (math.isfinite(stop_grace) and stop_grace >= 0):
+        raise fail(f"--stop-grace must be a number of seconds, 0 or more, not {stop_grace:g}")
 
     if gpus is not None and gpus < 1:  # bad input first: not after seconds of waiting for the scheduler
         raise fail(f"--gpus must be at least 1, not {gpus}")
     _check_scheduler(scheduler)
     try:
-        asyncio.run(run_workers(scheduler, gpus))
+        asyncio.run(run_workers(scheduler, gpus, STOP_GRACE_S if stop_grace is None else stop_grace))
     except ValueError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except RuntimeError as exc:

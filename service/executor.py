@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -41,6 +42,12 @@ _PROCESS_LOST = ("handle-worker-cleanup-", "check-worker-ttl-")
 _SCHEDULER_ANSWER_S = 10.0
 #: Seconds a GPU worker of `kernelmill worker` that lost its scheduler waits before it joins again.
 _REJOIN_S = 2.0
+#: Seconds `kernelmill worker` lets a GPU task in flight run on after SIGTERM (`docker stop`) before it closes the
+#: worker anyway, handing the task back (docker/compose.yaml's stop_grace_period of 60 s leaves room for the close).
+STOP_GRACE_S = 45.0
+#: The most seconds a task whose worker process left (closed, or replaced) waits for a process of that worker to
+#: join, before its job goes back to the queue: a worker stopped for good never comes back.
+_REJOIN_WAIT_S = 120.0
 #: Seconds between attempts to connect again to a scheduler whose connection closed.
 _RECONNECT_S = 10.0
 #: Restarts of one GPU worker allowed within _RESTART_WINDOW_S seconds with no GPU task of it answered in between
@@ -246,7 +253,7 @@ class DaskEvaluator:
             return self._result(task_baseline, op, list(shape), dtype, dict(attrs), precision, timeout=timeout)
         except (KilledWorker, WorkerDied, TimeoutError) as exc:  # PyTorch's own op: the worker is at fault, not the job
             self.executor.restart(self.worker)
-            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {_secs(timeout)} s"
             why = f"GPU worker {self.worker} {how} while timing PyTorch's baseline (it was replaced)"
             raise WorkerGone(why) from None
 
@@ -267,10 +274,13 @@ class DaskEvaluator:
             )
         except (KilledWorker, WorkerDied, TimeoutError) as exc:  # a process hung or dead: replaced, as after a batch
             self.executor.restart(self.worker)
-            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {timeout:.0f} s"
+            how = "died" if isinstance(exc, KilledWorker | WorkerDied) else f"did not answer within {_secs(timeout)} s"
             # This variant's failure (it hung or crashed the process under ncu), not the profiler's: the search
             # goes on to profile its next leader, on the fresh process.
-            return {"error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)", "unavailable": False}
+            return {
+                "error": f"profiling failed: GPU worker {self.worker} {how} (it was replaced)",
+                "unavailable": False,
+            }
         except Exception as exc:  # noqa: BLE001 - a profile is optional: record why it is missing
             return {"error": f"profiling failed on {self.worker}: {type(exc).__name__}: {exc}"}
 
@@ -300,7 +310,7 @@ class DaskEvaluator:
             return [TrialResult(c.family, c.params, "fault", why) for c in candidates]
         except TimeoutError:
             self.executor.restart(self.worker)
-            why = f"the worker did not answer within {timeout:.0f} s (it was replaced)"
+            why = f"the worker did not answer within {_secs(timeout)} s (it was replaced)"
             return [TrialResult(c.family, c.params, "timeout", why) for c in candidates]
         if any(r.poisoned for r in results):
             # The CUDA context of that process is unusable: start a fresh worker process.
@@ -410,7 +420,7 @@ class DaskExecutor(_Busy):
             self._revive(worker)
             waited = time.monotonic() - start
             if waited >= timeout:
-                raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {timeout:.0f} s")
+                raise TimeoutError(f"no process of GPU worker {worker} joined the scheduler within {_secs(timeout)} s")
             if waited >= said + 30:
                 said += 30
                 log.warning("waiting for a process of GPU worker %s to join the scheduler (%d s so far)", worker, said)
@@ -488,7 +498,7 @@ class DaskExecutor(_Busy):
                 if left:
                     log.info("worker %s left %s before running a task; pinning it to its new process", worker, address)
                     future.cancel()
-                    remaining = max(0.0, deadline - time.monotonic())
+                    remaining = min(max(0.0, deadline - time.monotonic()), _REJOIN_WAIT_S)
                     address, future = self._submit_or_gone(worker, fn, *args, timeout=remaining, gpu=gpu)
                     done = _done_event(future)
                     continue
@@ -504,7 +514,7 @@ class DaskExecutor(_Busy):
             if time.monotonic() >= deadline:  # raised out of the try: a TimeoutError is an OSError
                 with contextlib.suppress(Exception):  # the scheduler may be gone too
                     future.cancel()
-                raise TimeoutError(f"GPU worker {worker} did not answer within {timeout:.0f} s")
+                raise TimeoutError(f"GPU worker {worker} did not answer within {_secs(timeout)} s")
 
     def _died_under(self, future: Any) -> bool:
         """Whether ``future``'s task was running on a worker process that died: in the scheduler's transition log
@@ -527,7 +537,7 @@ class DaskExecutor(_Busy):
         except TimeoutError:
             if future.status == "error":  # the task's own TimeoutError
                 raise
-            why = f"the answer of GPU worker {worker} could not be fetched within {_FETCH_S:.0f} s"
+            why = f"the answer of GPU worker {worker} could not be fetched within {_secs(_FETCH_S)} s"
             raise WorkerGone(why) from None
 
     def _submit_or_gone(self, worker: str, fn, *args, timeout: float, gpu: bool) -> tuple[str, Any]:
@@ -611,8 +621,8 @@ class DaskExecutor(_Busy):
             return None
         wait_s = recent[0] + _RESTART_WINDOW_S - now
         return (
-            f"GPU worker {worker} was restarted {len(recent)} times within {_RESTART_WINDOW_S:.0f} s, and answered no "
-            f"task in between: it takes no job for {wait_s:.0f} s, then it is restarted"
+            f"GPU worker {worker} was restarted {len(recent)} times within {_secs(_RESTART_WINDOW_S)} s, and answered "
+            f"no task in between: it takes no job for {_secs(wait_s)} s, then it is restarted"
         )
 
     def restart(self, worker: str) -> None:
@@ -685,7 +695,10 @@ def _local_cluster(n_gpus: int, fake_device: bool):
         "distributed.deploy.lost-worker-timeout": "3650d",
     })  # fmt: skip
 
-    workers = {f"gpu{i}": _worker_spec(i, "", fake_device) for i in range(n_gpus)}
+    # Named <hostname>-gpu<i>, as `kernelmill worker` names its own: services on two hosts sharing one database
+    # took each other's gpu0 for busy (Store.workers_held) and wrote over each other's devices row.
+    specs = [_worker_spec(i, f"{socket.gethostname()}-", fake_device) for i in range(n_gpus)]
+    workers = {spec["options"]["name"]: spec for spec in specs}
     return SpecCluster(
         workers=workers,
         # The Dask protocol runs code: the built-in scheduler listens on loopback only, with no dashboard
@@ -701,10 +714,13 @@ def _local_cluster(n_gpus: int, fake_device: bool):
     )
 
 
-async def run_workers(scheduler: str, gpus: int | None = None) -> None:
+async def run_workers(scheduler: str, gpus: int | None = None, grace_s: float = STOP_GRACE_S) -> None:
     """``kernelmill worker``: one Nanny per local GPU joining ``scheduler``, and joining it again after it restarts;
-    runs until cancelled."""
+    runs until cancelled, or until SIGTERM (`docker stop`), on which each GPU's task in flight gets up to
+    ``grace_s`` s to finish before its worker closes (a task still running then is handed back to the scheduler,
+    not lost with a dead process)."""
     import asyncio
+    import signal
 
     if gpus is not None and gpus < 1:
         raise ValueError(f"--gpus must be at least 1, not {gpus}")
@@ -721,33 +737,133 @@ async def run_workers(scheduler: str, gpus: int | None = None) -> None:
         raise RuntimeError("pycuda is not installed, so no kernel can run here: pip install 'kernelmill[gpu]'")
     prefix = f"{socket.gethostname()}-"
     specs = [_worker_spec(i, prefix, fake_device=fake_device) for i in range(n)]
-    await asyncio.gather(*(_serve_gpu(scheduler, spec["options"]) for spec in specs))
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():  # Python's default for SIGTERM kills at once
+        loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    try:
+        served = await asyncio.gather(
+            *(_serve_gpu(scheduler, spec["options"], stopping, grace_s) for spec in specs), return_exceptions=True
+        )
+        failed = [exc for exc in served if isinstance(exc, BaseException)]
+        if unexpected := [exc for exc in failed if not isinstance(exc, GpuWorkerFailed)]:
+            raise unexpected[0]
+        if failed:  # each one was logged as it failed, while the other GPUs' workers ran on
+            raise GpuWorkerFailed("; ".join(map(str, failed)))
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            loop.remove_signal_handler(signal.SIGTERM)
 
 
-async def _serve_gpu(scheduler: str, options: dict[str, Any]) -> None:
+class GpuWorkerFailed(RuntimeError):
+    """A GPU's Nanny of `kernelmill worker` failed to start for another reason than its scheduler's connection."""
+
+
+def _start_failure(exc: BaseException) -> str:
+    """Why a Nanny failed to start, in one line: the first cause Dask's "Nanny failed to start." and "Worker failed
+    to start." wrap (the scheduler's refusal, say: "name taken, host-gpu0")."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    said = (str(exc).strip().splitlines() or [""])[0]
+    if refused := re.search(r"'message': '([^']*)'", said):  # the scheduler's answer to the worker's registration
+        said = f"the scheduler refused it: {refused.group(1)}"
+    return said or type(exc).__name__
+
+
+async def _serve_gpu(scheduler: str, options: dict[str, Any], stopping: Any, grace_s: float) -> None:
     """One GPU's Nanny, started again whenever it closes: Dask's workers close when their scheduler's connection
     breaks (a scheduler restarted), and do not reconnect; a Nanny started while the scheduler is away waits for it.
-    Ends when cancelled (Ctrl-C), closing the Nanny."""
+    Ends when cancelled (Ctrl-C), closing the Nanny, or once ``stopping`` is set, closing it after its task in
+    flight (``_drain``)."""
     import asyncio
 
     from distributed import Nanny
 
-    while True:
+    name = options["name"]
+    while not stopping.is_set():
         nanny = Nanny(scheduler, **options)
         try:
             try:
                 await nanny
             except RuntimeError as exc:  # "Nanny failed to start."
                 if not isinstance(exc.__cause__, OSError):  # not the scheduler's connection breaking as it started
-                    raise
+                    why = f"GPU worker {name} failed to start: {_start_failure(exc)}"
+                    log.error("%s; the other GPUs' workers run on", why)
+                    raise GpuWorkerFailed(why) from None
             else:
-                await nanny.finished()
+                await _first(nanny.finished(), stopping.wait())
+                if stopping.is_set() and nanny.status.name == "running":
+                    await _drain(nanny, name, grace_s)
+                    await _hand_back(nanny)
         finally:
-            if nanny.status.name not in ("closed", "failed"):  # cancelled: the worker process goes with it
+            if nanny.status.name not in ("closed", "failed"):  # cancelled or stopping: the worker process goes with it
                 await asyncio.shield(nanny.close(reason="kernelmill-worker-stopping"))
-        name = options["name"]
+        if stopping.is_set():
+            log.warning("GPU worker %s stopped (SIGTERM)", name)
+            return
         log.warning("GPU worker %s lost the scheduler at %s; it joins again once that is back", name, scheduler)
-        await asyncio.sleep(_REJOIN_S)
+        await _first(asyncio.sleep(_REJOIN_S), stopping.wait())
+
+
+async def _first(*aws: Any) -> None:
+    """Wait until the first of ``aws`` is done; the others are cancelled."""
+    import asyncio
+
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _drain(nanny: Any, name: str, grace_s: float) -> None:
+    """Wait up to ``grace_s`` s until the scheduler lists no task running on ``nanny``'s worker process and no result
+    held there that its client has not fetched yet: closed then, its last batch is recorded, not re-run."""
+    import asyncio
+
+    address = nanny.worker_address
+    deadline = time.monotonic() + grace_s
+    said = False
+    while address is not None:
+        try:
+            running = await asyncio.wait_for(nanny.scheduler.processing(workers=[address]), _SCHEDULER_ANSWER_S)
+            held = await asyncio.wait_for(nanny.scheduler.has_what(workers=[address]), _SCHEDULER_ANSWER_S)
+        except Exception:  # noqa: BLE001 - the scheduler gone, or the process left it: nothing left to wait for
+            return
+        if not running.get(address) and not held.get(address):
+            return
+        if time.monotonic() >= deadline:
+            log.warning("GPU worker %s still ran a task %s s after SIGTERM: it is handed back", name, _secs(grace_s))
+            return
+        if not said:
+            log.warning("GPU worker %s stops once its task in flight ends (at most %s s)", name, _secs(grace_s))
+            said = True
+        await asyncio.sleep(0.1)
+
+
+async def _hand_back(nanny: Any) -> None:
+    """Take ``nanny``'s worker process off the scheduler as one leaving on purpose: a task still on it (past the
+    grace, or sent as the drain ended) goes back to waiting, not to a KilledWorker as from a process that died, and
+    the service queues its job again (run_on) instead of re-running its batch one candidate at a time."""
+    import asyncio
+
+    if nanny.worker_address is None:
+        return
+    nanny.close_gracefully(reason="kernelmill-worker-stopping")  # its process, leaving, is not started again
+    with contextlib.suppress(Exception):  # the scheduler gone: nothing to hand back to
+        await asyncio.wait_for(
+            nanny.scheduler.unregister(
+                address=nanny.worker_address, stimulus_id=f"kernelmill-worker-stopping-{time.time()}", expected=True,
+                close=False,
+            ),
+            _SCHEDULER_ANSWER_S,
+        )  # fmt: skip
+
+
+def _secs(seconds: float) -> str:
+    """A duration as a message says it: one decimal under 10 s (0.5, not 0), whole seconds above."""
+    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
 
 
 def make_executor(settings: Settings) -> Executor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -43,7 +44,8 @@ def test_two_jobs_run_concurrently_on_two_gpus(tmp_path):
             time.sleep(0.2)
     assert all(j["state"] == "done" for j in jobs), jobs
     assert seen_both_running
-    assert {j["worker"] for j in jobs} == {"gpu0", "gpu1"}
+    host = socket.gethostname()  # the local cluster names its workers <hostname>-gpu<i>
+    assert {j["worker"] for j in jobs} == {f"{host}-gpu0", f"{host}-gpu1"}
     # Overlapping lifetimes: each started before the other finished.
     a, b = jobs
     assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]

@@ -21,6 +21,9 @@ from kernelmill.service.executor import (
 from kernelmill.service.jobs import JobRunner
 from kernelmill.settings import Settings
 
+#: The local cluster's GPU workers, named as `kernelmill worker` names its own: <hostname>-gpu<i>.
+GPU0, GPU1 = f"{socket.gethostname()}-gpu0", f"{socket.gethostname()}-gpu1"
+
 
 @pytest.fixture
 def crash_family_key(monkeypatch):
@@ -43,9 +46,10 @@ def executor(crash_family_key, tmp_path):
 
 
 def test_workers_pinned_one_per_gpu(executor):
-    assert executor.worker_names() == ["gpu0", "gpu1"]
+    # Named after the host: two services sharing one database took each other's plain gpu0 for their own.
+    assert executor.worker_names() == [GPU0, GPU1]
     facts = {w: executor.facts(w)["name"] for w in executor.worker_names()}
-    assert facts == {"gpu0": "FakeGPU 0", "gpu1": "FakeGPU 1"}  # CUDA_VISIBLE_DEVICES per worker
+    assert facts == {GPU0: "FakeGPU 0", GPU1: "FakeGPU 1"}  # CUDA_VISIBLE_DEVICES per worker
     # The built-in scheduler runs whatever its clients send: it and its HTTP routes listen on loopback only.
     assert executor.cluster.scheduler_address.startswith("tcp://127.0.0.1:")
     http = executor.cluster.scheduler.http_server
@@ -53,7 +57,7 @@ def test_workers_pinned_one_per_gpu(executor):
 
 
 def test_dead_worker_is_replaced_and_batch_recorded_as_fault(executor, crash_family_key):
-    evaluator = executor.evaluator("gpu1")
+    evaluator = executor.evaluator(GPU1)
     ok = Candidate.of(
         crash_family_key.family, {**crash_family_key.params, "fast_exp": not crash_family_key.params["fast_exp"]}
     )
@@ -61,9 +65,9 @@ def test_dead_worker_is_replaced_and_batch_recorded_as_fault(executor, crash_fam
     assert [r.status for r in results] == ["fault"]
     assert "died" in results[0].reason
     deadline = time.monotonic() + 60
-    while "gpu1" not in executor.worker_names() and time.monotonic() < deadline:
+    while GPU1 not in executor.worker_names() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "gpu1" in executor.worker_names()
+    assert GPU1 in executor.worker_names()
     again = evaluator.evaluate("softmax", (64, 64), "float16", {}, [ok])
     assert again[0].status in ("ok", "wrong_result")  # a fresh process answers again
 
@@ -107,9 +111,9 @@ def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(e
     from kernelmill.service import executor as executor_module
 
     monkeypatch.setattr(executor_module, "_POLL_S", 0.2)
-    old = executor.address("gpu1")
-    executor.restart("gpu1")
-    new = executor.address("gpu1", timeout=60)  # the replaced process never again, even while it lingers
+    old = executor.address(GPU1)
+    executor.restart(GPU1)
+    new = executor.address(GPU1, timeout=60)  # the replaced process never again, even while it lingers
     assert new != old and executor.alive(new)
     gone = "tcp://127.0.0.1:9"  # a process that has left (no worker listens there)
     real, first = executor.address, []
@@ -122,19 +126,19 @@ def test_a_task_pinned_to_a_process_that_left_is_pinned_to_the_workers_new_one(e
 
     monkeypatch.setattr(executor, "address", stale_once)
     with caplog.at_level(logging.INFO, logger="kernelmill.service.executor"):
-        facts = executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)
-    assert facts["name"] == "FakeGPU 1" and f"worker gpu1 left {gone} before running a task" in caplog.text
+        facts = executor.run_on(GPU1, executor_module.task_facts, timeout=30, gpu=False)
+    assert facts["name"] == "FakeGPU 1" and f"worker {GPU1} left {gone} before running a task" in caplog.text
     monkeypatch.setattr(executor, "address", real)
     # No process of the worker at all: the worker is gone (the job goes back to the queue), no trial timed out.
     with pytest.raises(
-        executor_module.WorkerGone, match="no process of GPU worker gpu7 joined the scheduler within 0 s"
+        executor_module.WorkerGone, match="no process of GPU worker gpu7 joined the scheduler within 0.3 s"
     ):
         executor.run_on("gpu7", executor_module.task_facts, timeout=0.3)
 
 
 def test_a_batch_that_kills_its_worker_is_evaluated_again_one_by_one(executor, crash_family_key):
     """Which candidate killed the process is not known: only that one is recorded as the fault."""
-    evaluator = executor.evaluator("gpu0")
+    evaluator = executor.evaluator(GPU0)
     space = Space(get_op("softmax"), "float16")
     others = [c for c in space.candidates[:8] if c != crash_family_key][:2]
     results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [others[0], crash_family_key, others[1]])
@@ -167,15 +171,15 @@ def test_a_task_cancelled_under_it_is_a_lost_worker_not_a_failed_trial(executor,
             time.sleep(0.05)
 
     threading.Thread(target=cancel_once_it_runs, daemon=True).start()
-    with pytest.raises(executor_module.WorkerGone, match="lost the scheduler while GPU worker gpu0 ran a task"):
-        executor.run_on("gpu0", time.sleep, 30, timeout=20)
+    with pytest.raises(executor_module.WorkerGone, match=f"lost the scheduler while GPU worker {GPU0} ran a task"):
+        executor.run_on(GPU0, time.sleep, 30, timeout=20)
 
 
 def test_a_closed_connection_to_the_scheduler_is_opened_again(executor):
     """Away longer than its reconnect window, the client closes for good: the service never saw a worker again."""
     executor.settings = executor.settings.model_copy(update={"scheduler": executor.cluster.scheduler_address})
     executor.client.close()
-    assert executor.worker_names() == ["gpu0", "gpu1"]
+    assert executor.worker_names() == [GPU0, GPU1]
     assert executor.client.status == "running"
 
 
@@ -203,15 +207,15 @@ def test_a_scheduler_outage_is_logged_once_and_its_end_once(executor, monkeypatc
         for _ in range(3):
             with pytest.raises(executor_module.WorkerGone, match="did not answer within 0.1 s"):
                 executor._ask_scheduler(never)
-        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+        assert [w.name for w in executor.workers()] == [GPU0, GPU1]
         executor.client.close()  # then gone: the connection closed, and connecting again fails
         with monkeypatch.context() as refused:
             refused.setattr(distributed, "Client", unreachable)
             for _ in range(3):
                 assert executor.workers() == []
             assert executor.why_none().startswith(f"the scheduler at {address} ")
-        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
-        assert [w.name for w in executor.workers()] == ["gpu0", "gpu1"]
+        assert [w.name for w in executor.workers()] == [GPU0, GPU1]
+        assert [w.name for w in executor.workers()] == [GPU0, GPU1]
     said = [r.getMessage() for r in caplog.records if r.name == "kernelmill.service.executor"]
     assert said == [
         f"the scheduler at {address} did not answer within 0.1 s; said once until it answers again",
@@ -245,19 +249,19 @@ def test_two_restarts_in_a_row_keep_the_workers_nanny(tmp_path):
         stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": f"{check_at:g}s"}))
         executor = DaskExecutor(Settings(database_url=f"sqlite:///{tmp_path}/r.db"), gpus=1, fake_device=True)
         stack.callback(executor.close)
-        nanny = executor.cluster.workers["gpu0"]
-        executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu0", timeout=60)])
+        nanny = executor.cluster.workers[GPU0]
+        executor.client.run(_linger_at_exit, 60, workers=[executor.address(GPU0, timeout=60)])
         start = time.monotonic()
-        executor.restart("gpu0")  # returns once the new process has joined; the old one lingers ~4 s (then killed)
+        executor.restart(GPU0)  # returns once the new process has joined; the old one lingers ~4 s (then killed)
         assert time.monotonic() - start > check_at, "the first restart ended before the check it is meant to straddle"
-        executor.client.run(_linger_at_exit, 60, workers=[executor.address("gpu0", timeout=60)])
+        executor.client.run(_linger_at_exit, 60, workers=[executor.address(GPU0, timeout=60)])
         start = time.monotonic()
-        executor.restart("gpu0")  # right after the first: its check falls while this one's process is away too
+        executor.restart(GPU0)  # right after the first: its check falls while this one's process is away too
         assert time.monotonic() - start > check_at, "the second restart ended before the check it is meant to straddle"
-        facts = executor.run_on("gpu0", executor_module.task_facts, timeout=60, gpu=False)
+        facts = executor.run_on(GPU0, executor_module.task_facts, timeout=60, gpu=False)
         assert facts["name"] == "FakeGPU 0"
-        assert executor.cluster.workers["gpu0"] is nanny  # the same nanny throughout, not one started again
-        assert executor.worker_names() == ["gpu0"]
+        assert executor.cluster.workers[GPU0] is nanny  # the same nanny throughout, not one started again
+        assert executor.worker_names() == [GPU0]
 
 
 @pytest.mark.parametrize("first", ["task", "restart", "listing"])
@@ -269,22 +273,22 @@ def test_a_gpu_workers_nanny_that_closed_is_started_again(executor, caplog, firs
 
     from kernelmill.service import executor as executor_module
 
-    nanny = executor.cluster.workers.pop("gpu1")  # as SpecCluster drops a worker it believes lost
+    nanny = executor.cluster.workers.pop(GPU1)  # as SpecCluster drops a worker it believes lost
     executor.cluster.sync(nanny.close)
-    assert "gpu1" not in executor.worker_names()
+    assert GPU1 not in executor.worker_names()
     with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
         if first == "restart":
-            executor.restart("gpu1")
-            assert "no process of worker gpu1 to restart" in caplog.text
+            executor.restart(GPU1)
+            assert f"no process of worker {GPU1} to restart" in caplog.text
         elif first == "listing":
             deadline = time.monotonic() + 60
-            while "gpu1" not in [w.name for w in executor.workers()]:
-                assert time.monotonic() < deadline, "the listing never brought gpu1 back"
+            while GPU1 not in [w.name for w in executor.workers()]:
+                assert time.monotonic() < deadline, f"the listing never brought {GPU1} back"
                 time.sleep(0.2)
-        facts = executor.run_on("gpu1", executor_module.task_facts, timeout=60, gpu=False)
+        facts = executor.run_on(GPU1, executor_module.task_facts, timeout=60, gpu=False)
     assert facts["name"] == "FakeGPU 1"
-    assert "the nanny of GPU worker gpu1 had closed; starting it again" in caplog.text
-    assert executor.worker_names() == ["gpu0", "gpu1"]
+    assert f"the nanny of GPU worker {GPU1} had closed; starting it again" in caplog.text
+    assert executor.worker_names() == [GPU0, GPU1]
 
 
 def test_a_worker_restarted_too_often_takes_no_job_until_it_may_be_restarted_again(executor, monkeypatch, caplog):
@@ -305,26 +309,26 @@ def test_a_worker_restarted_too_often_takes_no_job_until_it_may_be_restarted_aga
 
     monkeypatch.setattr(executor.client, "restart_workers", restart_workers)
     with caplog.at_level(logging.WARNING, logger="kernelmill.service.executor"):
-        executor.restart("gpu1")
-        executor.run_on("gpu1", time.sleep, 0, timeout=30)  # a GPU task answered: that restart did its work
-        for worker in ("gpu0", "gpu0", "gpu1", "gpu1", "gpu1"):
+        executor.restart(GPU1)
+        executor.run_on(GPU1, time.sleep, 0, timeout=30)  # a GPU task answered: that restart did its work
+        for worker in (GPU0, GPU0, GPU1, GPU1, GPU1):
             executor.restart(worker)
-    assert restarted == ["gpu1", "gpu0", "gpu1"]
+    assert restarted == [GPU1, GPU0, GPU1]
     refused = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert refused == [  # said once a refusal, not at each call
         f"GPU worker {w} was restarted 1 times within 600 s, and answered no task in between: it takes no job for"
         " 600 s, then it is restarted"
-        for w in ("gpu0", "gpu1")
+        for w in (GPU0, GPU1)
     ]
     assert executor.workers() == []
     assert executor.why_none() == "; ".join(refused)
-    with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu1 was restarted 1 times within 600 s"):
-        executor.run_on("gpu1", time.sleep, 0, timeout=30)
-    assert restarted == ["gpu1", "gpu0", "gpu1"]
-    executor._restarts["gpu1"] = [time.monotonic() - 600]  # the window has passed for gpu1
-    assert [w.name for w in executor.workers()] == ["gpu1"]
-    assert executor.run_on("gpu1", executor_module.task_facts, timeout=30, gpu=False)["name"] == "FakeGPU 1"
-    assert restarted == ["gpu1", "gpu0", "gpu1", "gpu1"]  # the restart it was owed, before its task
+    with pytest.raises(executor_module.WorkerGone, match=f"GPU worker {GPU1} was restarted 1 times within 600 s"):
+        executor.run_on(GPU1, time.sleep, 0, timeout=30)
+    assert restarted == [GPU1, GPU0, GPU1]
+    executor._restarts[GPU1] = [time.monotonic() - 600]  # the window has passed for gpu1
+    assert [w.name for w in executor.workers()] == [GPU1]
+    assert executor.run_on(GPU1, executor_module.task_facts, timeout=30, gpu=False)["name"] == "FakeGPU 1"
+    assert restarted == [GPU1, GPU0, GPU1, GPU1]  # the restart it was owed, before its task
 
 
 def test_two_local_clusters_on_one_host_do_not_fight_over_port_8787():
@@ -385,16 +389,17 @@ def test_a_batch_whose_answer_arrives_as_a_poll_ends_is_taken(executor, monkeypa
 
     monkeypatch.setattr(executor.client, "_gather", slow_gather)
     batch = [(c.family, c.params_json) for c in Space(get_op("softmax"), "float16").candidates[:4]]
-    results = executor.run_on("gpu0", executor_module.task_evaluate, "softmax", [64, 64], "float16", {}, batch,
+    results = executor.run_on(GPU0, executor_module.task_evaluate, "softmax", [64, 64], "float16", {}, batch,
                               timeout=60)  # fmt: skip
     assert [(r.family, r.params) for r in results] == [(f, json.loads(p)) for f, p in batch]
 
 
 def test_a_task_past_its_timeout_is_a_timeout_not_a_lost_worker(executor):
     """A worker silent past its timeout is one to replace (DaskEvaluator restarts it and records the batch's
-    timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it."""
-    with pytest.raises(TimeoutError, match="GPU worker gpu0 did not answer within 1 s"):
-        executor.run_on("gpu0", time.sleep, 5, timeout=0.6)
+    timeout), not a lost scheduler: a TimeoutError is an OSError, and the scheduler's handler must not take it.
+    A timeout under 10 s is said with its tenth (it read "within 1 s" for 0.6 s, "within 0 s" for 0.3 s)."""
+    with pytest.raises(TimeoutError, match=f"GPU worker {GPU0} did not answer within 0.6 s"):
+        executor.run_on(GPU0, time.sleep, 5, timeout=0.6)
 
 
 @pytest.mark.parametrize("own_scheduler", [False, True])
@@ -416,8 +421,8 @@ def test_a_task_running_as_the_service_closes_the_executor_is_a_lost_worker(exec
         return real_alive(address)
 
     monkeypatch.setattr(executor, "alive", close_then_look)
-    with pytest.raises(executor_module.WorkerGone, match="GPU worker gpu0"):
-        executor.run_on("gpu0", time.sleep, 30, timeout=20)
+    with pytest.raises(executor_module.WorkerGone, match=f"GPU worker {GPU0}"):
+        executor.run_on(GPU0, time.sleep, 30, timeout=20)
     assert executor.client is closed[0]  # no new connection after the close
 
 
@@ -609,7 +614,7 @@ def test_a_batch_that_kills_its_worker_is_not_run_again_where_the_scheduler_retr
     again, until worker_answer_timeout_s; then every candidate of the batch was recorded as a timeout."""
     executor.cluster.scheduler.allowed_failures = 3  # Dask's default
     executor.settings = executor.settings.model_copy(update={"worker_answer_timeout_s": 20})
-    evaluator = executor.evaluator("gpu0")
+    evaluator = executor.evaluator(GPU0)
     space = Space(get_op("softmax"), "float16")
     other = next(c for c in space.candidates[:8] if c != crash_family_key)
     results = evaluator.evaluate("softmax", (64, 64), "float16", {}, [crash_family_key, other])
@@ -716,3 +721,148 @@ def test_a_host_without_gpus_says_at_start_that_jobs_stay_queued(monkeypatch, tm
         assert ex.why_none() == warned[0]
     finally:
         ex.close()
+
+
+@contextlib.contextmanager
+def _scheduler_and_worker(tmp_path, *worker_args: str, delay_s: str = "0.3"):
+    """A `dask scheduler` (allowed-failures 0, as docker/compose.yaml starts it) and a `kernelmill worker` of one fake
+    GPU joining it, as processes; yields (executor of a service using that scheduler, the worker's process)."""
+    import os
+    import subprocess
+    import sys
+
+    stack = contextlib.ExitStack()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}
+    cmd = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+           "--no-dashboard"]  # fmt: skip
+    scheduler = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "KERNELMILL_FAKE_DEVICE": "1", "KERNELMILL_FAKE_DELAY_S": delay_s}
+    env.pop("KERNELMILL_FAKE_CRASH_ON", None)
+    cmd = [sys.executable, "-m", "kernelmill", "worker", "--scheduler", address, "--gpus", "1", *worker_args]
+    log = stack.enter_context((tmp_path / "worker.log").open("w"))  # a pipe left unread would fill and block it
+    worker = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    executor = None
+    try:
+        deadline = time.monotonic() + 60
+        while executor is None or not executor.worker_names():
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+            assert time.monotonic() < deadline, "the worker did not join"
+            with contextlib.suppress(OSError):  # the scheduler not listening yet
+                executor = executor or DaskExecutor(
+                    Settings(database_url=f"sqlite:///{tmp_path}/s.db", scheduler=address, worker_answer_timeout_s=20)
+                )
+            time.sleep(0.2)
+        yield executor, worker
+    finally:
+        if executor is not None:
+            executor.close()
+        for proc in (worker, scheduler):
+            proc.kill()
+            proc.wait(10)
+        stack.close()
+
+
+def _sigterm_once_it_runs(executor, worker) -> None:
+    import signal
+    import threading
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while not any(executor.client.processing().values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.send_signal(signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_sigterm_on_kernelmill_worker_lets_its_batch_in_flight_finish(tmp_path):
+    """`docker stop` sends SIGTERM: `kernelmill worker` died at once, the scheduler took its process for one that
+    crashed, and the service ran the batch again one candidate at a time, as after a kernel that kills its process.
+    Now the batch in flight finishes and is recorded, then the worker closes and exits 0."""
+    with _scheduler_and_worker(tmp_path) as (executor, worker):
+        name = executor.worker_names()[0]
+        batch = Space(get_op("softmax"), "float16").candidates[:4]
+        _sigterm_once_it_runs(executor, worker)
+        results = executor.evaluator(name).evaluate("softmax", (64, 64), "float16", {}, batch)
+        assert all(r.status != "fault" and "died" not in (r.reason or "") for r in results), results
+        assert worker.wait(30) == 0
+        assert "stopped (SIGTERM)" in (tmp_path / "worker.log").read_text()
+
+
+def test_sigterm_past_the_grace_hands_the_batch_back(tmp_path, monkeypatch):
+    """A batch still running when the grace ends is handed back: the job goes back to the queue (WorkerGone), its
+    candidates are not blamed for a death, nor run again one by one."""
+    from kernelmill.service import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "_REJOIN_WAIT_S", 1.0)
+    with _scheduler_and_worker(tmp_path, "--stop-grace", "0", delay_s="1") as (executor, worker):
+        name = executor.worker_names()[0]
+        batch = Space(get_op("softmax"), "float16").candidates[:20]  # 20 s
+        _sigterm_once_it_runs(executor, worker)
+        start = time.monotonic()
+        with pytest.raises(executor_module.WorkerGone, match=f"no process of GPU worker {name} joined"):
+            executor.evaluator(name).evaluate("softmax", (64, 64), "float16", {}, batch)
+        assert time.monotonic() - start < 15
+        assert worker.wait(30) == 0
+        assert "it is handed back" in (tmp_path / "worker.log").read_text()
+
+
+def test_a_batch_past_a_timeout_under_10_s_says_it_with_its_tenth(tmp_path):
+    """worker_answer_timeout_s=0.5 was recorded as "did not answer within 0 s"."""
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/t.db", worker_answer_timeout_s=0.5)
+    executor = _Raises(TimeoutError("GPU worker fake-gpu0 did not answer within 0.5 s"), settings)
+    results = executor.evaluator("fake-gpu0").evaluate(*_SOFTMAX, Space(get_op("softmax"), "float16").candidates[:1])
+    assert [(r.status, r.reason) for r in results] == [
+        ("timeout", "the worker did not answer within 0.5 s (it was replaced)")
+    ]
+    profile = executor.evaluator("fake-gpu0").profile(*_SOFTMAX, Space(get_op("softmax"), "float16").candidates[0])
+    assert profile["error"] == "profiling failed: GPU worker fake-gpu0 did not answer within 0.5 s (it was replaced)"
+
+
+def test_a_gpu_worker_that_fails_to_start_says_why_and_the_others_run_on(monkeypatch, caplog):
+    """`kernelmill worker` ended for every GPU with only "Nanny failed to start." where one GPU's worker could not
+    start (here the scheduler refuses its name, which a worker of another host of the same name holds)."""
+    import asyncio
+    import logging
+
+    from distributed import Scheduler
+
+    from kernelmill.service.executor import GpuWorkerFailed, run_workers
+
+    monkeypatch.setenv("KERNELMILL_FAKE_DEVICE", "1")
+    refused = f"GPU worker {GPU0} failed to start: the scheduler refused it: name taken, {GPU0}"
+
+    async def registered(scheduler, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(scheduler.workers) < n or scheduler._starting_nannies:
+            assert time.monotonic() < deadline, "no GPU worker joined"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        scheduler = await Scheduler(host="127.0.0.1", port=0, dashboard=False, dashboard_address="127.0.0.1:0")
+        first = asyncio.ensure_future(run_workers(scheduler.address, gpus=1))
+        second = None
+        try:
+            await registered(scheduler, 1)
+            with pytest.raises(GpuWorkerFailed) as failed:  # its only GPU: the command ends, saying why
+                await run_workers(scheduler.address, gpus=1)
+            assert str(failed.value) == refused
+            second = asyncio.ensure_future(run_workers(scheduler.address, gpus=2))
+            await registered(scheduler, 2)  # its gpu1 serves, though its gpu0 was refused
+            assert sorted(w.name for w in scheduler.workers.values()) == [GPU0, GPU1]
+            assert not second.done()
+        finally:
+            for task in (first, second):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, GpuWorkerFailed):
+                        await task
+            await scheduler.close()
+
+    with caplog.at_level(logging.ERROR, logger="kernelmill.service.executor"):
+        asyncio.run(scenario())
+    assert f"{refused}; the other GPUs' workers run on" in caplog.text

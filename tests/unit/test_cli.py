@@ -238,6 +238,15 @@ def test_worker_refuses_a_gpu_count_below_one_and_a_host_without_gpus(monkeypatc
     assert more.exit_code == 2 and "--gpus 4: this host has 2 (counted by nvidia-smi)" in more.output, more.output
 
 
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf"])
+def test_worker_refuses_a_stop_grace_that_is_no_duration(monkeypatch, grace):
+    from kernelmill import cli
+
+    monkeypatch.setattr(cli, "_check_scheduler", lambda address: pytest.fail("the scheduler was checked first"))
+    bad = runner.invoke(app, ["worker", "--scheduler", "tcp://127.0.0.1:1", "--stop-grace", grace])
+    assert bad.exit_code == 2 and "--stop-grace must be a number of seconds, 0 or more" in bad.output, bad.output
+
+
 def test_a_scheduler_that_starts_within_the_wait_is_reached(monkeypatch):
     import threading
 
