@@ -631,8 +631,9 @@ def worker(
         typer.Option(help="seconds a task in flight may run on after SIGTERM before it is handed back (default 45)"),
     ] = None,
 ) -> None:
-    """Start one GPU worker process per local GPU, joining an existing scheduler. SIGTERM (`docker stop`) lets
-    each GPU's task in flight finish (within --stop-grace), then closes the workers."""
+    """Start one GPU worker process per local GPU, joining an existing scheduler.
+
+    SIGTERM (`docker stop`) lets each GPU's task in flight finish (within --stop-grace), then closes the workers."""
     import asyncio
     import math
 
