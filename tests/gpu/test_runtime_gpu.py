@@ -57,6 +57,8 @@ def bert(tmp_path_factory):
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("float16", 1e-2), ("bfloat16", 3e-2)])
 def test_bert_matches_transformers(bert, registry, dtype, tol):
+    from tests.runtime.bert import hf_hidden
+
     path, ref_model = bert
     model = runtime.load_model(path, device="cuda", dtype=dtype, registry=registry)
     rng = np.random.default_rng(1)
@@ -64,12 +66,7 @@ def test_bert_matches_transformers(bert, registry, dtype, tol):
     mask = np.ones((3, 37), dtype=np.int64)
     mask[2, 25:] = 0
     types = rng.integers(0, 2, size=(3, 37))
-    with torch.no_grad():
-        ref = ref_model(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            token_type_ids=torch.from_numpy(types),
-        ).last_hidden_state.numpy()
+    ref = hf_hidden(ref_model, ids, mask, types)
     graphs = _has_cuda_bindings()  # the gpu extra's: graphs need it
     for call in range(3):  # plain launches, then graph capture + replays
         out = model.forward(ids, attention_mask=mask, token_type_ids=types)

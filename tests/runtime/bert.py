@@ -1,5 +1,6 @@
 """A small random-config HuggingFace BERT saved to a folder: the reference model of the runtime tests."""
 
+import numpy as np
 import torch
 import transformers
 
@@ -25,3 +26,11 @@ def small_bert(tmp_path, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(tmp_path)
     return model
+
+
+def hf_hidden(model, ids: np.ndarray, mask: np.ndarray | None = None, types: np.ndarray | None = None) -> np.ndarray:
+    """transformers' last hidden state for NumPy ids (with an attention mask and token types where given)."""
+    given = {"attention_mask": mask, "token_type_ids": types}
+    kwargs = {name: torch.from_numpy(value) for name, value in given.items() if value is not None}
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids), **kwargs).last_hidden_state.numpy()

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kernelmill import runtime  # noqa: E402
-from tests.runtime.bert import small_bert  # noqa: E402
+from tests.runtime.bert import hf_hidden, small_bert  # noqa: E402
 
 
 def rel_err(out, ref) -> float:
@@ -40,12 +40,7 @@ def test_bert_last_hidden_state_matches_transformers(bert_dir):
     types = rng.integers(0, 2, size=(3, 17))
     out = model.forward(ids, attention_mask=mask, token_type_ids=types)
     assert isinstance(out, runtime.Tensor) and out.shape == (3, 17, 96) and out.dtype == "float32"
-    with torch.no_grad():
-        ref = ref_model(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            token_type_ids=torch.from_numpy(types),
-        ).last_hidden_state.numpy()
+    ref = hf_hidden(ref_model, ids, mask, types)
     assert rel_err(out.numpy(), ref) < 1e-4
     # Padded positions are computed too (HF computes them); compare the unpadded ones exactly as well.
     assert rel_err(out.numpy()[1, :11], ref[1, :11]) < 1e-4
@@ -1177,12 +1172,7 @@ def test_bert_padded_batches_match_transformers(bert_dir, lengths):
     mask = (np.arange(seq)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
     types = rng.integers(0, 2, size=ids.shape)
     out = model.forward(ids, attention_mask=mask, token_type_ids=types).numpy()
-    with torch.no_grad():
-        ref = ref_model(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            token_type_ids=torch.from_numpy(types),
-        ).last_hidden_state.numpy()
+    ref = hf_hidden(ref_model, ids, mask, types)
     assert np.isfinite(out).all()
     for row, length in enumerate(lengths):  # each sequence on its own: a short one is not drowned by the rest
         if length:
